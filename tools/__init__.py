@@ -1,0 +1,1 @@
+"""The shardledger command line, stub generator, benchmarks and fault harnesses."""
