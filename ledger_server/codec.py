@@ -1,0 +1,194 @@
+"""The one translation between protobuf messages and domain events."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from ledger_server.errors import InvalidEvent
+from ledger_server.events import (
+    ArtifactCommitted,
+    ArtifactVerified,
+    AttemptFailed,
+    AttemptStarted,
+    CheckpointSaved,
+    Event,
+    Heartbeat,
+    Payload,
+    RecordedEvent,
+    ShardPlanned,
+)
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+
+_TAGS: Final = {
+    pb.FAILURE_TAG_OOM: "oom",
+    pb.FAILURE_TAG_TIMEOUT: "timeout",
+    pb.FAILURE_TAG_KILLED: "killed",
+    pb.FAILURE_TAG_PREEMPTED: "preempted",
+    pb.FAILURE_TAG_NCCL: "nccl",
+    pb.FAILURE_TAG_DATA: "data",
+    pb.FAILURE_TAG_INCOMPLETE: "incomplete",
+    pb.FAILURE_TAG_UNKNOWN: "unknown",
+}
+_TAG_VALUES: Final = {v: k for k, v in _TAGS.items()}
+_RESULTS: Final = {pb.VERIFICATION_RESULT_PASSED: "passed", pb.VERIFICATION_RESULT_FAILED: "failed"}
+_RESULT_VALUES: Final = {v: k for k, v in _RESULTS.items()}
+OUTCOMES: Final = {
+    "appended": pb.APPEND_OUTCOME_APPENDED,
+    "duplicate": pb.APPEND_OUTCOME_DUPLICATE,
+    "already_planned": pb.APPEND_OUTCOME_ALREADY_PLANNED,
+}
+
+
+def timestamp_us(ts: Timestamp) -> int:
+    """Returns a Timestamp as microseconds since the epoch."""
+    return ts.seconds * 1_000_000 + ts.nanos // 1000
+
+
+def us_timestamp(us: int) -> Timestamp:
+    """Returns microseconds since the epoch as a Timestamp."""
+    return Timestamp(seconds=us // 1_000_000, nanos=(us % 1_000_000) * 1000)
+
+
+def _duration_us(d: Duration) -> int:
+    return d.seconds * 1_000_000 + d.nanos // 1000
+
+
+def _decode_payload(msg: pb.ShardEvent) -> Payload:
+    case = msg.WhichOneof("payload")
+    if case == "planned":
+        p = msg.planned
+        return ShardPlanned(
+            input_ref=p.input_ref,
+            input_bytes=p.input_bytes,
+            input_blake3=p.input_blake3,
+            params_json=p.params_json,
+            expected_outputs=tuple(p.expected_outputs),
+            plan_line=p.plan_line,
+            plan_index=p.plan_index,
+        )
+    if case == "started":
+        s = msg.started
+        return AttemptStarted(
+            host=s.host,
+            pid=s.pid,
+            heartbeat_timeout_us=_duration_us(s.heartbeat_timeout),
+            fingerprint=dict(sorted(s.fingerprint.items())),
+            fingerprint_digest=s.fingerprint_digest,
+        )
+    if case == "heartbeat":
+        h = msg.heartbeat
+        return Heartbeat(step=h.step, progress=h.progress, metrics=dict(sorted(h.metrics.items())))
+    if case == "checkpoint":
+        c = msg.checkpoint
+        return CheckpointSaved(step=c.step, path=c.path, size_bytes=c.size_bytes, blake3_hex=c.blake3_hex)
+    if case == "artifact_committed":
+        a = msg.artifact_committed
+        return ArtifactCommitted(
+            name=a.name, path=a.path, size_bytes=a.size_bytes, blake3_hex=a.blake3_hex, media_type=a.media_type
+        )
+    if case == "verified":
+        v = msg.verified
+        if v.result not in _RESULTS:
+            raise InvalidEvent("verified.result", "must be PASSED or FAILED")
+        return ArtifactVerified(
+            name=v.name,
+            path=v.path,
+            blake3_hex=v.blake3_hex,
+            result=_RESULTS[v.result],
+            reason=v.reason,
+            detail=v.detail,
+        )
+    if case == "failed":
+        f = msg.failed
+        if f.tag not in _TAGS:
+            raise InvalidEvent("failed.tag", "must be a known FailureTag other than UNSPECIFIED")
+        return AttemptFailed(tag=_TAGS[f.tag], message=f.message)
+    raise InvalidEvent("payload", "exactly one payload kind must be set")
+
+
+def decode_event(msg: pb.ShardEvent) -> Event:
+    """Returns the domain event a client sent (server-assigned fields are ignored)."""
+    return Event(
+        event_id=msg.event_id,
+        namespace=msg.namespace,
+        run_id=msg.run_id,
+        shard_id=msg.shard_id,
+        attempt_id=msg.attempt_id,
+        client_time_us=timestamp_us(msg.client_time) if msg.HasField("client_time") else 0,
+        payload=_decode_payload(msg),
+    )
+
+
+def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEvent:
+    """Returns the protobuf form of a domain event (client fields only)."""
+    out = msg if msg is not None else pb.ShardEvent()
+    out.event_id = event.event_id
+    out.namespace = event.namespace
+    out.run_id = event.run_id
+    out.shard_id = event.shard_id
+    out.attempt_id = event.attempt_id
+    if event.client_time_us:
+        out.client_time.CopyFrom(us_timestamp(event.client_time_us))
+    p = event.payload
+    if isinstance(p, ShardPlanned):
+        out.planned.CopyFrom(
+            pb.ShardPlanned(
+                input_ref=p.input_ref,
+                input_bytes=p.input_bytes,
+                input_blake3=p.input_blake3,
+                params_json=p.params_json,
+                expected_outputs=list(p.expected_outputs),
+                plan_line=p.plan_line,
+                plan_index=p.plan_index,
+            )
+        )
+    elif isinstance(p, AttemptStarted):
+        timeout = Duration(seconds=p.heartbeat_timeout_us // 1_000_000, nanos=(p.heartbeat_timeout_us % 1_000_000) * 1000)
+        out.started.CopyFrom(
+            pb.AttemptStarted(
+                host=p.host,
+                pid=p.pid,
+                heartbeat_timeout=timeout,
+                fingerprint=p.fingerprint,
+                fingerprint_digest=p.fingerprint_digest,
+            )
+        )
+    elif isinstance(p, Heartbeat):
+        out.heartbeat.CopyFrom(pb.Heartbeat(step=p.step, progress=p.progress, metrics=p.metrics))
+    elif isinstance(p, CheckpointSaved):
+        out.checkpoint.CopyFrom(
+            pb.CheckpointSaved(step=p.step, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex)
+        )
+    elif isinstance(p, ArtifactCommitted):
+        out.artifact_committed.CopyFrom(
+            pb.ArtifactCommitted(
+                name=p.name, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex, media_type=p.media_type
+            )
+        )
+    elif isinstance(p, ArtifactVerified):
+        out.verified.CopyFrom(
+            pb.ArtifactVerified(
+                name=p.name,
+                path=p.path,
+                blake3_hex=p.blake3_hex,
+                result=_RESULT_VALUES[p.result],
+                reason=p.reason,
+                detail=p.detail,
+            )
+        )
+    elif isinstance(p, AttemptFailed):
+        out.failed.CopyFrom(pb.AttemptFailed(tag=_TAG_VALUES[p.tag], message=p.message))
+    return out
+
+
+def encode_recorded(rec: RecordedEvent) -> pb.ShardEvent:
+    """Returns the protobuf form of a stored event, server fields included."""
+    msg = encode_event(rec.event)
+    msg.sequence = rec.sequence
+    msg.run_sequence = rec.run_sequence
+    msg.receive_time.CopyFrom(us_timestamp(rec.receive_time_us))
+    msg.row_hash = rec.row_hash
+    return msg

@@ -1,0 +1,97 @@
+"""Domain errors of the ledger, each with a stable reason and metadata.
+
+    LedgerError
+    ├── InvalidEvent            a field is malformed (INVALID_ARGUMENT)
+    ├── LimitExceeded           a documented limit was exceeded (RESOURCE_EXHAUSTED)
+    ├── RunNotFound             the run has no events (NOT_FOUND)
+    ├── ConflictError           (ALREADY_EXISTS)
+    │   ├── EventIdReused       same event_id, different content
+    │   └── PlanConflict        a re-plan with a different definition
+    └── LifecycleViolation      the event breaks the shard's life cycle (FAILED_PRECONDITION)
+
+Clients never parse messages: they switch on ``reason`` (sent as the
+``google.rpc.ErrorInfo`` reason) and read ``metadata``. The mapping to gRPC
+codes lives in one table in ``servicer.py``.
+"""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Base of every error the ledger reports to callers."""
+
+    reason: str = "LEDGER_ERROR"
+
+    def __init__(self, message: str, *, reason: str | None = None, **metadata: object) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+        self.message = message
+        self.metadata: dict[str, str] = {k: str(v) for k, v in metadata.items()}
+
+
+class InvalidEvent(LedgerError):
+    """A field of a request is malformed; ``field`` names it."""
+
+    reason = "INVALID_FIELD"
+
+    def __init__(self, field: str, problem: str, **metadata: object) -> None:
+        super().__init__(f"{field}: {problem}", field=field, **metadata)
+        self.field = field
+
+
+class LimitExceeded(LedgerError):
+    """A documented size or count limit was exceeded; ``limit`` names it."""
+
+    reason = "LIMIT_EXCEEDED"
+
+    def __init__(self, limit: str, value: int, maximum: int, **metadata: object) -> None:
+        super().__init__(
+            f"{limit} is {value}, the limit is {maximum}",
+            limit=limit,
+            value=value,
+            maximum=maximum,
+            **metadata,
+        )
+
+
+class RunNotFound(LedgerError):
+    """The run does not exist (it has no planned shard yet)."""
+
+    reason = "RUN_NOT_FOUND"
+
+
+class ConflictError(LedgerError):
+    """A write conflicts with what is already stored."""
+
+
+class EventIdReused(ConflictError):
+    """The event_id was stored before with different content."""
+
+    reason = "EVENT_ID_REUSED"
+
+
+class PlanConflict(ConflictError):
+    """The shard was planned before with a different definition."""
+
+    reason = "PLAN_CONFLICT"
+
+
+class LifecycleViolation(LedgerError):
+    """The event is not allowed in the shard's current life-cycle state."""
+
+    reason = "LIFECYCLE_VIOLATION"
+
+
+class EventRejected(LedgerError):
+    """Wraps the first rejected event of a batch with its index; nothing was written."""
+
+    def __init__(self, index: int, cause: LedgerError) -> None:
+        super().__init__(
+            f"event {index}: {cause.message}",
+            reason=cause.reason,
+            **cause.metadata,
+            event_index=index,
+        )
+        self.index = index
+        self.cause = cause

@@ -1,0 +1,212 @@
+"""The gRPC servicer: decode, call the ledger, encode; errors mapped in one table."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Iterator
+from typing import Any, Final, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from ledger_server import codec
+from ledger_server.errors import (
+    ConflictError,
+    EventRejected,
+    InvalidEvent,
+    LedgerError,
+    LifecycleViolation,
+    LimitExceeded,
+    RunNotFound,
+)
+from ledger_server.events import canonical_json
+from ledger_server.ledger import Ledger
+from ledger_server.store.base import StoreError
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
+
+ERROR_DOMAIN: Final = "shardledger.dev"
+MAX_PAGE_SIZE: Final = 5000
+RESUME_CHUNK: Final = 1000
+TAIL_POLL_S: Final = 1.0
+
+# The one table from domain errors to gRPC codes (checked in order: subclasses first).
+ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
+    (InvalidEvent, grpc.StatusCode.INVALID_ARGUMENT),
+    (LimitExceeded, grpc.StatusCode.INVALID_ARGUMENT),
+    (RunNotFound, grpc.StatusCode.NOT_FOUND),
+    (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (LifecycleViolation, grpc.StatusCode.FAILED_PRECONDITION),
+    (StoreError, grpc.StatusCode.UNAVAILABLE),
+    (LedgerError, grpc.StatusCode.UNAVAILABLE),
+]
+
+T = TypeVar("T")
+
+
+def code_for(exc: Exception) -> grpc.StatusCode:
+    """Returns the gRPC code of a domain error."""
+    cause = exc.cause if isinstance(exc, EventRejected) else exc
+    for cls, code in ERROR_CODES:
+        if isinstance(cause, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def rich_status(exc: LedgerError | StoreError) -> grpc.Status:
+    """Returns a google.rpc.Status with ErrorInfo (and BadRequest for a bad field)."""
+    code = code_for(exc)
+    reason = exc.reason if isinstance(exc, LedgerError) else "STORE_UNAVAILABLE"
+    metadata = exc.metadata if isinstance(exc, LedgerError) else {}
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
+    details = [info]
+    field = metadata.get("field")
+    if field:
+        bad = any_pb2.Any()
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=str(exc))
+        bad.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        details.append(bad)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(exc), details=details)
+    return rpc_status.to_status(status)
+
+
+def _guard(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except (LedgerError, StoreError) as exc:
+        context.abort_with_status(rich_status(exc))
+        raise AssertionError("unreachable") from exc  # abort_with_status always raises
+
+
+def _token(value: Any) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).decode()
+
+
+def _untoken(token: str) -> Any:
+    try:
+        return json.loads(base64.urlsafe_b64decode(token.encode()))
+    except (ValueError, UnicodeError):
+        raise InvalidEvent("page_token", "is not a token this server issued") from None
+
+
+def _page_size(value: int) -> int:
+    if value < 0:
+        raise InvalidEvent("page_size", "must not be negative")
+    return min(value or 1000, MAX_PAGE_SIZE)
+
+
+class LedgerServicer(pb_grpc.LedgerServiceServicer):
+    """Thin adapter from the v1 contract to the Ledger."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def AppendEvents(self, request: pb.AppendEventsRequest, context: grpc.ServicerContext) -> pb.AppendEventsResponse:
+        def call() -> pb.AppendEventsResponse:
+            events = []
+            for index, msg in enumerate(request.events):
+                try:
+                    events.append(codec.decode_event(msg))
+                except LedgerError as exc:
+                    raise EventRejected(index, exc) from None
+            results = self.ledger.append(events)
+            return pb.AppendEventsResponse(
+                results=[
+                    pb.AppendResult(event_id=r.event_id, sequence=r.sequence, outcome=codec.OUTCOMES[r.outcome])
+                    for r in results
+                ]
+            )
+
+        return _guard(context, call)
+
+    def ListEvents(self, request: pb.ListEventsRequest, context: grpc.ServicerContext) -> pb.ListEventsResponse:
+        def call() -> pb.ListEventsResponse:
+            after = int(_untoken(request.page_token)) if request.page_token else request.after_sequence
+            size = _page_size(request.page_size)
+            events = self.ledger.list_events(request.namespace, request.run_id, after_sequence=after, limit=size)
+            token = _token(events[-1].sequence) if len(events) == size else ""
+            return pb.ListEventsResponse(events=[codec.encode_recorded(e) for e in events], next_page_token=token)
+
+        return _guard(context, call)
+
+    def TailEvents(self, request: pb.TailEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.TailEventsResponse]:
+        after = request.after_sequence
+        _guard(context, lambda: self.ledger.run(request.namespace, request.run_id))
+        while context.is_active():
+            # Read the mark before the page, so a commit landing in between wakes us.
+            mark = self.ledger.last_sequence
+            page = _guard(
+                context,
+                lambda: self.ledger.list_events(request.namespace, request.run_id, after_sequence=after, limit=1000),
+            )
+            for rec in page:
+                yield pb.TailEventsResponse(event=codec.encode_recorded(rec))
+                after = rec.sequence
+            if not page:
+                self.ledger.wait_for_commit(mark, TAIL_POLL_S)
+
+    def ListRuns(self, request: pb.ListRunsRequest, context: grpc.ServicerContext) -> pb.ListRunsResponse:
+        def call() -> pb.ListRunsResponse:
+            rows = self.ledger.list_runs(request.namespace, limit=_page_size(request.page_size))
+            return pb.ListRunsResponse(
+                runs=[
+                    pb.RunInfo(
+                        namespace=r.namespace,
+                        run_id=r.run_id,
+                        event_count=r.event_count,
+                        head_hash=r.head_hash,
+                        create_time=codec.us_timestamp(r.created_us),
+                        update_time=codec.us_timestamp(r.updated_us),
+                    )
+                    for r in rows
+                ]
+            )
+
+        return _guard(context, call)
+
+    def GetRunSummary(self, request: pb.GetRunSummaryRequest, context: grpc.ServicerContext) -> pb.GetRunSummaryResponse:
+        def call() -> pb.GetRunSummaryResponse:
+            summary = self.ledger.summary(request.namespace, request.run_id)
+            return pb.GetRunSummaryResponse(
+                summary_json=canonical_json(summary), as_of_time=codec.us_timestamp(summary["as_of_us"])
+            )
+
+        return _guard(context, call)
+
+    def ListShards(self, request: pb.ListShardsRequest, context: grpc.ServicerContext) -> pb.ListShardsResponse:
+        def call() -> pb.ListShardsResponse:
+            after = tuple(_untoken(request.page_token)) if request.page_token else None
+            views, cursor = self.ledger.shards(
+                request.namespace,
+                request.run_id,
+                state=request.state,
+                after=after,  # type: ignore[arg-type]
+                limit=_page_size(request.page_size),
+            )
+            return pb.ListShardsResponse(
+                shards=[pb.ShardView(shard_id=v["shard_id"], state=v["state"], view_json=canonical_json(v)) for v in views],
+                next_page_token=_token(list(cursor)) if cursor else "",
+            )
+
+        return _guard(context, call)
+
+    def StreamResumeList(
+        self, request: pb.StreamResumeListRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StreamResumeListResponse]:
+        items = _guard(context, lambda: self.ledger.resume(request.namespace, request.run_id))
+        chunk: list[pb.ResumeEntry] = []
+        for item in items:
+            chunk.append(
+                pb.ResumeEntry(
+                    shard_id=item.shard_id, plan_line=item.plan_line, reason=item.reason, plan_index=item.plan_index
+                )
+            )
+            if len(chunk) >= RESUME_CHUNK:
+                yield pb.StreamResumeListResponse(entries=chunk)
+                chunk = []
+        if chunk:
+            yield pb.StreamResumeListResponse(entries=chunk)

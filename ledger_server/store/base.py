@@ -1,0 +1,149 @@
+"""The store interface: rows and transactions, nothing about protobuf or the domain."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StoreError(Exception):
+    """A backend failure (I/O, corruption, lost connection); never a domain error."""
+
+
+class ImmutableRowError(StoreError):
+    """An UPDATE or DELETE on the events table was refused by the database."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """One run's chain head."""
+
+    run_pk: int
+    namespace: str
+    run_id: str
+    event_count: int
+    head_hash: bytes
+    created_us: int
+    updated_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    """One stored event row."""
+
+    sequence: int
+    run_pk: int
+    run_sequence: int
+    event_id: str
+    row: bytes
+    row_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRow:
+    """One shard's projection row."""
+
+    shard_id: str
+    plan_index: int
+    state: str
+    detail: str
+    deadline_us: int | None
+    plan_line: str
+    record: bytes | None
+
+
+class WriteTx(Protocol):
+    """Operations inside the one write transaction of a group commit."""
+
+    def savepoint(self) -> AbstractContextManager[None]:
+        """Returns a context that rolls back its writes if it exits with an exception."""
+
+    def get_run(self, namespace: str, run_id: str) -> RunRow | None:
+        """Returns the run's head, or None."""
+
+    def create_run(self, namespace: str, run_id: str, *, now_us: int, genesis: bytes) -> RunRow:
+        """Creates an empty run and returns its head."""
+
+    def find_events(self, event_ids: Sequence[str]) -> dict[str, StoredEvent]:
+        """Returns the stored events with these ids."""
+
+    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, bytes]:
+        """Returns the stored projection records of these shards."""
+
+    def insert_event(
+        self, *, run_pk: int, run_sequence: int, event_id: str, row: bytes, row_hash: bytes
+    ) -> int:
+        """Inserts one event row and returns its global sequence."""
+
+    def save_shard(
+        self,
+        *,
+        run_pk: int,
+        shard_id: str,
+        plan_index: int,
+        state: str,
+        detail: str,
+        deadline_us: int | None,
+        plan_line: str,
+        record: bytes,
+    ) -> None:
+        """Inserts or replaces one shard's projection row."""
+
+    def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
+        """Adds the deltas to the run's summary counters."""
+
+    def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
+        """Moves the run's chain head."""
+
+
+class ReadView(Protocol):
+    """Read-only queries on a snapshot-consistent connection of the calling thread."""
+
+    def get_run(self, namespace: str, run_id: str) -> RunRow | None:
+        """Returns the run's head, or None."""
+
+    def list_runs(self, namespace: str | None, limit: int) -> list[RunRow]:
+        """Returns runs, most recently updated first (all namespaces when None)."""
+
+    def list_events(self, run_pk: int, *, after_sequence: int, limit: int) -> list[StoredEvent]:
+        """Returns up to limit events of the run with sequence > after_sequence."""
+
+    def iter_events(self, run_pk: int, *, until_sequence: int | None = None) -> Iterator[StoredEvent]:
+        """Yields every event of the run in order, up to and including until_sequence."""
+
+    def counters(self, run_pk: int) -> dict[str, int]:
+        """Returns the run's summary counters."""
+
+    def count_stale(self, run_pk: int, now_us: int) -> int:
+        """Returns how many running shards passed their deadline before now_us."""
+
+    def iter_shards(
+        self,
+        run_pk: int,
+        *,
+        states: Sequence[str] | None = None,
+        after_index: tuple[int, str] | None = None,
+        with_record: bool = True,
+    ) -> Iterator[ShardRow]:
+        """Yields shard rows in plan order, optionally only some base states."""
+
+    def max_sequence(self) -> int:
+        """Returns the highest stored sequence (0 when empty)."""
+
+
+class Store(Protocol):
+    """A durable event store."""
+
+    def write(self) -> AbstractContextManager[WriteTx]:
+        """Opens the write transaction; it commits durably when the context exits cleanly."""
+
+    def read(self) -> ReadView:
+        """Returns the calling thread's read view."""
+
+    def integrity_check(self) -> str:
+        """Returns the backend's own integrity verdict ("ok" when healthy)."""
+
+    def close(self) -> None:
+        """Closes every connection."""

@@ -1,0 +1,379 @@
+"""The embedded SQLite event store (WAL, synchronous=FULL, one writer)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
+
+from ledger_server.store.base import (
+    ImmutableRowError,
+    RunRow,
+    ShardRow,
+    StoredEvent,
+    StoreError,
+)
+
+# Each migration is a list of statements applied in one transaction together
+# with its row in schema_migrations, so a crash leaves either all or none.
+MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
+    (
+        1,
+        "events, runs, shard projections, counters",
+        [
+            """CREATE TABLE runs (
+                run_pk INTEGER PRIMARY KEY,
+                namespace TEXT NOT NULL,
+                run_id TEXT NOT NULL,
+                event_count INTEGER NOT NULL,
+                head_hash BLOB NOT NULL,
+                created_us INTEGER NOT NULL,
+                updated_us INTEGER NOT NULL,
+                UNIQUE (namespace, run_id))""",
+            """CREATE TABLE events (
+                seq INTEGER PRIMARY KEY,
+                run_pk INTEGER NOT NULL REFERENCES runs (run_pk),
+                run_seq INTEGER NOT NULL,
+                event_id TEXT NOT NULL UNIQUE,
+                row BLOB NOT NULL,
+                hash BLOB NOT NULL)""",
+            "CREATE UNIQUE INDEX events_by_run ON events (run_pk, seq)",
+            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+               BEGIN SELECT RAISE(ABORT, 'events are append-only: UPDATE refused'); END""",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+               BEGIN SELECT RAISE(ABORT, 'events are append-only: DELETE refused'); END""",
+            """CREATE TABLE shards (
+                run_pk INTEGER NOT NULL,
+                shard_id TEXT NOT NULL,
+                plan_index INTEGER NOT NULL,
+                state TEXT NOT NULL,
+                detail TEXT NOT NULL,
+                deadline_us INTEGER,
+                plan_line TEXT NOT NULL,
+                record BLOB NOT NULL,
+                PRIMARY KEY (run_pk, shard_id)) WITHOUT ROWID""",
+            "CREATE INDEX shards_by_state ON shards (run_pk, state, deadline_us)",
+            "CREATE INDEX shards_by_plan ON shards (run_pk, plan_index, shard_id)",
+            """CREATE TABLE run_counters (
+                run_pk INTEGER NOT NULL,
+                key TEXT NOT NULL,
+                n INTEGER NOT NULL,
+                PRIMARY KEY (run_pk, key)) WITHOUT ROWID""",
+        ],
+    ),
+]
+
+SQL_GET_RUN: Final = (
+    "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
+    " FROM runs WHERE namespace = ? AND run_id = ?"
+)
+SQL_LIST_RUNS: Final = (
+    "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
+    " FROM runs WHERE (? IS NULL OR namespace = ?) ORDER BY updated_us DESC, run_pk DESC LIMIT ?"
+)
+SQL_CREATE_RUN: Final = (
+    "INSERT INTO runs (namespace, run_id, event_count, head_hash, created_us, updated_us)"
+    " VALUES (?, ?, 0, ?, ?, ?)"
+)
+SQL_UPDATE_RUN: Final = (
+    "UPDATE runs SET event_count = ?, head_hash = ?, updated_us = ? WHERE run_pk = ?"
+)
+SQL_INSERT_EVENT: Final = (
+    "INSERT INTO events (run_pk, run_seq, event_id, row, hash) VALUES (?, ?, ?, ?, ?)"
+)
+SQL_EVENT_COLUMNS: Final = "seq, run_pk, run_seq, event_id, row, hash"
+SQL_LIST_EVENTS: Final = (
+    f"SELECT {SQL_EVENT_COLUMNS} FROM events WHERE run_pk = ? AND seq > ? ORDER BY seq LIMIT ?"
+)
+SQL_SAVE_SHARD: Final = (
+    "INSERT OR REPLACE INTO shards"
+    " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+SQL_ADD_COUNTER: Final = (
+    "INSERT INTO run_counters (run_pk, key, n) VALUES (?, ?, ?)"
+    " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
+)
+SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
+SQL_COUNT_STALE: Final = (
+    "SELECT COUNT(*) FROM shards WHERE run_pk = ? AND state = 'running' AND deadline_us < ?"
+)
+_CHUNK: Final = 500
+
+
+def _run(row: tuple[object, ...]) -> RunRow:
+    return RunRow(*row)  # type: ignore[arg-type]
+
+
+def _event(row: tuple[object, ...]) -> StoredEvent:
+    return StoredEvent(*row)  # type: ignore[arg-type]
+
+
+def _translate(exc: sqlite3.Error) -> StoreError:
+    # Driver errors are translated at this one edge; callers see StoreError only.
+    if "append-only" in str(exc):
+        return ImmutableRowError(str(exc))
+    return StoreError(f"{type(exc).__name__}: {exc}")
+
+
+class SqliteStore:
+    """An event store in one SQLite file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._writer = self._connect()
+        self._write_lock = threading.Lock()
+        self._migrate()
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+            conn.execute("PRAGMA journal_mode=WAL")
+            # FULL: a COMMIT returns only after the WAL is fsynced, so an
+            # acknowledged append survives power loss, not just a process crash.
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA busy_timeout=30000")
+        except sqlite3.Error as exc:
+            raise _translate(exc) from exc
+        return conn
+
+    def _migrate(self) -> None:
+        conn = self._writer
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations"
+            " (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_us INTEGER NOT NULL)"
+        )
+        done = {v for (v,) in conn.execute("SELECT version FROM schema_migrations")}
+        for version, name, statements in MIGRATIONS:
+            if version in done:
+                continue
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in statements:
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO schema_migrations VALUES (?, ?, ?)",
+                    (version, name, int(time.time() * 1e6)),
+                )
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                conn.execute("ROLLBACK")
+                raise _translate(exc) from exc
+
+    def schema_version(self) -> int:
+        """Returns the highest applied migration."""
+        row = self._writer.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+        return int(row[0] or 0)
+
+    @contextmanager
+    def write(self) -> Iterator[_SqliteWriteTx]:
+        """Opens the write transaction; it commits durably when the context exits cleanly."""
+        with self._write_lock:
+            conn = self._writer
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise _translate(exc) from exc
+            try:
+                yield _SqliteWriteTx(conn)
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise _translate(exc) from exc
+
+    def read(self) -> _SqliteReadView:
+        """Returns the calling thread's read view."""
+        view = getattr(self._local, "view", None)
+        if view is None:
+            conn = self._connect()
+            with self._readers_lock:
+                self._readers.append(conn)
+            view = _SqliteReadView(conn)
+            self._local.view = view
+        return view
+
+    def integrity_check(self) -> str:
+        """Returns PRAGMA integrity_check's verdict."""
+        rows = self._writer.execute("PRAGMA integrity_check").fetchall()
+        return "\n".join(str(r[0]) for r in rows)
+
+    def execute_raw(self, sql: str, params: Sequence[object] = ()) -> list[tuple[object, ...]]:
+        """Runs raw SQL on the writer connection (tests and maintenance only)."""
+        with self._write_lock:
+            try:
+                return self._writer.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise _translate(exc) from exc
+
+    def close(self) -> None:
+        """Closes every connection."""
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
+        with self._write_lock:
+            self._writer.close()
+
+
+class _SqliteWriteTx:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self._savepoints = 0
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        self._savepoints += 1
+        name = f"sp{self._savepoints}"
+        self.conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute(f"ROLLBACK TO {name}")
+            self.conn.execute(f"RELEASE {name}")
+            raise
+        self.conn.execute(f"RELEASE {name}")
+
+    def get_run(self, namespace: str, run_id: str) -> RunRow | None:
+        row = self.conn.execute(SQL_GET_RUN, (namespace, run_id)).fetchone()
+        return _run(row) if row else None
+
+    def create_run(self, namespace: str, run_id: str, *, now_us: int, genesis: bytes) -> RunRow:
+        cur = self.conn.execute(SQL_CREATE_RUN, (namespace, run_id, genesis, now_us, now_us))
+        assert cur.lastrowid is not None
+        return RunRow(cur.lastrowid, namespace, run_id, 0, genesis, now_us, now_us)
+
+    def find_events(self, event_ids: Sequence[str]) -> dict[str, StoredEvent]:
+        found: dict[str, StoredEvent] = {}
+        ids = list(dict.fromkeys(event_ids))
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start : start + _CHUNK]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT {SQL_EVENT_COLUMNS} FROM events WHERE event_id IN ({marks})"
+            for row in self.conn.execute(sql, chunk):
+                ev = _event(row)
+                found[ev.event_id] = ev
+        return found
+
+    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        ids = list(dict.fromkeys(shard_ids))
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start : start + _CHUNK]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT shard_id, record FROM shards WHERE run_pk = ? AND shard_id IN ({marks})"
+            for shard_id, record in self.conn.execute(sql, [run_pk, *chunk]):
+                out[shard_id] = record
+        return out
+
+    def insert_event(
+        self, *, run_pk: int, run_sequence: int, event_id: str, row: bytes, row_hash: bytes
+    ) -> int:
+        cur = self.conn.execute(SQL_INSERT_EVENT, (run_pk, run_sequence, event_id, row, row_hash))
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def save_shard(
+        self,
+        *,
+        run_pk: int,
+        shard_id: str,
+        plan_index: int,
+        state: str,
+        detail: str,
+        deadline_us: int | None,
+        plan_line: str,
+        record: bytes,
+    ) -> None:
+        self.conn.execute(
+            SQL_SAVE_SHARD,
+            (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record),
+        )
+
+    def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
+        self.conn.executemany(
+            SQL_ADD_COUNTER, [(run_pk, key, n) for key, n in deltas.items() if n]
+        )
+
+    def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
+        self.conn.execute(SQL_UPDATE_RUN, (event_count, head_hash, now_us, run_pk))
+
+
+class _SqliteReadView:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def get_run(self, namespace: str, run_id: str) -> RunRow | None:
+        row = self.conn.execute(SQL_GET_RUN, (namespace, run_id)).fetchone()
+        return _run(row) if row else None
+
+    def list_runs(self, namespace: str | None, limit: int) -> list[RunRow]:
+        return [_run(r) for r in self.conn.execute(SQL_LIST_RUNS, (namespace, namespace, limit))]
+
+    def list_events(self, run_pk: int, *, after_sequence: int, limit: int) -> list[StoredEvent]:
+        return [_event(r) for r in self.conn.execute(SQL_LIST_EVENTS, (run_pk, after_sequence, limit))]
+
+    def iter_events(self, run_pk: int, *, until_sequence: int | None = None) -> Iterator[StoredEvent]:
+        after = 0
+        limit = until_sequence if until_sequence is not None else 2**62
+        while True:
+            page = self.conn.execute(
+                f"SELECT {SQL_EVENT_COLUMNS} FROM events"
+                " WHERE run_pk = ? AND seq > ? AND seq <= ? ORDER BY seq LIMIT 5000",
+                (run_pk, after, limit),
+            ).fetchall()
+            if not page:
+                return
+            for row in page:
+                yield _event(row)
+            after = int(page[-1][0])  # type: ignore[call-overload]
+
+    def counters(self, run_pk: int) -> dict[str, int]:
+        return {k: n for k, n in self.conn.execute(SQL_COUNTERS, (run_pk,))}
+
+    def count_stale(self, run_pk: int, now_us: int) -> int:
+        return int(self.conn.execute(SQL_COUNT_STALE, (run_pk, now_us)).fetchone()[0])
+
+    def iter_shards(
+        self,
+        run_pk: int,
+        *,
+        states: Sequence[str] | None = None,
+        after_index: tuple[int, str] | None = None,
+        with_record: bool = True,
+    ) -> Iterator[ShardRow]:
+        idx, sid = after_index if after_index else (-1, "")
+        where = "run_pk = ? AND (plan_index, shard_id) > (?, ?)"
+        params: list[object] = [run_pk, idx, sid]
+        if states is not None:
+            where += f" AND state IN ({','.join('?' * len(states))})"
+            params.extend(states)
+        cursor = self.conn.execute(
+            "SELECT shard_id, plan_index, state, detail, deadline_us, plan_line,"
+            f" {'record' if with_record else 'NULL'} FROM shards"
+            f" WHERE {where} ORDER BY plan_index, shard_id",
+            params,
+        )
+        while True:
+            rows = cursor.fetchmany(2000)
+            if not rows:
+                return
+            for row in rows:
+                yield ShardRow(*row)
+
+    def max_sequence(self) -> int:
+        return int(self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])

@@ -1,0 +1,181 @@
+"""The low-level ledger client: one channel per process, deadlines, retries, typed errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Final, TypeVar
+
+import grpc
+
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
+from shard_client.errors import RETRYABLE, LedgerUnavailable, from_rpc_error
+
+DEFAULT_TARGET: Final = "127.0.0.1:50551"
+ENV_TARGET: Final = "SHARDLEDGER_SERVER"
+# Keepalive every 30 s; the server permits pings every 10 s without calls.
+CHANNEL_OPTIONS: Final = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+)
+
+T = TypeVar("T")
+
+
+def default_target() -> str:
+    """Returns $SHARDLEDGER_SERVER or the loopback default."""
+    return os.environ.get(ENV_TARGET) or DEFAULT_TARGET
+
+
+class LedgerClient:
+    """Talks to one ledger; safe across threads and forks.
+
+    A gRPC channel must never cross a fork, so the channel is created lazily
+    and recreated whenever the process id changes (DataLoader workers,
+    launcher pools, torchrun ranks each get their own).
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        retry_deadline_s: float = 30.0,
+        max_backoff_s: float = 2.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.target = target or default_target()
+        self.timeout_s = timeout_s
+        self.retry_deadline_s = retry_deadline_s
+        self.max_backoff_s = max_backoff_s
+        self._credentials = credentials
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.LedgerServiceStub | None = None
+
+    @property
+    def stub(self) -> pb_grpc.LedgerServiceStub:
+        """Returns this process's stub, creating the channel after a fork."""
+        pid = os.getpid()
+        if self._stub is None or self._pid != pid:
+            with self._lock:
+                if self._stub is None or self._pid != pid:
+                    # The parent's channel object is abandoned, not closed: closing
+                    # it from the child would touch the parent's gRPC state.
+                    if self._credentials is not None:
+                        channel = grpc.secure_channel(self.target, self._credentials, options=CHANNEL_OPTIONS)
+                    else:
+                        channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+                    self._channel = channel
+                    self._stub = pb_grpc.LedgerServiceStub(channel)
+                    self._pid = pid
+        assert self._stub is not None
+        return self._stub
+
+    def close(self) -> None:
+        """Closes this process's channel."""
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    def call(self, fn: Callable[[float], T], *, retry: bool = True, deadline_s: float | None = None) -> T:
+        """Runs fn(timeout) with capped exponential backoff on UNAVAILABLE/DEADLINE_EXCEEDED."""
+        give_up = time.monotonic() + (self.retry_deadline_s if deadline_s is None else deadline_s)
+        backoff = 0.05
+        while True:
+            try:
+                return fn(self.timeout_s)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if not retry or code not in RETRYABLE or time.monotonic() + backoff > give_up:
+                    raise from_rpc_error(exc) from None
+            time.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, self.max_backoff_s)
+
+    # --- the contract, one method per RPC -----------------------------------
+
+    def append(
+        self, events: Sequence[pb.ShardEvent], *, retry: bool = True, deadline_s: float | None = None
+    ) -> list[pb.AppendResult]:
+        """Appends a batch atomically; retries reuse the same event ids, so they are idempotent."""
+        request = pb.AppendEventsRequest(events=list(events))
+        response = self.call(
+            lambda t: self.stub.AppendEvents(request, timeout=t), retry=retry, deadline_s=deadline_s
+        )
+        return list(response.results)
+
+    def list_events(
+        self, run_id: str, *, namespace: str = "", after_sequence: int = 0, page_size: int = 1000
+    ) -> Iterator[pb.ShardEvent]:
+        """Yields every event of the run after a sequence, page by page."""
+        token = ""
+        while True:
+            request = pb.ListEventsRequest(
+                namespace=namespace, run_id=run_id, after_sequence=after_sequence, page_size=page_size, page_token=token
+            )
+            response = self.call(lambda t, r=request: self.stub.ListEvents(r, timeout=t))  # type: ignore[misc]
+            yield from response.events
+            token = response.next_page_token
+            if not token:
+                return
+
+    def tail(self, run_id: str, *, namespace: str = "", after_sequence: int = 0) -> Iterator[pb.ShardEvent]:
+        """Yields the run's events, then new ones as they commit (until cancelled)."""
+        request = pb.TailEventsRequest(namespace=namespace, run_id=run_id, after_sequence=after_sequence)
+        try:
+            for response in self.stub.TailEvents(request):
+                yield response.event
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def list_runs(self, *, namespace: str = "", page_size: int = 100) -> list[pb.RunInfo]:
+        """Returns the namespace's runs, most recently updated first."""
+        request = pb.ListRunsRequest(namespace=namespace, page_size=page_size)
+        return list(self.call(lambda t: self.stub.ListRuns(request, timeout=t)).runs)
+
+    def summary(self, run_id: str, *, namespace: str = "") -> str:
+        """Returns the run summary as a JSON text."""
+        request = pb.GetRunSummaryRequest(namespace=namespace, run_id=run_id)
+        return self.call(lambda t: self.stub.GetRunSummary(request, timeout=t)).summary_json
+
+    def shards(self, run_id: str, *, namespace: str = "", state: str = "", page_size: int = 1000) -> Iterator[pb.ShardView]:
+        """Yields the run's shards (optionally one state) in plan order."""
+        token = ""
+        while True:
+            request = pb.ListShardsRequest(
+                namespace=namespace, run_id=run_id, state=state, page_size=page_size, page_token=token
+            )
+            response = self.call(lambda t, r=request: self.stub.ListShards(r, timeout=t))  # type: ignore[misc]
+            yield from response.shards
+            token = response.next_page_token
+            if not token:
+                return
+
+    def resume(self, run_id: str, *, namespace: str = "") -> Iterator[pb.ResumeEntry]:
+        """Yields exactly the planned shards without a confirmed artifact, in plan order."""
+        request = pb.StreamResumeListRequest(namespace=namespace, run_id=run_id)
+        try:
+            for chunk in self.stub.StreamResumeList(request, timeout=max(self.timeout_s, 600)):
+                yield from chunk.entries
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Blocks until the channel connects or raises LedgerUnavailable."""
+        self.stub  # noqa: B018 - creates the channel
+        assert self._channel is not None
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise LedgerUnavailable(f"no ledger answered at {self.target} within {timeout_s:g}s") from None

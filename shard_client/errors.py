@@ -1,0 +1,99 @@
+"""Errors the SDK raises, keyed by the server's ErrorInfo reason (never by message text).
+
+    LedgerClientError
+    ├── LedgerUnavailable          the server could not be reached in time (retryable)
+    └── LedgerRejected             the server refused the request; ``reason`` says why
+        ├── InvalidArgument        INVALID_ARGUMENT: a malformed field (``field``)
+        ├── NotFound               NOT_FOUND: e.g. RUN_NOT_FOUND
+        ├── Conflict               ALREADY_EXISTS: EVENT_ID_REUSED, PLAN_CONFLICT
+        ├── LifecycleError         FAILED_PRECONDITION: the shard's life cycle forbids it
+        ├── PermissionDenied       UNAUTHENTICATED / PERMISSION_DENIED
+        └── Overloaded             RESOURCE_EXHAUSTED
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+
+class LedgerClientError(Exception):
+    """Base of every SDK error."""
+
+
+class LedgerUnavailable(LedgerClientError):
+    """The ledger could not be reached (after retries)."""
+
+
+class LedgerRejected(LedgerClientError):
+    """The ledger refused the request."""
+
+    def __init__(
+        self, message: str, *, code: grpc.StatusCode, reason: str, metadata: dict[str, str]
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.metadata = metadata
+
+    @property
+    def field(self) -> str | None:
+        """Returns the offending field for INVALID_ARGUMENT errors."""
+        return self.metadata.get("field")
+
+
+class InvalidArgument(LedgerRejected):
+    """A field was malformed."""
+
+
+class NotFound(LedgerRejected):
+    """The run (or another object) does not exist."""
+
+
+class Conflict(LedgerRejected):
+    """The write conflicts with stored data."""
+
+
+class LifecycleError(LedgerRejected):
+    """The shard's life cycle does not allow the event."""
+
+
+class PermissionDenied(LedgerRejected):
+    """The caller is not authenticated or not allowed."""
+
+
+class Overloaded(LedgerRejected):
+    """The server refused for lack of capacity or a limit."""
+
+
+_BY_CODE: Final[dict[grpc.StatusCode, type[LedgerRejected]]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: Conflict,
+    grpc.StatusCode.FAILED_PRECONDITION: LifecycleError,
+    grpc.StatusCode.UNAUTHENTICATED: PermissionDenied,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+}
+RETRYABLE: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
+    """Maps a grpc.RpcError to the SDK's hierarchy (the one place that does)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    message = exc.details() if hasattr(exc, "details") else str(exc)
+    if code in RETRYABLE:
+        return LedgerUnavailable(f"{code.name}: {message}")
+    reason, metadata = code.name, {}
+    status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason, metadata = info.reason, dict(info.metadata)
+    cls = _BY_CODE.get(code, LedgerRejected)
+    return cls(message or code.name, code=code, reason=reason, metadata=metadata)
