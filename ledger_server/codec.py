@@ -83,11 +83,17 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         return Heartbeat(step=h.step, progress=h.progress, metrics=dict(sorted(h.metrics.items())))
     if case == "checkpoint":
         c = msg.checkpoint
-        return CheckpointSaved(step=c.step, path=c.path, size_bytes=c.size_bytes, blake3_hex=c.blake3_hex)
+        return CheckpointSaved(
+            step=c.step, path=c.path, size_bytes=c.size_bytes, blake3_hex=c.blake3_hex
+        )
     if case == "artifact_committed":
         a = msg.artifact_committed
         return ArtifactCommitted(
-            name=a.name, path=a.path, size_bytes=a.size_bytes, blake3_hex=a.blake3_hex, media_type=a.media_type
+            name=a.name,
+            path=a.path,
+            size_bytes=a.size_bytes,
+            blake3_hex=a.blake3_hex,
+            media_type=a.media_type,
         )
     if case == "verified":
         v = msg.verified
@@ -146,7 +152,10 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
             )
         )
     elif isinstance(p, AttemptStarted):
-        timeout = Duration(seconds=p.heartbeat_timeout_us // 1_000_000, nanos=(p.heartbeat_timeout_us % 1_000_000) * 1000)
+        timeout = Duration(
+            seconds=p.heartbeat_timeout_us // 1_000_000,
+            nanos=(p.heartbeat_timeout_us % 1_000_000) * 1000,
+        )
         out.started.CopyFrom(
             pb.AttemptStarted(
                 host=p.host,
@@ -160,12 +169,18 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
         out.heartbeat.CopyFrom(pb.Heartbeat(step=p.step, progress=p.progress, metrics=p.metrics))
     elif isinstance(p, CheckpointSaved):
         out.checkpoint.CopyFrom(
-            pb.CheckpointSaved(step=p.step, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex)
+            pb.CheckpointSaved(
+                step=p.step, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex
+            )
         )
     elif isinstance(p, ArtifactCommitted):
         out.artifact_committed.CopyFrom(
             pb.ArtifactCommitted(
-                name=p.name, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex, media_type=p.media_type
+                name=p.name,
+                path=p.path,
+                size_bytes=p.size_bytes,
+                blake3_hex=p.blake3_hex,
+                media_type=p.media_type,
             )
         )
     elif isinstance(p, ArtifactVerified):

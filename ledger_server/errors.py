@@ -16,13 +16,15 @@ codes lives in one table in ``servicer.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LedgerError(Exception):
     """Base of every error the ledger reports to callers."""
 
     reason: str = "LEDGER_ERROR"
 
-    def __init__(self, message: str, *, reason: str | None = None, **metadata: object) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, **metadata: Any) -> None:
         super().__init__(message)
         if reason is not None:
             self.reason = reason
@@ -35,7 +37,7 @@ class InvalidEvent(LedgerError):
 
     reason = "INVALID_FIELD"
 
-    def __init__(self, field: str, problem: str, **metadata: object) -> None:
+    def __init__(self, field: str, problem: str, **metadata: Any) -> None:
         super().__init__(f"{field}: {problem}", field=field, **metadata)
         self.field = field
 
@@ -45,7 +47,7 @@ class LimitExceeded(LedgerError):
 
     reason = "LIMIT_EXCEEDED"
 
-    def __init__(self, limit: str, value: int, maximum: int, **metadata: object) -> None:
+    def __init__(self, limit: str, value: int, maximum: int, **metadata: Any) -> None:
         super().__init__(
             f"{limit} is {value}, the limit is {maximum}",
             limit=limit,

@@ -19,7 +19,16 @@ from ledger_server.errors import InvalidEvent, LimitExceeded
 
 DEFAULT_NAMESPACE: Final = "default"
 GENESIS_HASH: Final = bytes(32)
-FAILURE_TAGS: Final = ("oom", "timeout", "killed", "preempted", "nccl", "data", "incomplete", "unknown")
+FAILURE_TAGS: Final = (
+    "oom",
+    "timeout",
+    "killed",
+    "preempted",
+    "nccl",
+    "data",
+    "incomplete",
+    "unknown",
+)
 VERIFY_RESULTS: Final = ("passed", "failed")
 
 # Limits a client can rely on (documented in docs/limits.md).
@@ -38,7 +47,9 @@ _HEX64_RE: Final = re.compile(r"[0-9a-f]{64}")
 
 def canonical_json(value: Any) -> str:
     """Returns the one JSON text of a value: sorted keys, no spaces, UTF-8 kept."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +213,9 @@ class RecordedEvent:
 
     def row_bytes(self) -> bytes:
         """Returns the canonical bytes the chain and the Merkle tree commit to."""
-        return row_bytes(self.event, run_sequence=self.run_sequence, receive_time_us=self.receive_time_us)
+        return row_bytes(
+            self.event, run_sequence=self.run_sequence, receive_time_us=self.receive_time_us
+        )
 
 
 def row_bytes(event: Event, *, run_sequence: int, receive_time_us: int) -> bytes:
@@ -258,7 +271,8 @@ def check_id(field_name: str, value: str, *, required: bool = True) -> None:
         raise InvalidEvent(field_name, f"longer than {MAX_ID_CHARS} characters")
     if not _ID_RE.fullmatch(value):
         raise InvalidEvent(
-            field_name, "must start with a letter or digit and use only letters, digits and ._:@+=/-"
+            field_name,
+            "must start with a letter or digit and use only letters, digits and ._:@+=/-",
         )
 
 
@@ -358,10 +372,10 @@ def _check_payload(event: Event) -> Payload:
             raise InvalidEvent("heartbeat.progress", "must be a number in [0, 1]")
         if len(p.metrics) > MAX_MAP_ENTRIES:
             raise InvalidEvent("heartbeat.metrics", f"more than {MAX_MAP_ENTRIES} entries")
-        for key, value in p.metrics.items():
-            _check_text("heartbeat.metrics", key, 256, required=True)
-            if not math.isfinite(value):
-                raise InvalidEvent("heartbeat.metrics", f"{key!r} must be finite")
+        for metric, number in p.metrics.items():
+            _check_text("heartbeat.metrics", metric, 256, required=True)
+            if not math.isfinite(number):
+                raise InvalidEvent("heartbeat.metrics", f"{metric!r} must be finite")
     elif isinstance(p, CheckpointSaved):
         _check_size("checkpoint.step", p.step)
         _check_text("checkpoint.path", p.path, MAX_PATH_CHARS, required=True)

@@ -100,7 +100,9 @@ class Ledger:
 
     # --- writes ---------------------------------------------------------------
 
-    def append(self, events: Sequence[Event], *, timeout: float | None = None) -> list[AppendResult]:
+    def append(
+        self, events: Sequence[Event], *, timeout: float | None = None
+    ) -> list[AppendResult]:
         """Validates and appends a batch atomically; returns after the commit is durable."""
         return self.submit(events).result(timeout=timeout)
 
@@ -158,9 +160,7 @@ class Ledger:
             return
         self.stats["groups"] += 1
         self.stats["events"] += sum(len(o) for o in outcomes if isinstance(o, list))
-        max_seq = max(
-            (r.sequence for o in outcomes if isinstance(o, list) for r in o), default=0
-        )
+        max_seq = max((r.sequence for o in outcomes if isinstance(o, list) for r in o), default=0)
         with self._commit_cond:
             self._last_sequence = max(self._last_sequence, max_seq)
             self._commit_cond.notify_all()
@@ -197,12 +197,12 @@ class Ledger:
                 raise EventRejected(index, exc) from None
             in_batch.setdefault(event.event_id, (event.content_json(), result))
             results.append(result)
-        for key in dirty:
-            record = records[key]
+        for shard_key in dirty:
+            record = records[shard_key]
             state, detail = proj.base_state(record)
             tx.save_shard(
-                run_pk=key[0],
-                shard_id=key[1],
+                run_pk=shard_key[0],
+                shard_id=shard_key[1],
                 plan_index=record.plan_index,
                 state=state,
                 detail=detail,
@@ -211,8 +211,8 @@ class Ledger:
                 record=record.to_json().encode(),
             )
             delta = proj.contributions(record)
-            delta.subtract(before.get(key, Counter()))
-            tx.add_counters(key[0], delta)
+            delta.subtract(before.get(shard_key, Counter()))
+            tx.add_counters(shard_key[0], delta)
         for run in runs.values():
             tx.update_run(
                 run.run_pk, event_count=run.event_count, head_hash=run.head_hash, now_us=receive_us
@@ -353,7 +353,10 @@ class Ledger:
         view = self.store.read()
         counters = Counter(view.counters(run.run_pk))
         out = proj.summary(
-            counters, stale=view.count_stale(run.run_pk, at), run_id=run.run_id, namespace=run.namespace
+            counters,
+            stale=view.count_stale(run.run_pk, at),
+            run_id=run.run_id,
+            namespace=run.namespace,
         )
         out["as_of_us"] = at
         out["event_count"] = run.event_count
@@ -389,7 +392,9 @@ class Ledger:
                 return out, cursor
         return out, None
 
-    def resume(self, namespace: str, run_id: str, *, now: int | None = None) -> Iterator[ResumeItem]:
+    def resume(
+        self, namespace: str, run_id: str, *, now: int | None = None
+    ) -> Iterator[ResumeItem]:
         """Returns an iterator over exactly the planned shards without a confirmed artifact."""
         run = self.run(namespace, run_id)  # eagerly, so a bad run fails before streaming
         return self._resume(run, self.clock() if now is None else now)

@@ -483,7 +483,10 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
         "last_seen_us": latest.last_seen_us if latest else None,
         "last_step": latest.last_step if latest else None,
         "fingerprint": fingerprint_of(record),
-        "artifacts": {n: {"path": v[0], "size_bytes": v[1], "blake3": v[2]} for n, v in latest.artifacts.items()}
+        "artifacts": {
+            n: {"path": v[0], "size_bytes": v[1], "blake3": v[2]}
+            for n, v in latest.artifacts.items()
+        }
         if latest
         else {},
         "duplicates": duplicate_kinds(record),

@@ -48,7 +48,7 @@ class ServerConfig:
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 
-class RequestLogInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class RequestLogInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Logs one structured line per request: method, code, duration."""
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
@@ -58,7 +58,7 @@ class RequestLogInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         method = details.method
 
         def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
-            code = context.code() if failed else None
+            code = context.code() if failed else None  # type: ignore[attr-defined]
             log.info(
                 "request_handled",
                 method=method,
@@ -159,7 +159,11 @@ def create_server(config: ServerConfig) -> RunningServer:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
-        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        names = (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
         reflection.enable_server_reflection(names, server)
     port = server.add_insecure_port(config.listen)
     if port == 0:

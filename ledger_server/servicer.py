@@ -99,13 +99,15 @@ def _page_size(value: int) -> int:
     return min(value or 1000, MAX_PAGE_SIZE)
 
 
-class LedgerServicer(pb_grpc.LedgerServiceServicer):
+class LedgerServicer(pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
     """Thin adapter from the v1 contract to the Ledger."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    def AppendEvents(self, request: pb.AppendEventsRequest, context: grpc.ServicerContext) -> pb.AppendEventsResponse:
+    def AppendEvents(
+        self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
+    ) -> pb.AppendEventsResponse:
         def call() -> pb.AppendEventsResponse:
             events = []
             for index, msg in enumerate(request.events):
@@ -116,24 +118,39 @@ class LedgerServicer(pb_grpc.LedgerServiceServicer):
             results = self.ledger.append(events)
             return pb.AppendEventsResponse(
                 results=[
-                    pb.AppendResult(event_id=r.event_id, sequence=r.sequence, outcome=codec.OUTCOMES[r.outcome])
+                    pb.AppendResult(
+                        event_id=r.event_id, sequence=r.sequence, outcome=codec.OUTCOMES[r.outcome]
+                    )
                     for r in results
                 ]
             )
 
         return _guard(context, call)
 
-    def ListEvents(self, request: pb.ListEventsRequest, context: grpc.ServicerContext) -> pb.ListEventsResponse:
+    def ListEvents(
+        self, request: pb.ListEventsRequest, context: grpc.ServicerContext
+    ) -> pb.ListEventsResponse:
         def call() -> pb.ListEventsResponse:
-            after = int(_untoken(request.page_token)) if request.page_token else request.after_sequence
+            after = request.after_sequence
+            if request.page_token:
+                try:
+                    after = int(_untoken(request.page_token))
+                except (TypeError, ValueError):
+                    raise InvalidEvent("page_token", "is not a token this server issued") from None
             size = _page_size(request.page_size)
-            events = self.ledger.list_events(request.namespace, request.run_id, after_sequence=after, limit=size)
+            events = self.ledger.list_events(
+                request.namespace, request.run_id, after_sequence=after, limit=size
+            )
             token = _token(events[-1].sequence) if len(events) == size else ""
-            return pb.ListEventsResponse(events=[codec.encode_recorded(e) for e in events], next_page_token=token)
+            return pb.ListEventsResponse(
+                events=[codec.encode_recorded(e) for e in events], next_page_token=token
+            )
 
         return _guard(context, call)
 
-    def TailEvents(self, request: pb.TailEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.TailEventsResponse]:
+    def TailEvents(
+        self, request: pb.TailEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TailEventsResponse]:
         after = request.after_sequence
         _guard(context, lambda: self.ledger.run(request.namespace, request.run_id))
         while context.is_active():
@@ -141,7 +158,9 @@ class LedgerServicer(pb_grpc.LedgerServiceServicer):
             mark = self.ledger.last_sequence
             page = _guard(
                 context,
-                lambda: self.ledger.list_events(request.namespace, request.run_id, after_sequence=after, limit=1000),
+                lambda after=after: self.ledger.list_events(  # type: ignore[misc]
+                    request.namespace, request.run_id, after_sequence=after, limit=1000
+                ),
             )
             for rec in page:
                 yield pb.TailEventsResponse(event=codec.encode_recorded(rec))
@@ -149,7 +168,9 @@ class LedgerServicer(pb_grpc.LedgerServiceServicer):
             if not page:
                 self.ledger.wait_for_commit(mark, TAIL_POLL_S)
 
-    def ListRuns(self, request: pb.ListRunsRequest, context: grpc.ServicerContext) -> pb.ListRunsResponse:
+    def ListRuns(
+        self, request: pb.ListRunsRequest, context: grpc.ServicerContext
+    ) -> pb.ListRunsResponse:
         def call() -> pb.ListRunsResponse:
             rows = self.ledger.list_runs(request.namespace, limit=_page_size(request.page_size))
             return pb.ListRunsResponse(
@@ -168,27 +189,43 @@ class LedgerServicer(pb_grpc.LedgerServiceServicer):
 
         return _guard(context, call)
 
-    def GetRunSummary(self, request: pb.GetRunSummaryRequest, context: grpc.ServicerContext) -> pb.GetRunSummaryResponse:
+    def GetRunSummary(
+        self, request: pb.GetRunSummaryRequest, context: grpc.ServicerContext
+    ) -> pb.GetRunSummaryResponse:
         def call() -> pb.GetRunSummaryResponse:
             summary = self.ledger.summary(request.namespace, request.run_id)
             return pb.GetRunSummaryResponse(
-                summary_json=canonical_json(summary), as_of_time=codec.us_timestamp(summary["as_of_us"])
+                summary_json=canonical_json(summary),
+                as_of_time=codec.us_timestamp(summary["as_of_us"]),
             )
 
         return _guard(context, call)
 
-    def ListShards(self, request: pb.ListShardsRequest, context: grpc.ServicerContext) -> pb.ListShardsResponse:
+    def ListShards(
+        self, request: pb.ListShardsRequest, context: grpc.ServicerContext
+    ) -> pb.ListShardsResponse:
         def call() -> pb.ListShardsResponse:
-            after = tuple(_untoken(request.page_token)) if request.page_token else None
+            after: tuple[int, str] | None = None
+            if request.page_token:
+                try:
+                    index, shard_id = _untoken(request.page_token)
+                    after = (int(index), str(shard_id))
+                except (TypeError, ValueError):
+                    raise InvalidEvent("page_token", "is not a token this server issued") from None
             views, cursor = self.ledger.shards(
                 request.namespace,
                 request.run_id,
                 state=request.state,
-                after=after,  # type: ignore[arg-type]
+                after=after,
                 limit=_page_size(request.page_size),
             )
             return pb.ListShardsResponse(
-                shards=[pb.ShardView(shard_id=v["shard_id"], state=v["state"], view_json=canonical_json(v)) for v in views],
+                shards=[
+                    pb.ShardView(
+                        shard_id=v["shard_id"], state=v["state"], view_json=canonical_json(v)
+                    )
+                    for v in views
+                ],
                 next_page_token=_token(list(cursor)) if cursor else "",
             )
 
@@ -202,7 +239,10 @@ class LedgerServicer(pb_grpc.LedgerServiceServicer):
         for item in items:
             chunk.append(
                 pb.ResumeEntry(
-                    shard_id=item.shard_id, plan_line=item.plan_line, reason=item.reason, plan_index=item.plan_index
+                    shard_id=item.shard_id,
+                    plan_line=item.plan_line,
+                    reason=item.reason,
+                    plan_index=item.plan_index,
                 )
             )
             if len(chunk) >= RESUME_CHUNK:

@@ -72,7 +72,9 @@ class LedgerClient:
                     # The parent's channel object is abandoned, not closed: closing
                     # it from the child would touch the parent's gRPC state.
                     if self._credentials is not None:
-                        channel = grpc.secure_channel(self.target, self._credentials, options=CHANNEL_OPTIONS)
+                        channel = grpc.secure_channel(
+                            self.target, self._credentials, options=CHANNEL_OPTIONS
+                        )
                     else:
                         channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
                     self._channel = channel
@@ -89,7 +91,9 @@ class LedgerClient:
             self._channel = None
             self._stub = None
 
-    def call(self, fn: Callable[[float], T], *, retry: bool = True, deadline_s: float | None = None) -> T:
+    def call(
+        self, fn: Callable[[float], T], *, retry: bool = True, deadline_s: float | None = None
+    ) -> T:
         """Runs fn(timeout) with capped exponential backoff on UNAVAILABLE/DEADLINE_EXCEEDED."""
         give_up = time.monotonic() + (self.retry_deadline_s if deadline_s is None else deadline_s)
         backoff = 0.05
@@ -106,7 +110,11 @@ class LedgerClient:
     # --- the contract, one method per RPC -----------------------------------
 
     def append(
-        self, events: Sequence[pb.ShardEvent], *, retry: bool = True, deadline_s: float | None = None
+        self,
+        events: Sequence[pb.ShardEvent],
+        *,
+        retry: bool = True,
+        deadline_s: float | None = None,
     ) -> list[pb.AppendResult]:
         """Appends a batch atomically; retries reuse the same event ids, so they are idempotent."""
         request = pb.AppendEventsRequest(events=list(events))
@@ -122,7 +130,11 @@ class LedgerClient:
         token = ""
         while True:
             request = pb.ListEventsRequest(
-                namespace=namespace, run_id=run_id, after_sequence=after_sequence, page_size=page_size, page_token=token
+                namespace=namespace,
+                run_id=run_id,
+                after_sequence=after_sequence,
+                page_size=page_size,
+                page_token=token,
             )
             response = self.call(lambda t, r=request: self.stub.ListEvents(r, timeout=t))  # type: ignore[misc]
             yield from response.events
@@ -130,9 +142,13 @@ class LedgerClient:
             if not token:
                 return
 
-    def tail(self, run_id: str, *, namespace: str = "", after_sequence: int = 0) -> Iterator[pb.ShardEvent]:
+    def tail(
+        self, run_id: str, *, namespace: str = "", after_sequence: int = 0
+    ) -> Iterator[pb.ShardEvent]:
         """Yields the run's events, then new ones as they commit (until cancelled)."""
-        request = pb.TailEventsRequest(namespace=namespace, run_id=run_id, after_sequence=after_sequence)
+        request = pb.TailEventsRequest(
+            namespace=namespace, run_id=run_id, after_sequence=after_sequence
+        )
         try:
             for response in self.stub.TailEvents(request):
                 yield response.event
@@ -147,14 +163,21 @@ class LedgerClient:
     def summary(self, run_id: str, *, namespace: str = "") -> str:
         """Returns the run summary as a JSON text."""
         request = pb.GetRunSummaryRequest(namespace=namespace, run_id=run_id)
-        return self.call(lambda t: self.stub.GetRunSummary(request, timeout=t)).summary_json
+        response = self.call(lambda t: self.stub.GetRunSummary(request, timeout=t))
+        return str(response.summary_json)
 
-    def shards(self, run_id: str, *, namespace: str = "", state: str = "", page_size: int = 1000) -> Iterator[pb.ShardView]:
+    def shards(
+        self, run_id: str, *, namespace: str = "", state: str = "", page_size: int = 1000
+    ) -> Iterator[pb.ShardView]:
         """Yields the run's shards (optionally one state) in plan order."""
         token = ""
         while True:
             request = pb.ListShardsRequest(
-                namespace=namespace, run_id=run_id, state=state, page_size=page_size, page_token=token
+                namespace=namespace,
+                run_id=run_id,
+                state=state,
+                page_size=page_size,
+                page_token=token,
             )
             response = self.call(lambda t, r=request: self.stub.ListShards(r, timeout=t))  # type: ignore[misc]
             yield from response.shards
@@ -178,4 +201,6 @@ class LedgerClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            raise LedgerUnavailable(f"no ledger answered at {self.target} within {timeout_s:g}s") from None
+            raise LedgerUnavailable(
+                f"no ledger answered at {self.target} within {timeout_s:g}s"
+            ) from None

@@ -1,14 +1,14 @@
 """Errors the SDK raises, keyed by the server's ErrorInfo reason (never by message text).
 
-    LedgerClientError
-    ├── LedgerUnavailable          the server could not be reached in time (retryable)
-    └── LedgerRejected             the server refused the request; ``reason`` says why
-        ├── InvalidArgument        INVALID_ARGUMENT: a malformed field (``field``)
-        ├── NotFound               NOT_FOUND: e.g. RUN_NOT_FOUND
-        ├── Conflict               ALREADY_EXISTS: EVENT_ID_REUSED, PLAN_CONFLICT
-        ├── LifecycleError         FAILED_PRECONDITION: the shard's life cycle forbids it
-        ├── PermissionDenied       UNAUTHENTICATED / PERMISSION_DENIED
-        └── Overloaded             RESOURCE_EXHAUSTED
+LedgerClientError
+├── LedgerUnavailable          the server could not be reached in time (retryable)
+└── LedgerRejected             the server refused the request; ``reason`` says why
+    ├── InvalidArgument        INVALID_ARGUMENT: a malformed field (``field``)
+    ├── NotFound               NOT_FOUND: e.g. RUN_NOT_FOUND
+    ├── Conflict               ALREADY_EXISTS: EVENT_ID_REUSED, PLAN_CONFLICT
+    ├── LifecycleError         FAILED_PRECONDITION: the shard's life cycle forbids it
+    ├── PermissionDenied       UNAUTHENTICATED / PERMISSION_DENIED
+    └── Overloaded             RESOURCE_EXHAUSTED
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     message = exc.details() if hasattr(exc, "details") else str(exc)
     if code in RETRYABLE:
         return LedgerUnavailable(f"{code.name}: {message}")
-    reason, metadata = code.name, {}
-    status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
+    reason, metadata = code.name, dict[str, str]()
+    status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
     if status is not None:
         for detail in status.details:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):

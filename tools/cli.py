@@ -71,8 +71,12 @@ def common_parent() -> argparse.ArgumentParser:
         help="ledger address (default: $SHARDLEDGER_SERVER or 127.0.0.1:50551)",
     )
     group.add_argument("--namespace", default="", help="tenant namespace (default: 'default')")
-    group.add_argument("--timeout", type=float, default=10.0, help="per-call deadline in seconds (default 10)")
-    parent.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    group.add_argument(
+        "--timeout", type=float, default=10.0, help="per-call deadline in seconds (default 10)"
+    )
+    parent.add_argument(
+        "--json", action="store_true", help="print machine-readable JSON instead of text"
+    )
     return parent
 
 
@@ -80,7 +84,9 @@ def client_from(args: argparse.Namespace) -> Any:
     """Returns a LedgerClient for the common options."""
     from shard_client.client import LedgerClient
 
-    return LedgerClient(args.server, timeout_s=args.timeout, retry_deadline_s=max(args.timeout, 5.0))
+    return LedgerClient(
+        args.server, timeout_s=args.timeout, retry_deadline_s=max(args.timeout, 5.0)
+    )
 
 
 def print_json(value: Any) -> None:
@@ -118,8 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except LedgerUnavailable as exc:
-        print(f"shardledger: ledger unreachable at {getattr(args, 'server', None) or 'default'}: {exc}", file=sys.stderr)
-        print("  start one with `shardledger serve` or set --server / $SHARDLEDGER_SERVER", file=sys.stderr)
+        print(
+            f"shardledger: ledger unreachable at {getattr(args, 'server', None) or 'default'}: {exc}",
+            file=sys.stderr,
+        )
+        print(
+            "  start one with `shardledger serve` or set --server / $SHARDLEDGER_SERVER",
+            file=sys.stderr,
+        )
         return EXIT_UNAVAILABLE
     except LedgerRejected as exc:
         print(f"shardledger: refused ({exc.reason}): {exc}", file=sys.stderr)

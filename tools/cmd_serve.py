@@ -8,7 +8,9 @@ import sys
 from ledger_server.server import DEFAULT_DB, DEFAULT_LISTEN, ServerConfig, configure_logging, serve
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     """Adds the serve command."""
     p = sub.add_parser(
         "serve",
@@ -19,16 +21,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--db", default=DEFAULT_DB, help="SQLite file (or sqlite:///PATH)")
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT to listen on (port 0 picks one)")
+    p.add_argument(
+        "--listen", default=DEFAULT_LISTEN, help="HOST:PORT to listen on (port 0 picks one)"
+    )
     p.add_argument("--max-workers", type=int, default=32, help="RPC handler threads")
     p.add_argument(
-        "--max-concurrent-rpcs", type=int, default=256, help="in-flight RPCs beyond this get RESOURCE_EXHAUSTED"
+        "--max-concurrent-rpcs",
+        type=int,
+        default=256,
+        help="in-flight RPCs beyond this get RESOURCE_EXHAUSTED",
     )
-    p.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
-    p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback address")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds to drain in-flight calls on SIGTERM")
+    p.add_argument(
+        "--no-reflection", action="store_true", help="do not serve gRPC server reflection"
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="allow plaintext on a non-loopback address"
+    )
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds to drain in-flight calls on SIGTERM"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    p.add_argument(
+        "--port-file", default=None, help="write the bound port to this file once serving"
+    )
     p.set_defaults(func=run)
 
 
@@ -46,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def ready(port: int) -> None:
-        print(f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port} (db {args.db})", file=sys.stderr)
+        print(
+            f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port} (db {args.db})",
+            file=sys.stderr,
+        )
         if args.port_file:
             with open(args.port_file + ".tmp", "w") as fh:
                 fh.write(str(port))

@@ -50,7 +50,9 @@ def generate(out_root: Path) -> list[Path]:
     for folder in sorted(folders):
         init = folder / "__init__.py"
         if not init.exists():
-            init.write_text('"""Generated code: never edit by hand; run python -m tools.gen_stubs."""\n')
+            init.write_text(
+                '"""Generated code: never edit by hand; run python -m tools.gen_stubs."""\n'
+            )
             written.append(init)
     return written
 
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             generate(Path(tmp))
             fresh, committed = _tree(Path(tmp)), _tree(OUT_ROOT)
-        stale = sorted(k for k in fresh.keys() | committed.keys() if fresh.get(k) != committed.get(k))
+        stale = sorted(
+            k for k in fresh.keys() | committed.keys() if fresh.get(k) != committed.get(k)
+        )
         if stale:
             print("stale generated stubs: " + ", ".join(stale), file=sys.stderr)
             print("run: python -m tools.gen_stubs", file=sys.stderr)

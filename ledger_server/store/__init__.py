@@ -14,5 +14,7 @@ def open_store(url: str) -> Store:
     if url.startswith("sqlite:///"):
         return SqliteStore(url[len("sqlite:///") :])
     if "://" in url:
-        raise ValueError(f"unsupported database URL scheme in {url!r}: use a path or sqlite:///PATH")
+        raise ValueError(
+            f"unsupported database URL scheme in {url!r}: use a path or sqlite:///PATH"
+        )
     return SqliteStore(url)

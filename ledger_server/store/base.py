@@ -110,7 +110,9 @@ class ReadView(Protocol):
     def list_events(self, run_pk: int, *, after_sequence: int, limit: int) -> list[StoredEvent]:
         """Returns up to limit events of the run with sequence > after_sequence."""
 
-    def iter_events(self, run_pk: int, *, until_sequence: int | None = None) -> Iterator[StoredEvent]:
+    def iter_events(
+        self, run_pk: int, *, until_sequence: int | None = None
+    ) -> Iterator[StoredEvent]:
         """Yields every event of the run in order, up to and including until_sequence."""
 
     def counters(self, run_pk: int) -> dict[str, int]:

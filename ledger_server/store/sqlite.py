@@ -110,7 +110,10 @@ def _run(row: tuple[object, ...]) -> RunRow:
 
 
 def _event(row: tuple[object, ...]) -> StoredEvent:
-    return StoredEvent(*row)  # type: ignore[arg-type]
+    seq, run_pk, run_seq, event_id, body, row_hash = row
+    # A row edited outside the server may come back as TEXT; the audit must still read it.
+    data = body.encode() if isinstance(body, str) else bytes(body)  # type: ignore[call-overload]
+    return StoredEvent(seq, run_pk, run_seq, event_id, data, row_hash)  # type: ignore[arg-type]
 
 
 def _translate(exc: sqlite3.Error) -> StoreError:
@@ -136,7 +139,9 @@ class SqliteStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+            conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30
+            )
             conn.execute("PRAGMA journal_mode=WAL")
             # FULL: a COMMIT returns only after the WAL is fsynced, so an
             # acknowledged append survives power loss, not just a process crash.
@@ -305,9 +310,7 @@ class _SqliteWriteTx:
         )
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
-        self.conn.executemany(
-            SQL_ADD_COUNTER, [(run_pk, key, n) for key, n in deltas.items() if n]
-        )
+        self.conn.executemany(SQL_ADD_COUNTER, [(run_pk, key, n) for key, n in deltas.items() if n])
 
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
         self.conn.execute(SQL_UPDATE_RUN, (event_count, head_hash, now_us, run_pk))
@@ -325,9 +328,13 @@ class _SqliteReadView:
         return [_run(r) for r in self.conn.execute(SQL_LIST_RUNS, (namespace, namespace, limit))]
 
     def list_events(self, run_pk: int, *, after_sequence: int, limit: int) -> list[StoredEvent]:
-        return [_event(r) for r in self.conn.execute(SQL_LIST_EVENTS, (run_pk, after_sequence, limit))]
+        return [
+            _event(r) for r in self.conn.execute(SQL_LIST_EVENTS, (run_pk, after_sequence, limit))
+        ]
 
-    def iter_events(self, run_pk: int, *, until_sequence: int | None = None) -> Iterator[StoredEvent]:
+    def iter_events(
+        self, run_pk: int, *, until_sequence: int | None = None
+    ) -> Iterator[StoredEvent]:
         after = 0
         limit = until_sequence if until_sequence is not None else 2**62
         while True:
@@ -340,7 +347,7 @@ class _SqliteReadView:
                 return
             for row in page:
                 yield _event(row)
-            after = int(page[-1][0])  # type: ignore[call-overload]
+            after = int(page[-1][0])
 
     def counters(self, run_pk: int) -> dict[str, int]:
         return {k: n for k, n in self.conn.execute(SQL_COUNTERS, (run_pk,))}

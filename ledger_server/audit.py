@@ -1,0 +1,86 @@
+"""Chain verification: walk each run's rows and name the first one that breaks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.store.base import RunRow, Store, StoredEvent
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReport:
+    """The verdict on one run's hash chain."""
+
+    namespace: str
+    run_id: str
+    events: int
+    ok: bool
+    first_bad_sequence: int | None = None
+    problem: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        """Returns the report as a JSON-ready dict."""
+        return {
+            "namespace": self.namespace,
+            "run_id": self.run_id,
+            "events": self.events,
+            "ok": self.ok,
+            "first_bad_sequence": self.first_bad_sequence,
+            "problem": self.problem,
+        }
+
+
+def verify_rows(run: RunRow, rows: Iterable[StoredEvent]) -> ChainReport:
+    """Recomputes the chain over the rows of one run and compares it with the stored head."""
+    prev, expected_index, count = GENESIS_HASH, 1, 0
+
+    def bad(seq: int | None, problem: str) -> ChainReport:
+        return ChainReport(run.namespace, run.run_id, count, False, seq, problem)
+
+    for stored in rows:
+        count += 1
+        if stored.run_sequence != expected_index:
+            return bad(
+                stored.sequence,
+                f"run_sequence {stored.run_sequence} where {expected_index} was expected"
+                " (a row was deleted, inserted or reordered)",
+            )
+        try:
+            body = json.loads(stored.row)
+        except ValueError:
+            return bad(stored.sequence, "row bytes are not valid JSON (edited)")
+        if (
+            body.get("event_id") != stored.event_id
+            or body.get("run_sequence") != stored.run_sequence
+            or body.get("run_id") != run.run_id
+            or body.get("namespace") != run.namespace
+        ):
+            return bad(stored.sequence, "row columns disagree with the hashed row bytes")
+        if chain_hash(prev, stored.row) != stored.row_hash:
+            return bad(stored.sequence, "row hash does not match blake3(previous hash || row)")
+        prev = stored.row_hash
+        expected_index += 1
+    if count != run.event_count or prev != run.head_hash:
+        return bad(
+            None,
+            f"run head says {run.event_count} events ending in {run.head_hash.hex()[:16]},"
+            f" the rows give {count} ending in {prev.hex()[:16]} (rows were removed or added)",
+        )
+    return ChainReport(run.namespace, run.run_id, count, True)
+
+
+def verify_store(
+    store: Store, *, namespace: str | None = None, run_id: str | None = None
+) -> list[ChainReport]:
+    """Verifies the chains of every run (or one run) in the store."""
+    view = store.read()
+    runs = view.list_runs(namespace, 1 << 30)
+    if run_id is not None:
+        runs = [r for r in runs if r.run_id == run_id]
+    return [
+        verify_rows(run, view.iter_events(run.run_pk))
+        for run in sorted(runs, key=lambda r: r.run_pk)
+    ]
