@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ledger_server.ledger import Ledger
 from ledger_server.servicer import LedgerServicer
+from ledger_server.signing import SigningKey
 from ledger_server.store import open_store
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -45,6 +46,8 @@ class ServerConfig:
     reflection: bool = True
     insecure: bool = False
     grace_s: float = 10.0
+    # Ed25519 key that signs tree heads; created on first start (default: beside the database).
+    signing_key: str | None = None
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 
@@ -102,6 +105,14 @@ class RequestLogInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return handler
 
 
+def default_key_path(database: str) -> str:
+    """Returns where the signing key lives by default: beside the SQLite file."""
+    path = database[len("sqlite:///") :] if database.startswith("sqlite:///") else database
+    if "://" in path or path == ":memory:":
+        return "shardledger-signing-key.pem"
+    return path + ".signing-key.pem"
+
+
 def is_loopback(listen: str) -> bool:
     """Returns whether a HOST:PORT listen address is on loopback only."""
     host = listen.rsplit(":", 1)[0].strip("[]")
@@ -155,7 +166,10 @@ def create_server(config: ServerConfig) -> RunningServer:
         options=options,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(ledger), server)
+    key = SigningKey.load_or_create(config.signing_key or default_key_path(config.database))
+    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
+        LedgerServicer(ledger, signing_key=key), server
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:

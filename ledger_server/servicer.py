@@ -13,6 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ledger_server import codec
+from ledger_server.audit_rpc import AuditRpcMixin
 from ledger_server.errors import (
     ConflictError,
     EventRejected,
@@ -24,6 +25,7 @@ from ledger_server.errors import (
 )
 from ledger_server.events import canonical_json
 from ledger_server.ledger import Ledger
+from ledger_server.signing import SigningKey
 from ledger_server.store.base import StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -99,11 +101,12 @@ def _page_size(value: int) -> int:
     return min(value or 1000, MAX_PAGE_SIZE)
 
 
-class LedgerServicer(pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
+class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
     """Thin adapter from the v1 contract to the Ledger."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, *, signing_key: SigningKey | None = None) -> None:
         self.ledger = ledger
+        self.signing_key = signing_key
 
     def AppendEvents(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext

@@ -359,3 +359,69 @@ class StreamResumeListResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ResumeEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[ResumeEntry, _Mapping]]] = ...) -> None: ...
+
+class GetTreeHeadRequest(_message.Message):
+    __slots__ = ("namespace", "run_id", "tree_size")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    tree_size: int
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ...) -> None: ...
+
+class GetTreeHeadResponse(_message.Message):
+    __slots__ = ("tree_head_json",)
+    TREE_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    tree_head_json: str
+    def __init__(self, tree_head_json: _Optional[str] = ...) -> None: ...
+
+class GetInclusionProofRequest(_message.Message):
+    __slots__ = ("namespace", "run_id", "event_id", "tree_size")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    event_id: str
+    tree_size: int
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., event_id: _Optional[str] = ..., tree_size: _Optional[int] = ...) -> None: ...
+
+class GetInclusionProofResponse(_message.Message):
+    __slots__ = ("proof_bundle_json",)
+    PROOF_BUNDLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    proof_bundle_json: str
+    def __init__(self, proof_bundle_json: _Optional[str] = ...) -> None: ...
+
+class GetConsistencyProofRequest(_message.Message):
+    __slots__ = ("namespace", "run_id", "old_size", "new_size")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    old_size: int
+    new_size: int
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., old_size: _Optional[int] = ..., new_size: _Optional[int] = ...) -> None: ...
+
+class GetConsistencyProofResponse(_message.Message):
+    __slots__ = ("proof", "tree_head_json")
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    TREE_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    proof: _containers.RepeatedScalarFieldContainer[bytes]
+    tree_head_json: str
+    def __init__(self, proof: _Optional[_Iterable[bytes]] = ..., tree_head_json: _Optional[str] = ...) -> None: ...
+
+class GetPublicKeyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPublicKeyResponse(_message.Message):
+    __slots__ = ("public_key_pem", "key_id")
+    PUBLIC_KEY_PEM_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    public_key_pem: str
+    key_id: str
+    def __init__(self, public_key_pem: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...

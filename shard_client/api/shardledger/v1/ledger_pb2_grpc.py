@@ -70,6 +70,26 @@ class LedgerServiceStub:
                 request_serializer=shardledger_dot_v1_dot_ledger__pb2.StreamResumeListRequest.SerializeToString,
                 response_deserializer=shardledger_dot_v1_dot_ledger__pb2.StreamResumeListResponse.FromString,
                 _registered_method=True)
+        self.GetTreeHead = channel.unary_unary(
+                '/shardledger.v1.LedgerService/GetTreeHead',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.GetTreeHeadRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetTreeHeadResponse.FromString,
+                _registered_method=True)
+        self.GetInclusionProof = channel.unary_unary(
+                '/shardledger.v1.LedgerService/GetInclusionProof',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.GetInclusionProofRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetInclusionProofResponse.FromString,
+                _registered_method=True)
+        self.GetConsistencyProof = channel.unary_unary(
+                '/shardledger.v1.LedgerService/GetConsistencyProof',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.GetConsistencyProofRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetConsistencyProofResponse.FromString,
+                _registered_method=True)
+        self.GetPublicKey = channel.unary_unary(
+                '/shardledger.v1.LedgerService/GetPublicKey',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServiceServicer:
@@ -127,6 +147,34 @@ class LedgerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTreeHead(self, request, context):
+        """GetTreeHead returns the run's signed Merkle tree head (RFC 6962 style, blake3).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInclusionProof(self, request, context):
+        """GetInclusionProof proves that one event is a leaf of the run's tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetConsistencyProof(self, request, context):
+        """GetConsistencyProof proves that the run's tree at new_size extends the tree at old_size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPublicKey(self, request, context):
+        """GetPublicKey returns the server's tree-head signing key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +212,26 @@ def add_LedgerServiceServicer_to_server(servicer, server):
                     servicer.StreamResumeList,
                     request_deserializer=shardledger_dot_v1_dot_ledger__pb2.StreamResumeListRequest.FromString,
                     response_serializer=shardledger_dot_v1_dot_ledger__pb2.StreamResumeListResponse.SerializeToString,
+            ),
+            'GetTreeHead': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTreeHead,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetTreeHeadRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.GetTreeHeadResponse.SerializeToString,
+            ),
+            'GetInclusionProof': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInclusionProof,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetInclusionProofRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.GetInclusionProofResponse.SerializeToString,
+            ),
+            'GetConsistencyProof': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConsistencyProof,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetConsistencyProofRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.GetConsistencyProofResponse.SerializeToString,
+            ),
+            'GetPublicKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPublicKey,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +424,114 @@ class LedgerService:
             '/shardledger.v1.LedgerService/StreamResumeList',
             shardledger_dot_v1_dot_ledger__pb2.StreamResumeListRequest.SerializeToString,
             shardledger_dot_v1_dot_ledger__pb2.StreamResumeListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTreeHead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardledger.v1.LedgerService/GetTreeHead',
+            shardledger_dot_v1_dot_ledger__pb2.GetTreeHeadRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.GetTreeHeadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInclusionProof(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardledger.v1.LedgerService/GetInclusionProof',
+            shardledger_dot_v1_dot_ledger__pb2.GetInclusionProofRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.GetInclusionProofResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConsistencyProof(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardledger.v1.LedgerService/GetConsistencyProof',
+            shardledger_dot_v1_dot_ledger__pb2.GetConsistencyProofRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.GetConsistencyProofResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPublicKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardledger.v1.LedgerService/GetPublicKey',
+            shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,
