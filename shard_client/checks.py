@@ -1,0 +1,397 @@
+"""Artifact integrity checks: containment, size, blake3 digest and content sanity."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+import os
+import stat
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import blake3
+
+__all__ = [
+    "CONTENT_CHECKS",
+    "CheckResult",
+    "ContentCheck",
+    "PathOutsideRoot",
+    "Validator",
+    "content_check",
+    "load_entry_point_validators",
+    "resolve_within_root",
+    "verify_artifact",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """The outcome of one check: a pass flag, a machine-readable reason slug and a human detail."""
+
+    passed: bool
+    reason: str
+    detail: str
+
+
+Validator: TypeAlias = Callable[[Path], CheckResult | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ContentCheck:
+    """A content check and the media types, file extensions and magic numbers that select it."""
+
+    name: str
+    run: Validator
+    # The reason reported when `run` raises: parsers of arbitrary bytes raise a zoo of types.
+    failure_reason: str
+    extensions: frozenset[str] = frozenset()
+    media_types: frozenset[str] = frozenset()
+    magic: tuple[bytes, ...] = ()
+
+
+# Run in order; extend with `content_check` or by appending a ContentCheck.
+CONTENT_CHECKS: list[ContentCheck] = []
+
+
+def content_check(
+    failure_reason: str, *, ext: str = "", media: str = "", magic: tuple[bytes, ...] = ()
+) -> Callable[[Validator], Validator]:
+    """Registers a function as a content check; ext and media are space-separated lists."""
+
+    def register(run: Validator) -> Validator:
+        name = getattr(run, "__name__", repr(run)).removeprefix("_check_")
+        selectors = frozenset(ext.lower().split()), frozenset(media.lower().split()), magic
+        CONTENT_CHECKS.append(ContentCheck(name, run, failure_reason, *selectors))
+        return run
+
+    return register
+
+
+class PathOutsideRoot(ValueError):
+    """Raised when an artifact path resolves outside the verification root."""
+
+    def __init__(self, *, path: str, resolved: Path, root: Path) -> None:
+        super().__init__(f"{path!r} resolves to {str(resolved)!r}, outside root {str(root)!r}")
+        self.path = path
+        self.resolved = resolved
+        self.root = root
+
+
+_MMAP_THRESHOLD = 1 << 20
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+def _fail(reason: str, detail: str) -> CheckResult:
+    return CheckResult(passed=False, reason=reason, detail=detail)
+
+
+def resolve_within_root(root: str | os.PathLike[str], path: str) -> Path:
+    """Resolves an artifact path against root and refuses any that lands outside it."""
+    base = Path(root).resolve()
+    candidate = Path(path)
+    # Resolving follows every symlink, so a link inside root that points outside is refused too.
+    target = (candidate if candidate.is_absolute() else base / candidate).resolve(strict=False)
+    if not target.is_relative_to(base):
+        raise PathOutsideRoot(path=path, resolved=target, root=base)
+    return target
+
+
+def verify_artifact(
+    *,
+    root: str | os.PathLike[str],
+    path: str,
+    expected_size: int,
+    expected_blake3: str,
+    media_type: str = "",
+    validators: Mapping[str, Validator] | None = None,
+) -> CheckResult:
+    """Checks one committed artifact against its ledger record, its content rules and validators."""
+    try:
+        resolved = resolve_within_root(root, path)
+    except PathOutsideRoot as exc:
+        return _fail("outside_root", str(exc))
+    except (OSError, ValueError, RuntimeError) as exc:
+        # Embedded NUL bytes raise ValueError; symlink loops raise RuntimeError on 3.11.
+        return _fail("not_a_file", f"cannot resolve {path!r}: {exc}")
+    try:
+        record = _check_record(resolved, size=expected_size, blake3_hex=expected_blake3)
+        return record or _check_content(
+            resolved, suffix=Path(path).suffix, media_type=media_type, validators=validators or {}
+        )
+    except OSError as exc:
+        # Found and then unreadable: an I/O error, or the file was swapped mid-verification.
+        return _fail("not_a_file", f"cannot read {str(resolved)!r}: {exc}")
+
+
+def _check_record(path: Path, *, size: int, blake3_hex: str) -> CheckResult | None:
+    try:
+        info = path.stat()
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        return _fail("missing", f"{exc.strerror}: {str(path)!r}")
+    except OSError as exc:
+        return _fail("not_a_file", f"cannot stat {str(path)!r}: {exc}")
+    if not stat.S_ISREG(info.st_mode):
+        return _fail("not_a_file", f"{str(path)!r} is not a regular file")
+    if info.st_size != size:
+        return _fail("size_mismatch", f"expected {size} bytes, found {info.st_size}")
+    digest = _blake3_hex(path, size=info.st_size)
+    if digest != blake3_hex.strip().lower():
+        return _fail("digest_mismatch", f"expected blake3 {blake3_hex}, found {digest}")
+    if info.st_size == 0:
+        # A zero-byte artifact is almost always a writer that died before its first flush.
+        return _fail("empty", "artifact is zero bytes long")
+    return None
+
+
+def _blake3_hex(path: Path, *, size: int) -> str:
+    # Mapping an empty file fails, and for small files the mmap setup costs more than a read.
+    if size < _MMAP_THRESHOLD:
+        return blake3.blake3(path.read_bytes()).hexdigest()
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher.update_mmap(path)
+    return hasher.hexdigest()
+
+
+def _check_content(
+    path: Path, *, suffix: str, media_type: str, validators: Mapping[str, Validator]
+) -> CheckResult:
+    with path.open("rb") as fh:
+        head = fh.read(16)
+    selected = _select_checks(suffix=suffix, media_type=media_type, head=head)
+    # User validators run last, so a built-in failure is reported before any opinion of theirs.
+    selected += [
+        ContentCheck(f"validator:{n}", run, f"validator:{n}") for n, run in validators.items()
+    ]
+    ran, notes = ["size", "blake3"], []
+    for check in selected:
+        result = _guarded(check, path) or CheckResult(True, "ok", "")
+        if not result.passed:
+            return result
+        ran.append(check.name)
+        notes.append(result.detail)
+    return CheckResult(True, "ok", "; ".join(["checked " + ", ".join(ran), *filter(None, notes)]))
+
+
+def _select_checks(*, suffix: str, media_type: str, head: bytes) -> list[ContentCheck]:
+    media = media_type.split(";", 1)[0].strip().lower()
+    # A known media type is the committer's explicit word, so it overrides the extension.
+    by_media = any(media in check.media_types for check in CONTENT_CHECKS)
+    return [
+        check
+        for check in CONTENT_CHECKS
+        if (media in check.media_types if by_media else suffix.lower() in check.extensions)
+        or any(head.startswith(magic) for magic in check.magic)
+    ]
+
+
+def _guarded(check: ContentCheck, path: Path) -> CheckResult | None:
+    try:
+        result = check.run(path)
+    except Exception as exc:
+        # A raising check fails the artifact loudly; it never passes it silently.
+        return _fail(check.failure_reason, f"raised {type(exc).__name__}: {exc}")
+    if result is not None and not isinstance(result, CheckResult):
+        return _fail(check.failure_reason, f"returned {result!r}, expected CheckResult or None")
+    if result is not None and not result.passed and check.name.startswith("validator:"):
+        # User validators report under their own name, keeping their slug in the detail.
+        return _fail(check.failure_reason, f"{result.reason}: {result.detail}")
+    return result
+
+
+@content_check("json_invalid", ext=".json", media="application/json")
+def _check_json(path: Path) -> CheckResult | None:
+    json.loads(path.read_bytes())
+    return None
+
+
+@content_check("json_invalid", ext=".jsonl .ndjson", media="application/jsonl application/x-ndjson")
+def _check_jsonl(path: Path) -> CheckResult | None:
+    with path.open("rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as exc:
+                return _fail("json_invalid", f"line {number}: {exc}")
+    return None
+
+
+@content_check("image_undecodable", ext=".png", media="image/png", magic=(_PNG_SIGNATURE,))
+def _check_png(path: Path) -> CheckResult | None:
+    return _check_image(path, kind="PNG", start=_PNG_SIGNATURE, end=_PNG_IEND)
+
+
+@content_check("image_undecodable", ext=".jpg .jpeg", media="image/jpeg", magic=(b"\xff\xd8\xff",))
+def _check_jpeg(path: Path) -> CheckResult | None:
+    return _check_image(path, kind="JPEG", start=b"\xff\xd8\xff", end=b"\xff\xd9")
+
+
+def _check_image(path: Path, *, kind: str, start: bytes, end: bytes) -> CheckResult | None:
+    with path.open("rb") as fh:
+        if fh.read(len(start)) != start:
+            return _fail("image_undecodable", f"missing {kind} signature {start!r}")
+        # Writers emit the end marker last, so a file cut short anywhere lacks it.
+        fh.seek(max(path.stat().st_size - len(end), 0))
+        if fh.read() != end:
+            return _fail("truncated", f"{kind} does not end with {end!r}")
+    try:
+        from PIL import Image
+    except ImportError:
+        return CheckResult(True, "ok", "Pillow not installed, pixels not decoded")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            extrema: Any = img.getextrema()
+    except Exception as exc:
+        # Pillow reports corrupt data as OSError, SyntaxError, ValueError and more.
+        return _fail("image_undecodable", f"{type(exc).__name__}: {exc}")
+    bands = extrema if isinstance(extrema[0], tuple) else (extrema,)
+    if all(low == high for low, high in bands):
+        return _fail("image_degenerate", f"every pixel is identical (extrema {extrema})")
+    return None
+
+
+@content_check("truncated", ext=".gz .tgz", media="application/gzip", magic=(b"\x1f\x8b",))
+def _check_gzip(path: Path) -> CheckResult | None:
+    # Reading to the end makes gzip verify the trailer's CRC32 and length.
+    with gzip.open(path, "rb") as fh:
+        while fh.read(_MMAP_THRESHOLD):
+            pass
+    return None
+
+
+# Registered before the torch and numpy checks: .pt and .npz files are zip archives.
+@content_check("truncated", ext=".zip", media="application/zip", magic=(b"PK\x03\x04",))
+def _check_zip(path: Path) -> CheckResult | None:
+    with zipfile.ZipFile(path) as archive:
+        bad = archive.testzip()
+    return None if bad is None else _fail("truncated", f"zip member {bad!r} fails its CRC")
+
+
+def _key_paths(obj: object, key: str = "") -> Iterator[tuple[str, object]]:
+    # Bracketed keys, because state-dict keys themselves contain dots.
+    if isinstance(obj, Mapping):
+        for name, value in obj.items():
+            yield from _key_paths(value, f"{key}[{name!r}]")
+    elif isinstance(obj, list | tuple):
+        for index, value in enumerate(obj):
+            yield from _key_paths(value, f"{key}[{index}]")
+    else:
+        yield key or "<root>", obj
+
+
+def _first_nonfinite(counts: Iterable[tuple[str, int]]) -> CheckResult | None:
+    # Counts are lazy, so scanning stops at the first tensor holding a NaN or Inf.
+    key, bad = next(((key, bad) for key, bad in counts if bad), ("", 0))
+    return _fail("nan_or_inf", f"{bad} NaN/Inf values in {key}") if bad else None
+
+
+@content_check("tensor_unreadable", ext=".pt .pth .ckpt", media="application/x-torch")
+def _check_torch(path: Path) -> CheckResult | None:
+    try:
+        import torch
+    except ImportError:
+        return CheckResult(True, "ok", "torch not installed, tensors not checked")
+    # mmap keeps multi-gigabyte checkpoints out of RAM; only the zip format supports it.
+    loaded = torch.load(path, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    tensors = (
+        (key, value)
+        for key, value in _key_paths(loaded)
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+    )
+    return _first_nonfinite((key, int(torch.isfinite(t).logical_not().sum())) for key, t in tensors)
+
+
+def _numpy_nonfinite(arrays: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, int]]:
+    import numpy as np
+
+    for key, array in arrays:
+        for field in array.dtype.names or ():
+            yield from _numpy_nonfinite([(f"{key}[{field!r}]", array[field])])
+        if array.dtype.kind in "fc":
+            yield key, int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+@content_check(
+    "tensor_unreadable", ext=".npy .npz", media="application/x-npy", magic=(b"\x93NUMPY",)
+)
+def _check_numpy(path: Path) -> CheckResult | None:
+    try:
+        import numpy as np
+    except ImportError:
+        return CheckResult(True, "ok", "numpy not installed, arrays not checked")
+    loaded = np.load(path, allow_pickle=False, mmap_mode="r")
+    if isinstance(loaded, np.ndarray):
+        return _first_nonfinite(_numpy_nonfinite([("<root>", loaded)]))
+    with loaded:
+        return _first_nonfinite(_numpy_nonfinite((repr(n), loaded[n]) for n in loaded.files))
+
+
+# An element is NaN or Inf exactly when every bit of the mask is set (E4M3 has no Inf).
+_SAFETENSORS_NONFINITE_MASKS = {
+    "F64": ("<u8", 0x7FF0_0000_0000_0000),
+    "F32": ("<u4", 0x7F80_0000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F8_E5M2": ("u1", 0x7C),
+    "F8_E4M3": ("u1", 0x7F),
+}
+
+
+@content_check("tensor_unreadable", ext=".safetensors", media="application/x-safetensors")
+def _check_safetensors(path: Path) -> CheckResult | None:
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        base = 8 + int.from_bytes(fh.read(8), "little")
+        if size < 8 or base > size:
+            return _fail("truncated", "safetensors header runs past the end of the file")
+        header = json.loads(fh.read(base - 8))
+    header.pop("__metadata__", None)
+    spans = {repr(name): (info["dtype"], *info["data_offsets"]) for name, info in header.items()}
+    for name, (_, begin, end) in spans.items():
+        if not 0 <= begin <= end or base + end > size:
+            return _fail("truncated", f"tensor {name} runs past the end of the file")
+    try:
+        import numpy as np
+    except ImportError:
+        return CheckResult(True, "ok", "numpy not installed, tensor values not checked")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return _first_nonfinite(
+        (name, _count_nonfinite_bits(data[base + begin : base + end], dtype))
+        for name, (dtype, begin, end) in spans.items()
+    )
+
+
+def _count_nonfinite_bits(raw: Any, dtype: str) -> int:
+    if dtype not in _SAFETENSORS_NONFINITE_MASKS:
+        return 0
+    view_dtype, mask = _SAFETENSORS_NONFINITE_MASKS[dtype]
+    return int(((raw.view(view_dtype) & mask) == mask).sum())
+
+
+def load_entry_point_validators(group: str = "shardledger.validators") -> dict[str, Validator]:
+    """Loads the validators that installed distributions register under an entry-point group."""
+    found: dict[str, Validator] = {}
+    for point in sorted(importlib.metadata.entry_points(group=group), key=lambda p: p.value):
+        # Two distributions claiming one name is a packaging bug; failing beats picking one.
+        twice = _always_failing(f"entry point name {point.name!r} is registered twice")
+        found[point.name] = twice if point.name in found else _load_validator(point)
+    return found
+
+
+def _load_validator(point: importlib.metadata.EntryPoint) -> Validator:
+    # A validator that cannot be loaded fails every artifact rather than vanishing from the run.
+    try:
+        loaded = point.load()
+    except Exception as exc:
+        return _always_failing(f"cannot load {point.value}: {type(exc).__name__}: {exc}")
+    return loaded if callable(loaded) else _always_failing(f"{point.value} is not callable")
+
+
+def _always_failing(detail: str) -> Validator:
+    return lambda path: _fail("validator_broken", detail)
