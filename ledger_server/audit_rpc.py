@@ -1,26 +1,307 @@
-"""Audit RPCs (tree heads, inclusion and consistency proofs): placeholder until implemented."""
+"""Audit RPCs: signed tree heads, inclusion and consistency proofs over per-run Merkle trees.
+
+Each run's tree has one leaf per row (leaf data = the stored canonical row
+bytes, leaf index = run_sequence - 1). Trees live in a bounded in-memory LRU
+and are extended with the rows committed since the last request, so a head
+costs O(new rows + log n) instead of a full re-read. While extending, the
+chain is re-checked: the server never signs a head over rows that break it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, TypeVar
 
 import grpc
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+
+from ledger_server.errors import InvalidEvent, LedgerError
+from ledger_server.events import GENESIS_HASH, canonical_json, chain_hash, check_id
+from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
+from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
+from ledger_server.store.base import ReadView, RunRow, StoreError
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+
+if TYPE_CHECKING:
+    from ledger_server.ledger import Ledger
+
+MAX_CACHED_RUNS: Final = 64
+# About 130 bytes per leaf (tree levels plus the event-id index): ~500 MiB at most.
+MAX_CACHED_LEAVES: Final = 4_000_000
+_PAGE: Final = 5000
+_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+T = TypeVar("T")
+
+
+class EventNotFound(LedgerError):
+    """The event id names no event of the run (NOT_FOUND)."""
+
+    reason = "EVENT_NOT_FOUND"
+
+
+class LedgerCorrupt(LedgerError):
+    """The stored rows break the hash chain or disagree with the run head (DATA_LOSS)."""
+
+    reason = "LEDGER_CORRUPT"
+
+
+class SigningKeyMissing(LedgerError):
+    """The server was started without a tree-head signing key (FAILED_PRECONDITION)."""
+
+    reason = "SIGNING_KEY_MISSING"
+
+
+# Audit-only errors take these codes; every other error keeps the servicer's table.
+AUDIT_ERROR_CODES: Final[list[tuple[type[LedgerError], grpc.StatusCode]]] = [
+    (EventNotFound, grpc.StatusCode.NOT_FOUND),
+    (LedgerCorrupt, grpc.StatusCode.DATA_LOSS),
+    (SigningKeyMissing, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+@dataclass(slots=True)
+class RunTree:
+    """One run's Merkle tree as far as it was read, with what extending it needs."""
+
+    run_pk: int
+    tree: MerkleTree = field(default_factory=MerkleTree)
+    head_hash: bytes = GENESIS_HASH
+    last_sequence: int = 0
+    # event_id -> global sequence: inclusion proofs are asked for by event id.
+    sequences: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def extend(self, view: ReadView, run: RunRow) -> None:
+        """Appends the rows committed since the last call, re-checking the chain."""
+        while True:
+            page = view.list_events(run.run_pk, after_sequence=self.last_sequence, limit=_PAGE)
+            if not page:
+                break
+            for stored in page:
+                expected = self.tree.size + 1
+                if stored.run_sequence != expected:
+                    raise LedgerCorrupt(
+                        f"row at sequence {stored.sequence} has run_sequence"
+                        f" {stored.run_sequence} where {expected} was expected",
+                        sequence=stored.sequence,
+                    )
+                if chain_hash(self.head_hash, stored.row) != stored.row_hash:
+                    raise LedgerCorrupt(
+                        f"row at sequence {stored.sequence} does not match its chain hash",
+                        sequence=stored.sequence,
+                    )
+                self.tree.append(stored.row)
+                self.head_hash = stored.row_hash
+                self.last_sequence = stored.sequence
+                self.sequences[stored.event_id] = stored.sequence
+        if self.tree.size < run.event_count:
+            raise LedgerCorrupt(
+                f"run head says {run.event_count} events, the rows give {self.tree.size}",
+                run_id=run.run_id,
+            )
+
+
+class RunTreeCache:
+    """Holds the trees of recently audited runs, least recently used evicted first."""
+
+    def __init__(
+        self, *, max_runs: int = MAX_CACHED_RUNS, max_leaves: int = MAX_CACHED_LEAVES
+    ) -> None:
+        self.max_runs = max_runs
+        self.max_leaves = max_leaves
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[int, RunTree] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, run_pk: object) -> bool:
+        return run_pk in self._entries
+
+    @contextmanager
+    def locked(self, view: ReadView, run: RunRow) -> Iterator[RunTree]:
+        """Yields the run's tree, extended to at least the run head, held exclusively."""
+        entry = self._entry(run.run_pk)
+        # One lock per run: a long first read of a big run never blocks other runs' audits.
+        with entry.lock:
+            entry.extend(view, run)
+            yield entry
+
+    def _entry(self, run_pk: int) -> RunTree:
+        with self._lock:
+            entry = self._entries.get(run_pk)
+            if entry is None:
+                entry = self._entries[run_pk] = RunTree(run_pk)
+            self._entries.move_to_end(run_pk)
+            leaves = sum(e.tree.size for e in self._entries.values())
+            while len(self._entries) > 1 and (
+                len(self._entries) > self.max_runs or leaves > self.max_leaves
+            ):
+                _, evicted = self._entries.popitem(last=False)
+                leaves -= evicted.tree.size
+            return entry
+
+
+_CACHE_INIT_LOCK: Final = threading.Lock()
 
 
 class AuditRpcMixin:
-    """Serves the audit RPCs of the v1 contract."""
+    """Serves the audit RPCs of the v1 contract (mixed into LedgerServicer)."""
 
-    def _unimplemented(self, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "audit RPCs are not implemented yet")
+    ledger: Ledger
+    signing_key: SigningKey | None
 
-    def GetTreeHead(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._unimplemented(context)
+    def GetTreeHead(
+        self, request: pb.GetTreeHeadRequest, context: grpc.ServicerContext
+    ) -> pb.GetTreeHeadResponse:
+        def call() -> pb.GetTreeHeadResponse:
+            with self._audit_tree(request.namespace, request.run_id) as (run, entry):
+                size = _size("tree_size", request.tree_size, entry.tree.size)
+                head = self._sign(run, size, entry.tree.root(size))
+            return pb.GetTreeHeadResponse(tree_head_json=canonical_json(head.to_json()))
 
-    def GetInclusionProof(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._unimplemented(context)
+        return _guard(context, call)
 
-    def GetConsistencyProof(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._unimplemented(context)
+    def GetInclusionProof(
+        self, request: pb.GetInclusionProofRequest, context: grpc.ServicerContext
+    ) -> pb.GetInclusionProofResponse:
+        def call() -> pb.GetInclusionProofResponse:
+            check_id("event_id", request.event_id)
+            with self._audit_tree(request.namespace, request.run_id) as (run, entry):
+                bundle = self._inclusion(run, entry, request.event_id, request.tree_size)
+            return pb.GetInclusionProofResponse(proof_bundle_json=canonical_json(bundle.to_json()))
 
-    def GetPublicKey(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._unimplemented(context)
+        return _guard(context, call)
+
+    def GetConsistencyProof(
+        self, request: pb.GetConsistencyProofRequest, context: grpc.ServicerContext
+    ) -> pb.GetConsistencyProofResponse:
+        def call() -> pb.GetConsistencyProofResponse:
+            with self._audit_tree(request.namespace, request.run_id) as (run, entry):
+                new = _size("new_size", request.new_size, entry.tree.size)
+                if not 0 <= request.old_size <= new:
+                    raise InvalidEvent("old_size", f"must be between 0 and the new size {new}")
+                proof = entry.tree.consistency_proof(request.old_size, new)
+                head = self._sign(run, new, entry.tree.root(new))
+            return pb.GetConsistencyProofResponse(
+                proof=proof, tree_head_json=canonical_json(head.to_json())
+            )
+
+        return _guard(context, call)
+
+    def GetPublicKey(
+        self, request: pb.GetPublicKeyRequest, context: grpc.ServicerContext
+    ) -> pb.GetPublicKeyResponse:
+        def call() -> pb.GetPublicKeyResponse:
+            key = self._key()
+            return pb.GetPublicKeyResponse(public_key_pem=key.public_key_pem(), key_id=key.key_id)
+
+        return _guard(context, call)
+
+    # --- helpers ---------------------------------------------------------------
+
+    @property
+    def audit_trees(self) -> RunTreeCache:
+        """Returns this servicer's tree cache, created on first use."""
+        cache: RunTreeCache | None = getattr(self, "_audit_trees", None)
+        if cache is None:
+            with _CACHE_INIT_LOCK:
+                cache = getattr(self, "_audit_trees", None)
+                if cache is None:
+                    cache = RunTreeCache()
+                    self._audit_trees = cache
+        return cache
+
+    @contextmanager
+    def _audit_tree(self, namespace: str, run_id: str) -> Iterator[tuple[RunRow, RunTree]]:
+        run = self.ledger.run(namespace, run_id)
+        with self.audit_trees.locked(self.ledger.store.read(), run) as entry:
+            yield run, entry
+
+    def _key(self) -> SigningKey:
+        if self.signing_key is None:
+            raise SigningKeyMissing("this server has no tree-head signing key")
+        return self.signing_key
+
+    def _sign(self, run: RunRow, size: int, root: bytes) -> TreeHead:
+        return sign_tree_head(
+            self._key(),
+            namespace=run.namespace,
+            run_id=run.run_id,
+            tree_size=size,
+            root=root,
+            timestamp_ms=self.ledger.clock() // 1000,
+        )
+
+    def _inclusion(
+        self, run: RunRow, entry: RunTree, event_id: str, tree_size: int
+    ) -> InclusionProofBundle:
+        sequence = entry.sequences.get(event_id)
+        if sequence is None:
+            raise EventNotFound(
+                f"event {event_id} is not in run {run.run_id} of namespace {run.namespace}",
+                event_id=event_id,
+                run_id=run.run_id,
+            )
+        size = _size("tree_size", tree_size, entry.tree.size)
+        rows = self.ledger.store.read().list_events(
+            run.run_pk, after_sequence=sequence - 1, limit=1
+        )
+        if not rows or rows[0].sequence != sequence:
+            raise LedgerCorrupt(f"event {event_id} vanished from sequence {sequence}")
+        stored, index = rows[0], rows[0].run_sequence - 1
+        if index >= size:
+            raise InvalidEvent(
+                "tree_size", f"event {event_id} is leaf {index}, outside a tree of size {size}"
+            )
+        proof, root = entry.tree.inclusion_proof(index, size), entry.tree.root(size)
+        # The cached leaf was checked when read; a row edited since then must not be proven.
+        if not verify_inclusion(
+            leaf_hash=leaf_hash(stored.row), index=index, size=size, proof=proof, root=root
+        ):
+            raise LedgerCorrupt(
+                f"row at sequence {sequence} changed after it was added to the tree",
+                sequence=sequence,
+            )
+        head = self._sign(run, size, root)
+        return InclusionProofBundle(head, index, stored.row.hex(), [p.hex() for p in proof])
+
+
+def _size(field_name: str, requested: int, current: int) -> int:
+    """Returns the requested tree size (0 = current), or raises InvalidEvent naming the field."""
+    if requested < 0:
+        raise InvalidEvent(field_name, "must not be negative")
+    if requested > current:
+        raise InvalidEvent(
+            field_name, f"is {requested}, beyond the run's current size {current}", current=current
+        )
+    return requested or current
+
+
+def audit_status(exc: LedgerError | StoreError) -> grpc.Status:
+    """Returns the rich status of an error, with the audit-only codes applied."""
+    # Imported here: servicer.py imports this module to build LedgerServicer.
+    from ledger_server.servicer import rich_status
+
+    status = rich_status(exc)
+    code = next((c for cls, c in AUDIT_ERROR_CODES if isinstance(exc, cls)), None)
+    if code is None:
+        return status
+    detail = dict(status.trailing_metadata)[_DETAILS_KEY]
+    message = status_pb2.Status.FromString(detail)
+    message.code = code.value[0]
+    return rpc_status.to_status(message)
+
+
+def _guard(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except (LedgerError, StoreError) as exc:
+        context.abort_with_status(audit_status(exc))
+        raise AssertionError("unreachable") from exc  # abort_with_status always raises

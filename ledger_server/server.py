@@ -7,7 +7,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ledger_server.interceptor import RequestInterceptor
 from ledger_server.ledger import Ledger
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
@@ -48,61 +48,15 @@ class ServerConfig:
     grace_s: float = 10.0
     # Ed25519 key that signs tree heads; created on first start (default: beside the database).
     signing_key: str | None = None
+    # TLS: server certificate chain and key (PEM files); with client_ca, clients must
+    # present a certificate signed by it (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    client_ca: str | None = None
+    # "tokens": every call but health/reflection needs a bearer token; "off": open;
+    # "auto": tokens unless listening on loopback.
+    auth: str = "auto"
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
-
-
-class RequestLogInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Logs one structured line per request: method, code, duration."""
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method.startswith("/grpc.reflection"):
-            return handler
-        method = details.method
-
-        def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
-            code = context.code() if failed else None  # type: ignore[attr-defined]
-            log.info(
-                "request_handled",
-                method=method,
-                code=(code.name if code else "UNKNOWN") if failed else "OK",
-                duration_ms=round((time.perf_counter() - start) * 1000, 3),
-                peer=context.peer(),
-            )
-
-        def logged(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                start, failed = time.perf_counter(), True
-                try:
-                    result = behavior(request, context)
-                    failed = False
-                    return result
-                finally:
-                    finish(context, start, failed)
-
-            def stream(request: Any, context: grpc.ServicerContext) -> Any:
-                start, failed = time.perf_counter(), True
-                try:
-                    yield from behavior(request, context)
-                    failed = False
-                finally:
-                    finish(context, start, failed)
-
-            return stream if streaming else unary
-
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                logged(handler.unary_unary, False),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                logged(handler.unary_stream, True),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
 
 
 def default_key_path(database: str) -> str:
@@ -132,6 +86,7 @@ class RunningServer:
     port: int
     ledger: Ledger
     health: health.HealthServicer
+    interceptor: RequestInterceptor
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, drains in-flight calls, closes the database."""
@@ -144,13 +99,26 @@ class RunningServer:
 
 def create_server(config: ServerConfig) -> RunningServer:
     """Builds and starts a server; returns it with the bound port."""
-    if not config.insecure and not is_loopback(config.listen):
+    tls = config.tls_cert is not None or config.tls_key is not None
+    if tls and not (config.tls_cert and config.tls_key):
+        raise SystemExit("TLS needs both --tls-cert and --tls-key")
+    if config.client_ca and not tls:
+        raise SystemExit("--client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if not tls and not config.insecure and not is_loopback(config.listen):
         raise SystemExit(
             f"refusing to serve plaintext on non-loopback address {config.listen}: "
-            "anyone on the network could write to the ledger; pass --insecure to accept that"
+            "anyone on the network could read and write the ledger; "
+            "give --tls-cert/--tls-key, or pass --insecure to accept that"
         )
+    if config.auth not in ("auto", "tokens", "off"):
+        raise SystemExit(f"--auth must be auto, tokens or off, not {config.auth!r}")
+    credentials = _server_credentials(config) if tls else None
     store = open_store(config.database)
     ledger = Ledger(store)
+    require_tokens = config.auth == "tokens" or (
+        config.auth == "auto" and not is_loopback(config.listen)
+    )
+    interceptor = RequestInterceptor(tokens=store if require_tokens else None, clock=ledger.clock)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -162,14 +130,13 @@ def create_server(config: ServerConfig) -> RunningServer:
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
-        interceptors=[RequestLogInterceptor()],
+        interceptors=[interceptor],
         options=options,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     key = SigningKey.load_or_create(config.signing_key or default_key_path(config.database))
-    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
-        LedgerServicer(ledger, signing_key=key), server
-    )
+    servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor)
+    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
@@ -179,7 +146,15 @@ def create_server(config: ServerConfig) -> RunningServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(config.listen)
+    if credentials is not None:
+        port = server.add_secure_port(config.listen, credentials)
+    elif is_loopback(config.listen):
+        # Local credentials let clients attach bearer tokens on loopback (gRPC refuses
+        # to send call credentials over a plain insecure channel); plain clients still connect.
+        local = grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        port = server.add_secure_port(config.listen, local)
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         ledger.close()
         store.close()
@@ -187,8 +162,33 @@ def create_server(config: ServerConfig) -> RunningServer:
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("server_started", listen=config.listen, port=port, database=config.database)
-    return RunningServer(server, port, ledger, health_servicer)
+    log.info(
+        "server_started",
+        listen=config.listen,
+        port=port,
+        database=config.database,
+        tls=tls,
+        mutual_tls=bool(config.client_ca),
+        auth="tokens" if require_tokens else "off",
+    )
+    return RunningServer(server, port, ledger, health_servicer, interceptor)
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    def read(path: str, what: str) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise SystemExit(f"cannot read {what} {path}: {exc.strerror}") from None
+
+    assert config.tls_cert is not None and config.tls_key is not None
+    pair = (read(config.tls_key, "TLS key"), read(config.tls_cert, "TLS certificate"))
+    if config.client_ca:
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=read(config.client_ca, "client CA"), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials([pair])
 
 
 def configure_logging(level: str = "info") -> None:

@@ -14,6 +14,14 @@ from grpc_status import rpc_status
 
 from ledger_server import codec
 from ledger_server.audit_rpc import AuditRpcMixin
+from ledger_server.auth import (
+    APPEND,
+    READ,
+    Forbidden,
+    Unauthenticated,
+    authorize,
+    effective_namespace,
+)
 from ledger_server.errors import (
     ConflictError,
     EventRejected,
@@ -24,6 +32,7 @@ from ledger_server.errors import (
     RunNotFound,
 )
 from ledger_server.events import canonical_json
+from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
 from ledger_server.ledger import Ledger
 from ledger_server.signing import SigningKey
 from ledger_server.store.base import StoreError
@@ -37,6 +46,8 @@ TAIL_POLL_S: Final = 1.0
 
 # The one table from domain errors to gRPC codes (checked in order: subclasses first).
 ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidEvent, grpc.StatusCode.INVALID_ARGUMENT),
     (LimitExceeded, grpc.StatusCode.INVALID_ARGUMENT),
     (RunNotFound, grpc.StatusCode.NOT_FOUND),
@@ -104,9 +115,30 @@ def _page_size(value: int) -> int:
 class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
     """Thin adapter from the v1 contract to the Ledger."""
 
-    def __init__(self, ledger: Ledger, *, signing_key: SigningKey | None = None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        signing_key: SigningKey | None = None,
+        interceptor: RequestInterceptor | None = None,
+    ) -> None:
         self.ledger = ledger
         self.signing_key = signing_key
+        self.interceptor = interceptor
+
+    def _scope(
+        self, context: grpc.ServicerContext, action: str, namespace: str, run_id: str
+    ) -> str:
+        """Returns the namespace the request means, after checking the caller may act on it."""
+        principal = CURRENT_PRINCIPAL.get()
+        effective = effective_namespace(principal, namespace)
+        try:
+            authorize(principal, action, namespace=effective, run_id=run_id)
+        except Forbidden as exc:
+            if self.interceptor is not None:
+                self.interceptor.record_denied(exc.reason, CURRENT_METHOD.get(), context.peer())
+            raise
+        return effective
 
     def AppendEvents(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
@@ -115,6 +147,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             events = []
             for index, msg in enumerate(request.events):
                 try:
+                    msg.namespace = self._scope(context, APPEND, msg.namespace, msg.run_id)
                     events.append(codec.decode_event(msg))
                 except LedgerError as exc:
                     raise EventRejected(index, exc) from None
@@ -134,6 +167,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self, request: pb.ListEventsRequest, context: grpc.ServicerContext
     ) -> pb.ListEventsResponse:
         def call() -> pb.ListEventsResponse:
+            ns = self._scope(context, READ, request.namespace, request.run_id)
             after = request.after_sequence
             if request.page_token:
                 try:
@@ -141,9 +175,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 except (TypeError, ValueError):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
             size = _page_size(request.page_size)
-            events = self.ledger.list_events(
-                request.namespace, request.run_id, after_sequence=after, limit=size
-            )
+            events = self.ledger.list_events(ns, request.run_id, after_sequence=after, limit=size)
             token = _token(events[-1].sequence) if len(events) == size else ""
             return pb.ListEventsResponse(
                 events=[codec.encode_recorded(e) for e in events], next_page_token=token
@@ -155,14 +187,15 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self, request: pb.TailEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TailEventsResponse]:
         after = request.after_sequence
-        _guard(context, lambda: self.ledger.run(request.namespace, request.run_id))
+        ns = _guard(context, lambda: self._scope(context, READ, request.namespace, request.run_id))
+        _guard(context, lambda: self.ledger.run(ns, request.run_id))
         while context.is_active():
             # Read the mark before the page, so a commit landing in between wakes us.
             mark = self.ledger.last_sequence
             page = _guard(
                 context,
                 lambda after=after: self.ledger.list_events(  # type: ignore[misc]
-                    request.namespace, request.run_id, after_sequence=after, limit=1000
+                    ns, request.run_id, after_sequence=after, limit=1000
                 ),
             )
             for rec in page:
@@ -175,7 +208,8 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self, request: pb.ListRunsRequest, context: grpc.ServicerContext
     ) -> pb.ListRunsResponse:
         def call() -> pb.ListRunsResponse:
-            rows = self.ledger.list_runs(request.namespace, limit=_page_size(request.page_size))
+            ns = self._scope(context, READ, request.namespace, "")
+            rows = self.ledger.list_runs(ns, limit=_page_size(request.page_size))
             return pb.ListRunsResponse(
                 runs=[
                     pb.RunInfo(
@@ -196,7 +230,8 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self, request: pb.GetRunSummaryRequest, context: grpc.ServicerContext
     ) -> pb.GetRunSummaryResponse:
         def call() -> pb.GetRunSummaryResponse:
-            summary = self.ledger.summary(request.namespace, request.run_id)
+            ns = self._scope(context, READ, request.namespace, request.run_id)
+            summary = self.ledger.summary(ns, request.run_id)
             return pb.GetRunSummaryResponse(
                 summary_json=canonical_json(summary),
                 as_of_time=codec.us_timestamp(summary["as_of_us"]),
@@ -215,8 +250,9 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     after = (int(index), str(shard_id))
                 except (TypeError, ValueError):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
+            ns = self._scope(context, READ, request.namespace, request.run_id)
             views, cursor = self.ledger.shards(
-                request.namespace,
+                ns,
                 request.run_id,
                 state=request.state,
                 after=after,
@@ -237,7 +273,8 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     def StreamResumeList(
         self, request: pb.StreamResumeListRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.StreamResumeListResponse]:
-        items = _guard(context, lambda: self.ledger.resume(request.namespace, request.run_id))
+        ns = _guard(context, lambda: self._scope(context, READ, request.namespace, request.run_id))
+        items = _guard(context, lambda: self.ledger.resume(ns, request.run_id))
         chunk: list[pb.ResumeEntry] = []
         for item in items:
             chunk.append(

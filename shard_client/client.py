@@ -35,6 +35,47 @@ def default_target() -> str:
     return os.environ.get(ENV_TARGET) or DEFAULT_TARGET
 
 
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def channel_credentials(
+    *,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> grpc.ChannelCredentials | None:
+    """Returns credentials for the options (PEM file paths), or None for a plain channel.
+
+    Unset options fall back to $SHARDLEDGER_TOKEN, $SHARDLEDGER_TLS_CA,
+    $SHARDLEDGER_TLS_CERT and $SHARDLEDGER_TLS_KEY. A token without TLS uses
+    gRPC local credentials, which only connect to loopback addresses: gRPC
+    refuses to send a token over a plain channel, and so do we.
+    """
+    token = token or os.environ.get("SHARDLEDGER_TOKEN") or None
+    tls_ca = tls_ca or os.environ.get("SHARDLEDGER_TLS_CA") or None
+    tls_cert = tls_cert or os.environ.get("SHARDLEDGER_TLS_CERT") or None
+    tls_key = tls_key or os.environ.get("SHARDLEDGER_TLS_KEY") or None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("a client certificate needs both tls_cert and tls_key")
+    base: grpc.ChannelCredentials | None = None
+    if tls_ca or tls_cert:
+        base = grpc.ssl_channel_credentials(
+            root_certificates=_read(tls_ca),
+            private_key=_read(tls_key),
+            certificate_chain=_read(tls_cert),
+        )
+    elif token:
+        base = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    if base is not None and token:
+        return grpc.composite_channel_credentials(base, grpc.access_token_call_credentials(token))
+    return base
+
+
 class LedgerClient:
     """Talks to one ledger; safe across threads and forks.
 
@@ -51,8 +92,16 @@ class LedgerClient:
         retry_deadline_s: float = 30.0,
         max_backoff_s: float = 2.0,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         self.target = target or default_target()
+        if credentials is None:
+            credentials = channel_credentials(
+                token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+            )
         self.timeout_s = timeout_s
         self.retry_deadline_s = retry_deadline_s
         self.max_backoff_s = max_backoff_s

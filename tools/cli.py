@@ -37,6 +37,10 @@ COMMAND_MODULES: Final = (
     "tools.cmd_audit",
     "tools.cmd_watch",
     "tools.cmd_demo",
+    "tools.cmd_token",
+    "tools.cmd_export",
+    "tools.cmd_trend",
+    "tools.cmd_db",
 )
 
 EPILOG: Final = """\
@@ -74,6 +78,19 @@ def common_parent() -> argparse.ArgumentParser:
     group.add_argument(
         "--timeout", type=float, default=10.0, help="per-call deadline in seconds (default 10)"
     )
+    group.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=None,
+        help="file holding a bearer token (default: $SHARDLEDGER_TOKEN); never pass tokens as arguments",
+    )
+    group.add_argument(
+        "--tls-ca", metavar="PEM", default=None, help="CA to trust (default: $SHARDLEDGER_TLS_CA)"
+    )
+    group.add_argument(
+        "--tls-cert", metavar="PEM", default=None, help="client certificate for mutual TLS"
+    )
+    group.add_argument("--tls-key", metavar="PEM", default=None, help="client key for mutual TLS")
     parent.add_argument(
         "--json", action="store_true", help="print machine-readable JSON instead of text"
     )
@@ -84,9 +101,27 @@ def client_from(args: argparse.Namespace) -> Any:
     """Returns a LedgerClient for the common options."""
     from shard_client.client import LedgerClient
 
-    return LedgerClient(
-        args.server, timeout_s=args.timeout, retry_deadline_s=max(args.timeout, 5.0)
-    )
+    token = None
+    if getattr(args, "token_file", None):
+        try:
+            with open(args.token_file) as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            raise CommandError(
+                f"cannot read token file {args.token_file}: {exc.strerror}"
+            ) from None
+    try:
+        return LedgerClient(
+            args.server,
+            timeout_s=args.timeout,
+            retry_deadline_s=max(args.timeout, 5.0),
+            token=token,
+            tls_ca=getattr(args, "tls_ca", None),
+            tls_cert=getattr(args, "tls_cert", None),
+            tls_key=getattr(args, "tls_key", None),
+        )
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"bad TLS options: {exc}") from None
 
 
 def print_json(value: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ledger_server.server import DEFAULT_DB, DEFAULT_LISTEN, ServerConfig, configure_logging, serve
@@ -37,6 +38,34 @@ def register(
     p.add_argument(
         "--insecure", action="store_true", help="allow plaintext on a non-loopback address"
     )
+    tls = p.add_argument_group("TLS and authentication")
+    tls.add_argument(
+        "--tls-cert",
+        default=os.environ.get("SHARDLEDGER_TLS_SERVER_CERT"),
+        help="server certificate chain (PEM; env SHARDLEDGER_TLS_SERVER_CERT)",
+    )
+    tls.add_argument(
+        "--tls-key",
+        default=os.environ.get("SHARDLEDGER_TLS_SERVER_KEY"),
+        help="server private key (PEM; env SHARDLEDGER_TLS_SERVER_KEY)",
+    )
+    tls.add_argument(
+        "--client-ca",
+        default=os.environ.get("SHARDLEDGER_TLS_CLIENT_CA"),
+        help="require client certificates signed by this CA: mutual TLS (env SHARDLEDGER_TLS_CLIENT_CA)",
+    )
+    tls.add_argument(
+        "--auth",
+        choices=["auto", "tokens", "off"],
+        default="auto",
+        help="tokens: every call but health/reflection needs a bearer token (see `shardledger token`); "
+        "auto: tokens unless listening on loopback",
+    )
+    tls.add_argument(
+        "--signing-key",
+        default=None,
+        help="ed25519 key that signs tree heads (default: DB.signing-key.pem)",
+    )
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds to drain in-flight calls on SIGTERM"
     )
@@ -58,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         reflection=not args.no_reflection,
         insecure=args.insecure,
         grace_s=args.grace,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        client_ca=args.client_ca,
+        auth=args.auth,
+        signing_key=args.signing_key,
     )
 
     def ready(port: int) -> None:
@@ -68,8 +102,6 @@ def run(args: argparse.Namespace) -> int:
         if args.port_file:
             with open(args.port_file + ".tmp", "w") as fh:
                 fh.write(str(port))
-            import os
-
             os.replace(args.port_file + ".tmp", args.port_file)
 
     return serve(config, ready=ready)

@@ -54,6 +54,21 @@ class ShardRow:
     record: bytes | None
 
 
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """One access token; the secret is stored only as a hash."""
+
+    token_id: str
+    namespace: str
+    role: str
+    run_prefix: str
+    secret_hash: str
+    description: str
+    created_us: int
+    expires_us: int | None
+    revoked_us: int | None
+
+
 class WriteTx(Protocol):
     """Operations inside the one write transaction of a group commit."""
 
@@ -146,6 +161,18 @@ class Store(Protocol):
 
     def integrity_check(self) -> str:
         """Returns the backend's own integrity verdict ("ok" when healthy)."""
+
+    def create_token(self, token: TokenRow) -> None:
+        """Stores a new token (its secret only as a hash)."""
+
+    def get_token(self, token_id: str) -> TokenRow | None:
+        """Returns the token with this id, or None."""
+
+    def list_tokens(self) -> list[TokenRow]:
+        """Returns every token, oldest first."""
+
+    def revoke_token(self, token_id: str, *, now_us: int) -> bool:
+        """Marks a token revoked; returns False when there is no such live token."""
 
     def close(self) -> None:
         """Closes every connection."""

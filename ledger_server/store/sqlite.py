@@ -16,6 +16,7 @@ from ledger_server.store.base import (
     ShardRow,
     StoredEvent,
     StoreError,
+    TokenRow,
 )
 
 # Each migration is a list of statements applied in one transaction together
@@ -65,7 +66,24 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                 PRIMARY KEY (run_pk, key)) WITHOUT ROWID""",
         ],
     ),
+    (
+        2,
+        "access tokens (hashes only)",
+        [
+            """CREATE TABLE tokens (
+                token_id TEXT PRIMARY KEY,
+                namespace TEXT NOT NULL,
+                role TEXT NOT NULL,
+                run_prefix TEXT NOT NULL,
+                secret_hash TEXT NOT NULL,
+                description TEXT NOT NULL,
+                created_us INTEGER NOT NULL,
+                expires_us INTEGER,
+                revoked_us INTEGER)""",
+        ],
+    ),
 ]
+SQL_TOKEN_COLUMNS: Final = "token_id, namespace, role, run_prefix, secret_hash, description, created_us, expires_us, revoked_us"
 
 SQL_GET_RUN: Final = (
     "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
@@ -224,6 +242,50 @@ class SqliteStore:
                 return self._writer.execute(sql, params).fetchall()
             except sqlite3.Error as exc:
                 raise _translate(exc) from exc
+
+    def create_token(self, token: TokenRow) -> None:
+        """Stores a new token (its secret only as a hash)."""
+        self.execute_raw(
+            f"INSERT INTO tokens ({SQL_TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                token.token_id,
+                token.namespace,
+                token.role,
+                token.run_prefix,
+                token.secret_hash,
+                token.description,
+                token.created_us,
+                token.expires_us,
+                token.revoked_us,
+            ),
+        )
+
+    def get_token(self, token_id: str) -> TokenRow | None:
+        """Returns the token with this id, or None."""
+        row = (
+            self.read()
+            .conn.execute(f"SELECT {SQL_TOKEN_COLUMNS} FROM tokens WHERE token_id = ?", (token_id,))
+            .fetchone()
+        )
+        return TokenRow(*row) if row else None
+
+    def list_tokens(self) -> list[TokenRow]:
+        """Returns every token, oldest first."""
+        rows = (
+            self.read()
+            .conn.execute(f"SELECT {SQL_TOKEN_COLUMNS} FROM tokens ORDER BY created_us, token_id")
+            .fetchall()
+        )
+        return [TokenRow(*r) for r in rows]
+
+    def revoke_token(self, token_id: str, *, now_us: int) -> bool:
+        """Marks a token revoked; returns False when there is no such live token."""
+        with self._write_lock:
+            cur = self._writer.execute(
+                "UPDATE tokens SET revoked_us = ? WHERE token_id = ? AND revoked_us IS NULL",
+                (now_us, token_id),
+            )
+            return cur.rowcount == 1
 
     def close(self) -> None:
         """Closes every connection."""

@@ -1,0 +1,147 @@
+"""The server interceptor: authenticates tokens, logs one line per request, counts rejections."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any, Final
+
+import grpc
+import structlog
+
+from ledger_server.auth import Principal, TokenSource, Unauthenticated, authenticate
+
+log = structlog.get_logger("shardledger.server")
+
+# Set for the duration of one handler call; the servicer authorizes against it.
+CURRENT_PRINCIPAL: ContextVar[Principal | None] = ContextVar("shardledger_principal", default=None)
+CURRENT_METHOD: ContextVar[str] = ContextVar("shardledger_method", default="")
+# Health must answer load balancers without credentials; reflection only describes the schema.
+OPEN_PREFIXES: Final = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Authenticates (when tokens are required), logs and counts every request."""
+
+    def __init__(
+        self,
+        *,
+        tokens: TokenSource | None,
+        clock: Callable[[], int],
+        on_rejected: Callable[[str], None] | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.clock = clock
+        self.on_rejected = on_rejected
+        self.rejections: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _reject(self, exc: Unauthenticated, method: str, peer: str) -> None:
+        with self._lock:
+            self.rejections[exc.reason] += 1
+        if self.on_rejected is not None:
+            self.on_rejected(exc.reason)
+        # The token itself is never logged: only the reason and, when known, its id.
+        log.warning("request_rejected", method=method, reason=exc.reason, peer=peer, **exc.metadata)
+
+    def record_denied(self, reason: str, method: str, peer: str) -> None:
+        """Counts and logs a refusal decided in a handler (authorization)."""
+        with self._lock:
+            self.rejections[reason] += 1
+        if self.on_rejected is not None:
+            self.on_rejected(reason)
+        log.warning("request_rejected", method=method, reason=reason, peer=peer)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        method: str = details.method
+        if handler is None or method.startswith(OPEN_PREFIXES):
+            return handler
+        principal: Principal | None = None
+        failure: Unauthenticated | None = None
+        if self.tokens is not None:
+            header = next((v for k, v in details.invocation_metadata if k == "authorization"), None)
+            try:
+                principal = authenticate(header, self.tokens, now_us=self.clock())
+            except Unauthenticated as exc:
+                failure = exc
+        return _wrap(handler, self._behavior_factory(method, principal, failure))
+
+    def _behavior_factory(
+        self, method: str, principal: Principal | None, failure: Unauthenticated | None
+    ) -> Callable[[Callable[..., Any], bool], Callable[..., Any]]:
+        from ledger_server.servicer import rich_status
+
+        def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
+            code = context.code() if failed else None  # type: ignore[attr-defined]
+            log.info(
+                "request_handled",
+                method=method,
+                code=(code.name if code else "UNKNOWN") if failed else "OK",
+                duration_ms=round((time.perf_counter() - start) * 1000, 3),
+                peer=context.peer(),
+                token_id=principal.token_id if principal else None,
+            )
+
+        def make(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                if failure is not None:
+                    self._reject(failure, method, context.peer())
+                    context.abort_with_status(rich_status(failure))
+                start, failed = time.perf_counter(), True
+                token = CURRENT_PRINCIPAL.set(principal)
+                method_token = CURRENT_METHOD.set(method)
+                try:
+                    result = behavior(request, context)
+                    failed = False
+                    return result
+                finally:
+                    CURRENT_METHOD.reset(method_token)
+                    CURRENT_PRINCIPAL.reset(token)
+                    finish(context, start, failed)
+
+            def stream(request: Any, context: grpc.ServicerContext) -> Any:
+                if failure is not None:
+                    self._reject(failure, method, context.peer())
+                    context.abort_with_status(rich_status(failure))
+                start, failed = time.perf_counter(), True
+                try:
+                    # A generator runs on whichever thread pulls it: set the principal per step.
+                    inner = behavior(request, context)
+                    while True:
+                        token = CURRENT_PRINCIPAL.set(principal)
+                        method_token = CURRENT_METHOD.set(method)
+                        try:
+                            item = next(inner)
+                        except StopIteration:
+                            break
+                        finally:
+                            CURRENT_METHOD.reset(method_token)
+                            CURRENT_PRINCIPAL.reset(token)
+                        yield item
+                    failed = False
+                finally:
+                    finish(context, start, failed)
+
+            return stream if streaming else unary
+
+        return make
+
+
+def _wrap(handler: Any, make: Callable[[Callable[..., Any], bool], Callable[..., Any]]) -> Any:
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            make(handler.unary_unary, False),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            make(handler.unary_stream, True),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler

@@ -1,0 +1,438 @@
+"""Prometheus metrics: server counters on a private registry and per-run gauges read at scrape time.
+
+Two kinds of series live here:
+
+- ``LedgerMetrics`` counts what the server does (append latency, events
+  appended and rejected, batch and group-commit sizes). The servicer and the
+  ledger call its ``observe_*`` methods.
+- ``RunCollector`` turns run summaries into gauges when Prometheus scrapes.
+  Label cardinality is bounded: only runs updated inside the active window,
+  plus the K most recently updated finished runs, are exported, never every
+  run the ledger has ever seen.
+
+The registry is private (not prometheus_client's global one), so two servers
+in one process (tests) never collide and nothing else leaks into /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from ledger_server.events import FAILURE_TAGS
+from ledger_server.ledger import Ledger
+from ledger_server.projections import DUPLICATE_KINDS
+from ledger_server.store.base import RunRow
+
+__all__ = [
+    "REJECT_REASONS",
+    "LedgerMetrics",
+    "RunCollector",
+    "RunExport",
+    "parse_listen",
+    "start_metrics_server",
+    "stop_metrics_server",
+]
+
+log = structlog.get_logger("shardledger.metrics")
+
+# Every ErrorInfo reason the server can refuse with, plus the auth reasons to come.
+# Anything else is counted as OTHER, so a new reason can never grow the label set.
+REJECT_REASONS: Final = (
+    "INVALID_FIELD",
+    "LIMIT_EXCEEDED",
+    "RUN_NOT_FOUND",
+    "EVENT_ID_REUSED",
+    "PLAN_CONFLICT",
+    "LIFECYCLE_VIOLATION",
+    "SHARD_NOT_PLANNED",
+    "ATTEMPT_ALREADY_STARTED",
+    "ATTEMPT_NOT_STARTED",
+    "ATTEMPT_ENDED",
+    "ARTIFACT_NOT_COMMITTED",
+    "SHUTTING_DOWN",
+    "STORE_UNAVAILABLE",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "OTHER",
+)
+# The run_shards states; "planned" counts every planned shard, the others partition it.
+SHARD_STATES: Final = ("planned", "verified", "failed", "missing", "running", "stale", "unverified")
+# verify_failed shards are exported under one tag, because verify reasons are free text.
+VERIFY_FAILED_TAG: Final = "verify_failed"
+COUNT_BUCKETS: Final = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000)
+LATENCY_BUCKETS: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_US: Final = 1_000_000
+
+
+def reason_label(reason: str) -> str:
+    """Returns the bounded label value for a rejection reason."""
+    return reason if reason in REJECT_REASONS else "OTHER"
+
+
+class LedgerMetrics:
+    """Server-side counters and histograms on a private registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.append_seconds = Histogram(
+            "shardledger_append_duration_seconds",
+            "Wall time of one AppendEvents call, from decode to durable commit.",
+            ["result"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.events_appended = Counter(
+            "shardledger_events_appended",
+            "Events acknowledged (newly stored or idempotent retries).",
+            registry=r,
+        )
+        self.events_rejected = Counter(
+            "shardledger_events_rejected",
+            "Events in refused batches (a refused batch writes nothing), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.calls_rejected = Counter(
+            "shardledger_calls_rejected",
+            "Refused calls, by reason (AppendEvents refusals and auth refusals).",
+            ["reason"],
+            registry=r,
+        )
+        self.batch_events = Histogram(
+            "shardledger_append_batch_events",
+            "Events per AppendEvents call.",
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+        self.group_jobs = Histogram(
+            "shardledger_group_commit_batches",
+            "Append batches folded into one group commit.",
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+        self.group_events = Histogram(
+            "shardledger_group_commit_events",
+            "Events committed by one group commit.",
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+        # Every reason is exported from the start, so rate() sees 0 and not an absent series.
+        for reason in REJECT_REASONS:
+            self.events_rejected.labels(reason)
+            self.calls_rejected.labels(reason)
+        for result in ("ok", "rejected"):
+            self.append_seconds.labels(result)
+
+    def observe_append(self, duration_s: float, events: int, reason: str | None) -> None:
+        """Records one AppendEvents call: accepted when reason is None, else refused."""
+        self.batch_events.observe(events)
+        if reason is None:
+            self.append_seconds.labels("ok").observe(duration_s)
+            self.events_appended.inc(events)
+            return
+        self.append_seconds.labels("rejected").observe(duration_s)
+        label = reason_label(reason)
+        self.events_rejected.labels(label).inc(events)
+        self.calls_rejected.labels(label).inc()
+
+    def observe_group(self, jobs: int, events: int) -> None:
+        """Records one group commit of jobs batches holding events events."""
+        self.group_jobs.observe(jobs)
+        self.group_events.observe(events)
+
+    def observe_rejected_call(self, reason: str, *, events: int = 0) -> None:
+        """Records a call refused before it reached the ledger (authentication, quota)."""
+        label = reason_label(reason)
+        self.calls_rejected.labels(label).inc()
+        if events:
+            self.events_rejected.labels(label).inc(events)
+
+
+@dataclass(frozen=True, slots=True)
+class RunExport:
+    """Which runs get per-run series: the bound on label cardinality."""
+
+    # Runs updated within this many seconds are active and always exported (up to the cap).
+    active_window_s: float = 24 * 3600.0
+    # At most this many finished runs (older than the window), most recently updated first.
+    finished_runs: int = 50
+    # A hard cap on active runs, so a burst of tiny runs cannot explode the series count.
+    max_active_runs: int = 500
+    # Running shards read per run for the heartbeat age; beyond it the age is a lower bound.
+    heartbeat_scan_limit: int = 10_000
+
+
+@dataclass(slots=True)
+class _Families:
+    shards: GaugeMetricFamily
+    failed_by_tag: GaugeMetricFamily
+    duplicates: GaugeMetricFamily
+    completion: GaugeMetricFamily
+    silent: GaugeMetricFamily
+    heartbeat_age: GaugeMetricFamily
+    last_event_age: GaugeMetricFamily
+    events: GaugeMetricFamily
+
+    def all(self) -> list[Metric]:
+        return [
+            self.shards,
+            self.failed_by_tag,
+            self.duplicates,
+            self.completion,
+            self.silent,
+            self.heartbeat_age,
+            self.last_event_age,
+            self.events,
+        ]
+
+
+def _families() -> _Families:
+    run = ["namespace", "run_id"]
+
+    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=[*run, *extra])
+
+    return _Families(
+        shards=gauge(
+            "shardledger_run_shards",
+            "Shards by state; planned counts every planned shard and the other states"
+            " partition it (failed includes verify_failed, unverified is committed).",
+            ("state",),
+        ),
+        failed_by_tag=gauge(
+            "shardledger_run_failed_by_tag",
+            "Failed shards by failure tag (verify_failed: an artifact failed verification).",
+            ("tag",),
+        ),
+        duplicates=gauge(
+            "shardledger_run_duplicates",
+            "Shards with duplicate commits, by kind (wasted, nondeterministic, zombie).",
+            ("kind",),
+        ),
+        completion=gauge(
+            "shardledger_run_completion_ratio", "Verified shards over planned shards."
+        ),
+        silent=gauge(
+            "shardledger_run_silent_error_ratio",
+            "Shards that reported success but did not verify, over planned shards.",
+        ),
+        heartbeat_age=gauge(
+            "shardledger_run_oldest_heartbeat_age_seconds",
+            "Age of the oldest last-seen time among running and stale shards"
+            " (absent when none runs).",
+        ),
+        last_event_age=gauge(
+            "shardledger_run_last_event_age_seconds",
+            "Seconds since the run's last event was received (server clock).",
+        ),
+        events=gauge("shardledger_run_events_total", "Events in the run's chain."),
+    )
+
+
+class RunCollector(Collector):
+    """Computes per-run gauges from the ledger's projections at each scrape."""
+
+    def __init__(self, ledger: Ledger, export: RunExport | None = None) -> None:
+        self.ledger = ledger
+        self.export = export if export is not None else RunExport()
+
+    def select_runs(self, rows: list[RunRow], now_us: int) -> tuple[list[RunRow], list[RunRow]]:
+        """Returns the active and the finished runs to export from runs newest first."""
+        e = self.export
+        cutoff = now_us - int(e.active_window_s * _US)
+        active = [r for r in rows if r.updated_us >= cutoff][: e.max_active_runs]
+        finished = [r for r in rows if r.updated_us < cutoff][: e.finished_runs]
+        return active, finished
+
+    def collect(self) -> Iterator[Metric]:
+        """Yields every per-run family, plus the collector's own health."""
+        started = time.perf_counter()
+        up = GaugeMetricFamily(
+            "shardledger_metrics_collect_up", "1 when the last per-run collection succeeded."
+        )
+        exported = GaugeMetricFamily(
+            "shardledger_metrics_exported_runs", "Runs with per-run series.", labels=["kind"]
+        )
+        try:
+            families, ledger_age, counts = self._collect_runs()
+        except Exception as exc:  # a scrape must still answer, so failure is a series, not a 500
+            log.error("metrics_collect_failed", error=str(exc))
+            up.add_metric([], 0.0)
+            yield up
+            return
+        up.add_metric([], 1.0)
+        for kind, count in counts.items():
+            exported.add_metric([kind], float(count))
+        yield up
+        yield exported
+        yield from families.all()
+        if ledger_age is not None:
+            age = GaugeMetricFamily(
+                "shardledger_ledger_last_event_age_seconds",
+                "Seconds since the ledger received any event (server clock).",
+            )
+            age.add_metric([], ledger_age)
+            yield age
+        took = GaugeMetricFamily(
+            "shardledger_metrics_collect_seconds", "Time the last per-run collection took."
+        )
+        took.add_metric([], time.perf_counter() - started)
+        yield took
+
+    def _collect_runs(self) -> tuple[_Families, float | None, dict[str, int]]:
+        now_us = self.ledger.clock()
+        e = self.export
+        # One more than can be exported: the newest-first order puts every active run ahead.
+        rows = self.ledger.list_runs(None, limit=e.max_active_runs + e.finished_runs + 1)
+        active, finished = self.select_runs(rows, now_us)
+        families = _families()
+        for run in (*active, *finished):
+            self._add_run(families, run, now_us)
+        ledger_age = max(0.0, (now_us - rows[0].updated_us) / _US) if rows else None
+        return families, ledger_age, {"active": len(active), "finished": len(finished)}
+
+    def _add_run(self, f: _Families, run: RunRow, now_us: int) -> None:
+        s = self.ledger.summary(run.namespace, run.run_id, now=now_us)
+        key = [run.namespace, run.run_id]
+        values = {
+            "planned": s["submitted"],
+            "verified": s["verified"],
+            "failed": s["failed"],
+            "missing": s["missing"],
+            "running": s["running"],
+            "stale": s["stale"],
+            "unverified": s["unverified"],
+        }
+        for state in SHARD_STATES:
+            f.shards.add_metric([*key, state], float(values[state]))
+        tags: dict[str, int] = s["failure_tags"]
+        for tag in FAILURE_TAGS:
+            f.failed_by_tag.add_metric([*key, tag], float(tags.get(tag, 0)))
+        f.failed_by_tag.add_metric([*key, VERIFY_FAILED_TAG], float(s["verify_failed"]))
+        for kind in DUPLICATE_KINDS:
+            f.duplicates.add_metric([*key, kind], float(s["duplicates"].get(kind, 0)))
+        f.completion.add_metric(key, float(s["completion_rate"]))
+        f.silent.add_metric(key, float(s["silent_error_rate"]))
+        f.last_event_age.add_metric(key, max(0.0, (now_us - run.updated_us) / _US))
+        f.events.add_metric(key, float(run.event_count))
+        if s["running"] or s["stale"]:
+            oldest = self._oldest_last_seen(run.run_pk)
+            if oldest is not None:
+                f.heartbeat_age.add_metric(key, max(0.0, (now_us - oldest) / _US))
+
+    def _oldest_last_seen(self, run_pk: int) -> int | None:
+        """Returns the earliest last-seen time among the run's running shards."""
+        rows = self.ledger.store.read().iter_shards(run_pk, states=["running"])
+        oldest: int | None = None
+        for index, row in enumerate(rows):
+            if index >= self.export.heartbeat_scan_limit:
+                break
+            seen = _last_seen_us(row.record)
+            if seen is not None and (oldest is None or seen < oldest):
+                oldest = seen
+        return oldest
+
+
+def _last_seen_us(record: bytes | None) -> int | None:
+    # json.loads of the stored record, not ShardRecord.from_json: only one field is needed.
+    if record is None:
+        return None
+    data: dict[str, Any] = json.loads(record)
+    attempt = data["attempts"].get(data["latest_attempt"])
+    return int(attempt["last_seen_us"]) if attempt else None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Serves a request without an access-log line, and gives up on a stalled client."""
+
+    # The server is single-threaded: a client that connects and sends nothing must not block it.
+    timeout = 10
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _IPv4Server(WSGIServer):
+    """A single-threaded WSGI server.
+
+    One thread serves every scrape on purpose: the store keeps one read
+    connection per thread, so a thread per request would open (and keep) a
+    new SQLite connection at every scrape.
+    """
+
+    def server_bind(self) -> None:
+        """Binds without HTTPServer's reverse DNS lookup, which can stall on a host without DNS."""
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
+        self.setup_environ()
+
+
+class _IPv6Server(_IPv4Server):
+    address_family = socket.AF_INET6
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """Returns (host, port) of a HOST:PORT address ("[::1]:9464", ":9464" for all interfaces)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"metrics listen address {listen!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def start_metrics_server(
+    metrics: LedgerMetrics, ledger: Ledger, listen: str, *, export: RunExport | None = None
+) -> tuple[WSGIServer, int]:
+    """Serves /metrics for the ledger on a background thread; returns the server and bound port."""
+    metrics.registry.register(RunCollector(ledger, export))
+    host, port = parse_listen(listen)
+    server_class = _IPv6Server if ":" in host else _IPv4Server
+    httpd = make_server(
+        host,
+        port,
+        make_wsgi_app(metrics.registry),
+        server_class=server_class,
+        handler_class=_QuietHandler,
+    )
+    bound = int(httpd.server_address[1])
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    log.info("metrics_server_started", listen=listen, port=bound)
+    return httpd, bound
+
+
+def stop_metrics_server(httpd: WSGIServer) -> None:
+    """Stops serving and closes the listening socket."""
+    httpd.shutdown()
+    httpd.server_close()

@@ -1,0 +1,174 @@
+"""`shardledger token create|list|revoke`: manage access tokens in the ledger database."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from datetime import UTC, datetime
+
+from ledger_server.auth import ROLES, new_token
+from ledger_server.errors import InvalidEvent
+from ledger_server.events import check_namespace
+from ledger_server.server import DEFAULT_DB
+from ledger_server.store import open_store
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json
+
+_DURATION = re.compile(r"(\d+)([smhdw])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """Adds the token commands."""
+    p = sub.add_parser(
+        "token",
+        help="create, list and revoke access tokens",
+        description="Manage bearer tokens. Tokens are stored only as hashes; the secret is printed "
+        "once, at creation. These commands open the database directly (run them where the "
+        "ledger's database lives); the server sees changes at the next call.",
+    )
+    tsub = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    db_help = "ledger database: a SQLite path or a postgresql:// URL"
+    create = tsub.add_parser("create", help="create a token and print it once")
+    create.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    create.add_argument(
+        "--role", required=True, choices=ROLES, help="admin, auditor, writer or reader"
+    )
+    create.add_argument("--namespace", default="default", help="the tenant the token belongs to")
+    create.add_argument(
+        "--run-prefix", default="", help="writer only: limit appends to runs starting with this"
+    )
+    create.add_argument(
+        "--expires-in", default=None, metavar="DURATION", help="e.g. 12h, 30d, 2w (default: never)"
+    )
+    create.add_argument("--description", default="", help="who or what uses the token")
+    create.add_argument("--json", action="store_true", help="print JSON")
+    create.set_defaults(func=run_create)
+    lst = tsub.add_parser("list", help="list tokens (never their secrets)")
+    lst.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    lst.add_argument("--json", action="store_true", help="print JSON")
+    lst.set_defaults(func=run_list)
+    revoke = tsub.add_parser("revoke", help="revoke a token by id")
+    revoke.add_argument("token_id", help="the id shown by `token list` (the part after slt_)")
+    revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    revoke.set_defaults(func=run_revoke)
+
+
+def parse_duration(text: str) -> int:
+    """Returns a duration like 30d or 12h in seconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise CommandError(
+            f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)", 2
+        )
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _iso(us: int | None) -> str:
+    return "" if us is None else datetime.fromtimestamp(us / 1e6, UTC).isoformat(timespec="seconds")
+
+
+def run_create(args: argparse.Namespace) -> int:
+    """Creates a token."""
+    try:
+        namespace = check_namespace(args.namespace)
+    except InvalidEvent as exc:
+        raise CommandError(str(exc), 2) from None
+    now = _now_us()
+    expires = now + parse_duration(args.expires_in) * 1_000_000 if args.expires_in else None
+    try:
+        token, row = new_token(
+            namespace=namespace,
+            role=args.role,
+            run_prefix=args.run_prefix,
+            description=args.description,
+            now_us=now,
+            expires_us=expires,
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc), 2) from None
+    store = open_store(args.db)
+    try:
+        store.create_token(row)
+    finally:
+        store.close()
+    if args.json:
+        print_json(
+            {
+                "token": token,
+                "token_id": row.token_id,
+                "role": row.role,
+                "namespace": namespace,
+                "run_prefix": row.run_prefix,
+                "expires": _iso(expires),
+            }
+        )
+    else:
+        print(token)
+        print(
+            f"created {row.role} token {row.token_id} for namespace {namespace!r}"
+            + (f", runs {row.run_prefix}*" if row.run_prefix else "")
+            + (f", expires {_iso(expires)}" if expires else "")
+            + ". Store it now: it is not shown again.",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """Lists tokens."""
+    store = open_store(args.db)
+    try:
+        rows = store.list_tokens()
+    finally:
+        store.close()
+    now = _now_us()
+    items = [
+        {
+            "token_id": r.token_id,
+            "role": r.role,
+            "namespace": r.namespace,
+            "run_prefix": r.run_prefix,
+            "description": r.description,
+            "created": _iso(r.created_us),
+            "expires": _iso(r.expires_us),
+            "status": "revoked"
+            if r.revoked_us
+            else "expired"
+            if r.expires_us and r.expires_us <= now
+            else "active",
+        }
+        for r in rows
+    ]
+    if args.json:
+        print_json(items)
+        return EXIT_OK
+    for item in items:
+        print(
+            f"{item['token_id']}  {item['status']:<8} {item['role']:<8} {item['namespace']:<16} "
+            f"{item['run_prefix'] or '-':<12} {item['expires'] or 'never':<26} {item['description']}"
+        )
+    if not items:
+        print("no tokens", file=sys.stderr)
+    return EXIT_OK
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    """Revokes a token."""
+    store = open_store(args.db)
+    try:
+        done = store.revoke_token(args.token_id, now_us=_now_us())
+    finally:
+        store.close()
+    if not done:
+        print(f"shardledger: no active token with id {args.token_id}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    print(f"revoked {args.token_id}", file=sys.stderr)
+    return EXIT_OK
