@@ -49,12 +49,14 @@ def verify_rows(run: RunRow, rows: Iterable[StoredEvent]) -> ChainReport:
                 " (a row was deleted, inserted or reordered)",
             )
         try:
-            body = json.loads(stored.row)
-        except ValueError:
-            return bad(stored.sequence, "row bytes are not valid JSON (edited)")
+            outer = json.loads(stored.row)
+            body = outer["event"]
+        except (ValueError, KeyError, TypeError):
+            return bad(stored.sequence, "row bytes are not a valid row (edited)")
         if (
-            body.get("event_id") != stored.event_id
-            or body.get("run_sequence") != stored.run_sequence
+            not isinstance(body, dict)
+            or body.get("event_id") != stored.event_id
+            or outer.get("run_sequence") != stored.run_sequence
             or body.get("run_id") != run.run_id
             or body.get("namespace") != run.namespace
         ):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final
 
 import blake3
@@ -166,6 +166,11 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 }
 
 
+_FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
+    cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """An event as a client submits it."""
@@ -177,6 +182,8 @@ class Event:
     attempt_id: str
     client_time_us: int
     payload: Payload
+    # The canonical JSON of content(), computed once by validate(); not part of identity.
+    canonical: str = field(default="", compare=False, repr=False)
 
     @property
     def kind(self) -> str:
@@ -198,7 +205,7 @@ class Event:
 
     def content_json(self) -> str:
         """Returns the canonical JSON of the client-supplied content."""
-        return canonical_json(self.content())
+        return self.canonical or canonical_json(self.content())
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,11 +226,16 @@ class RecordedEvent:
 
 
 def row_bytes(event: Event, *, run_sequence: int, receive_time_us: int) -> bytes:
-    """Returns the canonical row bytes; the global sequence is left out so runs stay portable."""
-    row = event.content()
-    row["run_sequence"] = run_sequence
-    row["receive_time_us"] = receive_time_us
-    return canonical_json(row).encode()
+    """Returns the canonical row bytes; the global sequence is left out so runs stay portable.
+
+    The row is the canonical JSON of {"event": content, "receive_time_us": .., "run_sequence": ..};
+    its keys sort in that order, so the event's own canonical JSON is spliced in unchanged
+    instead of being encoded a second time.
+    """
+    return (
+        f'{{"event":{event.content_json()},"receive_time_us":{int(receive_time_us)},'
+        f'"run_sequence":{int(run_sequence)}}}'
+    ).encode()
 
 
 def chain_hash(prev_hash: bytes, row: bytes) -> bytes:
@@ -233,7 +245,8 @@ def chain_hash(prev_hash: bytes, row: bytes) -> bytes:
 
 def event_from_row(row: bytes) -> tuple[Event, int, int]:
     """Parses canonical row bytes back into (event, run_sequence, receive_time_us)."""
-    data = json.loads(row)
+    outer = json.loads(row)
+    data = outer["event"]
     kind = data["kind"]
     payload_data = dict(data["payload"])
     if kind == "planned":
@@ -248,14 +261,13 @@ def event_from_row(row: bytes) -> tuple[Event, int, int]:
         client_time_us=data["client_time_us"],
         payload=payload,
     )
-    return event, data["run_sequence"], data["receive_time_us"]
+    return event, outer["run_sequence"], outer["receive_time_us"]
 
 
 def _payload_dict(payload: Payload) -> dict[str, Any]:
-    data = asdict(payload)
-    if isinstance(payload, ShardPlanned):
-        data["expected_outputs"] = list(payload.expected_outputs)
-    return data
+    # Fields are JSON-ready already (str, int, float, flat dicts, a tuple that encodes as a
+    # list), so a shallow read is enough; dataclasses.asdict would deep-copy every value.
+    return {name: getattr(payload, name) for name in _FIELD_NAMES[type(payload)]}
 
 
 # --- validation -------------------------------------------------------------
@@ -420,7 +432,20 @@ def validate(event: Event) -> Event:
         client_time_us=event.client_time_us,
         payload=payload,
     )
-    size = len(normalized.content_json().encode())
+    try:
+        text = canonical_json(normalized.content())
+    except (TypeError, ValueError) as exc:
+        raise InvalidEvent("payload", f"is not representable: {exc}") from None
+    size = len(text.encode())
     if size > MAX_PAYLOAD_BYTES:
         raise LimitExceeded("event_bytes", size, MAX_PAYLOAD_BYTES)
-    return normalized
+    return Event(
+        event_id=normalized.event_id,
+        namespace=namespace,
+        run_id=normalized.run_id,
+        shard_id=normalized.shard_id,
+        attempt_id=normalized.attempt_id,
+        client_time_us=normalized.client_time_us,
+        payload=payload,
+        canonical=text,
+    )

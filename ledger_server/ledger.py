@@ -24,7 +24,9 @@ from ledger_server.errors import (
 )
 from ledger_server.events import (
     GENESIS_HASH,
+    CheckpointSaved,
     Event,
+    Heartbeat,
     RecordedEvent,
     ShardPlanned,
     chain_hash,
@@ -42,6 +44,9 @@ MAX_EVENTS_PER_BATCH: Final = 10_000
 # One group commit gathers at most this many events, so one slow transaction
 # cannot starve the callers queued behind it for long.
 MAX_GROUP_EVENTS: Final = 20_000
+
+# Event kinds that never change a shard's contribution to the run counters.
+_COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
 
 APPENDED: Final = "appended"
 DUPLICATE: Final = "duplicate"
@@ -182,16 +187,14 @@ class Ledger:
         for key, run in runs.items():
             wanted = [e.shard_id for e in events if (e.namespace, e.run_id) == key]
             for shard_id, blob in tx.load_shards(run.run_pk, wanted).items():
-                record = proj.ShardRecord.from_json(blob)
-                records[(run.run_pk, shard_id)] = record
-                before[(run.run_pk, shard_id)] = proj.contributions(record)
+                records[(run.run_pk, shard_id)] = proj.ShardRecord.from_json(blob)
         in_batch: dict[str, tuple[str, AppendResult]] = {}
         results: list[AppendResult] = []
         dirty: set[tuple[int, str]] = set()
         for index, event in enumerate(events):
             try:
                 result = self._apply_one(
-                    tx, event, stored, in_batch, runs, records, dirty, receive_us
+                    tx, event, stored, in_batch, runs, records, dirty, before, receive_us
                 )
             except LedgerError as exc:
                 raise EventRejected(index, exc) from None
@@ -210,9 +213,12 @@ class Ledger:
                 plan_line=record.plan_line,
                 record=record.to_json().encode(),
             )
-            delta = proj.contributions(record)
-            delta.subtract(before.get(shard_key, Counter()))
-            tx.add_counters(shard_key[0], delta)
+            # Heartbeats and checkpoints never change a shard's summary counters, so a
+            # shard touched only by them skips the recount (the hot path of a busy fleet).
+            if shard_key in before:
+                delta = proj.contributions(record)
+                delta.subtract(before[shard_key])
+                tx.add_counters(shard_key[0], delta)
         for run in runs.values():
             tx.update_run(
                 run.run_pk, event_count=run.event_count, head_hash=run.head_hash, now_us=receive_us
@@ -228,6 +234,7 @@ class Ledger:
         runs: dict[tuple[str, str], RunRow],
         records: dict[tuple[int, str], proj.ShardRecord],
         dirty: set[tuple[int, str]],
+        before: dict[tuple[int, str], Counter[str]],
         receive_us: int,
     ) -> AppendResult:
         content = event.content_json()
@@ -291,7 +298,10 @@ class Ledger:
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         if record is None:
             records[shard_key] = proj.new_record(rec)
+            before[shard_key] = Counter()
         else:
+            if shard_key not in before and not isinstance(event.payload, _COUNTER_NEUTRAL):
+                before[shard_key] = proj.contributions(record)
             proj.apply(record, rec)
         dirty.add(shard_key)
         return AppendResult(event.event_id, sequence, APPENDED)

@@ -1,0 +1,303 @@
+"""Ingest benchmarks: each measures its own baseline in the same run and prints ratios.
+
+    python -m tools.bench unary     durable single-event appends vs a bare grpcio echo server
+    python -m tools.bench batched   100-event appends (chain + projections) vs raw SQLite inserts
+    python -m tools.bench artifact  SDK atomic_write vs raw write+fsync+rename (256 MiB and 4 KiB)
+    python -m tools.bench all       everything; JSON lands in bench-results/ingest.json
+
+No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sqlite3
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import blake3
+import grpc
+
+from ledger_server.server import ServerConfig, create_server
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+
+RESULTS = Path("bench-results")
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+def _env() -> dict[str, Any]:
+    return {
+        "grpcio": grpc.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+# --- load generation ---------------------------------------------------------
+
+
+def _echo_server() -> tuple[grpc.Server, int]:
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def _client_proc(
+    kind: str, port: int, threads: int, seconds: float, payloads: list[bytes], out: Any
+) -> None:
+    """Runs `threads` closed-loop callers for `seconds`; reports the call count."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    method = ECHO_METHOD if kind == "echo" else "/shardledger.v1.LedgerService/AppendEvents"
+    call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    stop = time.monotonic() + seconds
+    counts = [0] * threads
+    errors = [0] * threads
+
+    def loop(i: int) -> None:
+        j = i
+        while time.monotonic() < stop:
+            try:
+                call(payloads[j % len(payloads)], timeout=30)
+                counts[i] += 1
+            except grpc.RpcError:
+                errors[i] += 1
+            j += threads
+
+    ts = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out.put((sum(counts), sum(errors)))
+
+
+def _drive(kind: str, port: int, *, procs: int, threads: int, seconds: float, payloads: list[list[bytes]]) -> dict[str, float]:
+    queue: Any = mp.get_context("spawn").Queue()
+    ctx = mp.get_context("spawn")
+    workers = [
+        ctx.Process(target=_client_proc, args=(kind, port, threads, seconds, payloads[i], queue)) for i in range(procs)
+    ]
+    start = time.monotonic()
+    for w in workers:
+        w.start()
+    results = [queue.get() for _ in workers]
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - start
+    calls = sum(r[0] for r in results)
+    return {"calls": calls, "errors": sum(r[1] for r in results), "seconds": seconds, "calls_per_s": calls / seconds, "wall_s": elapsed}
+
+
+def _heartbeat_payloads(client: LedgerClient, run_id: str, shards: int, per_call: int, count: int) -> list[bytes]:
+    plans = []
+    starts = []
+    for i in range(shards):
+        plans.append(pb.ShardEvent(event_id=uuid.uuid4().hex, run_id=run_id, shard_id=f"s{i}",
+                                   planned=pb.ShardPlanned(input_ref=f"in{i}", plan_index=i)))
+        starts.append(pb.ShardEvent(event_id=uuid.uuid4().hex, run_id=run_id, shard_id=f"s{i}", attempt_id="a",
+                                    started=pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 600})))
+    for k in range(0, shards, 1000):
+        client.append(plans[k : k + 1000])
+        client.append(starts[k : k + 1000])
+    out = []
+    for c in range(count):
+        events = [
+            pb.ShardEvent(event_id=uuid.uuid4().hex, run_id=run_id, shard_id=f"s{(c * per_call + j) % shards}",
+                          attempt_id="a", heartbeat=pb.Heartbeat(step=c, progress=0.5, metrics={"loss": 0.1}))
+            for j in range(per_call)
+        ]
+        out.append(pb.AppendEventsRequest(events=events).SerializeToString())
+    return out
+
+
+# --- benchmarks -----------------------------------------------------------------
+
+
+def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict[str, Any]:
+    """Durable single-event appends vs a bare echo of the same bytes, 64 in flight."""
+    with tempfile.TemporaryDirectory() as tmp:
+        running = create_server(ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", max_concurrent_rpcs=1024))
+        client = LedgerClient(f"127.0.0.1:{running.port}")
+        per_proc = int(seconds * 4000)
+        payloads = [_heartbeat_payloads(client, f"unary-{p}", 256, 1, per_proc) for p in range(procs)]
+        echo_server, echo_port = _echo_server()
+        echo = _drive("echo", echo_port, procs=procs, threads=threads, seconds=seconds, payloads=payloads)
+        echo_server.stop(0)
+        ours = _drive("ledger", running.port, procs=procs, threads=threads, seconds=seconds, payloads=payloads)
+        groups = running.ledger.stats["groups"]
+        events = running.ledger.stats["events"]
+        running.stop(1)
+    return {
+        "workload": f"{procs * threads} concurrent unary callers, 1 heartbeat per call",
+        "echo_calls_per_s": round(echo["calls_per_s"]),
+        "durable_appends_per_s": round(ours["calls_per_s"]),
+        "ratio_to_echo": round(ours["calls_per_s"] / echo["calls_per_s"], 3),
+        "errors": ours["errors"],
+        "events_per_group_commit": round(events / max(groups, 1), 1),
+        "target": ">= 0.70 x echo",
+    }
+
+
+def _raw_sqlite_rate(rows: int, row_bytes: int) -> float:
+    """Inserts the same shape of rows, 1,000 per transaction, synchronous=FULL, same indexes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        conn = sqlite3.connect(f"{tmp}/raw.db", isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute(
+            "CREATE TABLE events (seq INTEGER PRIMARY KEY, run_pk INTEGER NOT NULL, run_seq INTEGER NOT NULL,"
+            " event_id TEXT NOT NULL UNIQUE, row BLOB NOT NULL, hash BLOB NOT NULL)"
+        )
+        conn.execute("CREATE UNIQUE INDEX events_by_run ON events (run_pk, seq)")
+        body = os.urandom(row_bytes)
+        start = time.perf_counter()
+        for base in range(0, rows, 1000):
+            conn.execute("BEGIN")
+            conn.executemany(
+                "INSERT INTO events (run_pk, run_seq, event_id, row, hash) VALUES (?, ?, ?, ?, ?)",
+                [(1, base + i, uuid.uuid4().hex, body, os.urandom(32)) for i in range(1000)],
+            )
+            conn.execute("COMMIT")
+        elapsed = time.perf_counter() - start
+        conn.close()
+    return rows / elapsed
+
+
+def bench_batched(seconds: float = 5.0, procs: int = 2, threads: int = 4) -> dict[str, Any]:
+    """100-event appends from 8 clients vs raw SQLite inserts of the same rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        running = create_server(ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0"))
+        client = LedgerClient(f"127.0.0.1:{running.port}")
+        per_proc = int(seconds * 300)
+        payloads = [_heartbeat_payloads(client, f"batch-{p}", 2000, 100, per_proc) for p in range(procs)]
+        ours = _drive("ledger", running.port, procs=procs, threads=threads, seconds=seconds, payloads=payloads)
+        row = running.ledger.store.read().list_events(1, after_sequence=5000, limit=1)
+        row_bytes = len(row[0].row) if row else 300
+        running.stop(1)
+    events_per_s = ours["calls_per_s"] * 100
+    raw = _raw_sqlite_rate(200_000, row_bytes)
+    return {
+        "workload": f"{procs * threads} clients, 100 heartbeats per append, chain + projections",
+        "events_per_s": round(events_per_s),
+        "raw_sqlite_rows_per_s": round(raw),
+        "ratio_to_raw_sqlite": round(events_per_s / raw, 3),
+        "row_bytes": row_bytes,
+        "errors": ours["errors"],
+        "target": ">= 50,000 events/s and >= 0.60 x raw SQLite",
+    }
+
+
+def _raw_atomic_write(path: Path, data: bytes, chunk: int) -> None:
+    tmp = path.with_name(path.name + ".raw-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        for i in range(0, len(data), chunk):
+            os.write(fd, view[i : i + chunk])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _timed(fn: Callable[[], None], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench_artifact(big_mib: int = 256, repeat: int = 5) -> dict[str, Any]:
+    """SDK atomic_write (streaming blake3) vs raw write+fsync+rename of the same bytes."""
+    from shard_client.atomic import atomic_write
+
+    out: dict[str, Any] = {}
+    chunk = 4 * 1024 * 1024
+    for label, size, reps in (("256MiB", big_mib * 1024 * 1024, repeat), ("4KiB", 4096, 200)):
+        data = os.urandom(size)
+        with tempfile.TemporaryDirectory(dir=".") as tmp:
+            target = Path(tmp) / "artifact.bin"
+
+            def raw(target: Path = target, data: bytes = data) -> None:
+                _raw_atomic_write(target, data, chunk)
+
+            def sdk(target: Path = target, data: bytes = data) -> None:
+                with atomic_write(target) as fh:
+                    view = memoryview(data)
+                    for i in range(0, len(data), chunk):
+                        fh.write(view[i : i + chunk])
+
+            raw_s = _timed(raw, reps)
+            sdk_s = _timed(sdk, reps)
+            hash_s = _timed(lambda data=data: blake3.blake3(data).digest(), reps)
+        out[label] = {
+            "raw_write_fsync_rename_ms": round(raw_s * 1000, 3),
+            "sdk_atomic_write_ms": round(sdk_s * 1000, 3),
+            "blake3_only_ms": round(hash_s * 1000, 3),
+            "ratio": round(sdk_s / raw_s, 3),
+            "overhead_ms": round((sdk_s - raw_s) * 1000, 3),
+        }
+    out["target"] = "256 MiB: <= 1.10 x raw; 4 KiB: <= raw + 1.5 ms"
+    return out
+
+
+BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
+    "unary": bench_unary,
+    "batched": bench_batched,
+    "artifact": bench_artifact,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the chosen benchmarks, prints them and saves JSON."""
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=[*BENCHES, "all"])
+    parser.add_argument("-o", "--output", default=str(RESULTS / "ingest.json"))
+    args = parser.parse_args(argv)
+    names = list(BENCHES) if args.which == "all" else [args.which]
+    report: dict[str, Any] = {"env": _env()}
+    for name in names:
+        print(f"== {name}", flush=True)
+        report[name] = BENCHES[name]()
+        print(json.dumps(report[name], indent=2), flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    previous.update(report)
+    out.write_text(json.dumps(previous, indent=2) + "\n")
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
