@@ -218,10 +218,16 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
 
 
 def _was_committed(record: ShardRecord, p: ArtifactVerified) -> bool:
+    # commit_digests is keyed by "name\x00fingerprint", so an earlier (overwritten)
+    # commit of the name is found by scanning that name's fingerprint groups.
     return any(
         a.artifacts.get(p.name, ("", 0, ""))[0::2] == (p.path, p.blake3_hex)
         for a in record.attempts.values()
-    ) or p.blake3_hex in record.commit_digests.get(p.name, [])
+    ) or any(
+        p.blake3_hex in digests
+        for group, digests in record.commit_digests.items()
+        if group.partition("\x00")[0] == p.name
+    )
 
 
 def new_record(rec: RecordedEvent) -> ShardRecord:
@@ -480,6 +486,8 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
         "attempts": len(record.attempts),
         "latest_attempt": record.latest_attempt,
         "host": latest.host if latest else "",
+        "pid": latest.pid if latest else None,
+        "deadline_us": deadline_us(record),
         "last_seen_us": latest.last_seen_us if latest else None,
         "last_step": latest.last_step if latest else None,
         "fingerprint": fingerprint_of(record),

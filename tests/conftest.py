@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from google.protobuf.duration_pb2 import Duration
 
 from ledger_server.server import RunningServer, ServerConfig, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+
+# The in-process servers log through structlog; keep those lines on stderr so that
+# tests reading a command's stdout see only what the command printed.
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 DIGEST_A = "a" * 64
 DIGEST_B = "b" * 64
