@@ -36,6 +36,7 @@ from ledger_server.events import (
     row_bytes,
     validate,
 )
+from ledger_server.store import ConcurrentWriteError
 from ledger_server.store.base import RunRow, Store, StoredEvent, WriteTx
 
 log = structlog.get_logger("shardledger.ledger")
@@ -44,6 +45,8 @@ MAX_EVENTS_PER_BATCH: Final = 10_000
 # One group commit gathers at most this many events, so one slow transaction
 # cannot starve the callers queued behind it for long.
 MAX_GROUP_EVENTS: Final = 20_000
+# A group that lost a race to another replica is retried this many times in all.
+GROUP_ATTEMPTS: Final = 3
 
 # Event kinds that never change a shard's contribution to the run counters.
 _COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
@@ -92,9 +95,16 @@ def recorded(stored: StoredEvent) -> RecordedEvent:
 class Ledger:
     """Appends events with group commit and answers reads from the projections."""
 
-    def __init__(self, store: Store, *, clock: Callable[[], int] = now_us) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], int] = now_us,
+        on_group: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.store = store
         self.clock = clock
+        self._on_group = on_group
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._commit_cond = threading.Condition()
         self._last_sequence = store.read().max_sequence()
@@ -148,16 +158,8 @@ class Ledger:
             self._commit_group(jobs)
 
     def _commit_group(self, jobs: list[_Job]) -> None:
-        outcomes: list[list[AppendResult] | BaseException] = []
-        receive_us = self.clock()
         try:
-            with self.store.write() as tx:
-                for job in jobs:
-                    try:
-                        with tx.savepoint():
-                            outcomes.append(self._apply(tx, job.events, receive_us))
-                    except LedgerError as exc:
-                        outcomes.append(exc)
+            outcomes = self._write_group_retrying(jobs)
         except Exception as exc:  # the commit itself failed: nobody is acknowledged
             log.error("group_commit_failed", error=str(exc), jobs=len(jobs))
             for job in jobs:
@@ -165,6 +167,8 @@ class Ledger:
             return
         self.stats["groups"] += 1
         self.stats["events"] += sum(len(o) for o in outcomes if isinstance(o, list))
+        if self._on_group is not None:
+            self._on_group(len(jobs), sum(len(o) for o in outcomes if isinstance(o, list)))
         max_seq = max((r.sequence for o in outcomes if isinstance(o, list) for r in o), default=0)
         with self._commit_cond:
             self._last_sequence = max(self._last_sequence, max_seq)
@@ -174,6 +178,34 @@ class Ledger:
                 job.future.set_exception(outcome)
             else:
                 job.future.set_result(outcome)
+
+    def _write_group_retrying(self, jobs: list[_Job]) -> list[list[AppendResult] | BaseException]:
+        for attempt in range(1, GROUP_ATTEMPTS):
+            try:
+                return self._write_group(jobs)
+            except ConcurrentWriteError as exc:
+                # Another replica won a race (the same event id, the same new run). Nothing of
+                # this group was committed, and a fresh transaction sees the winner's rows, so
+                # the retry answers DUPLICATE or appends after them instead of failing.
+                log.info("group_commit_retried", error=str(exc), attempt=attempt)
+        return self._write_group(jobs)
+
+    def _write_group(self, jobs: list[_Job]) -> list[list[AppendResult] | BaseException]:
+        outcomes: list[list[AppendResult] | BaseException] = []
+        receive_us = self.clock()
+        with self.store.write() as tx:
+            # Lock (PostgreSQL: FOR UPDATE) every existing run of the group in one global order
+            # before any job runs, so two replicas whose groups share runs queue instead of
+            # deadlocking. In SQLite these are plain reads.
+            for key in sorted({(e.namespace, e.run_id) for job in jobs for e in job.events}):
+                tx.get_run(*key)
+            for job in jobs:
+                try:
+                    with tx.savepoint():
+                        outcomes.append(self._apply(tx, job.events, receive_us))
+                except LedgerError as exc:
+                    outcomes.append(exc)
+        return outcomes
 
     def _apply(self, tx: WriteTx, events: list[Event], receive_us: int) -> list[AppendResult]:
         stored = tx.find_events([e.event_id for e in events])

@@ -22,6 +22,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -32,13 +33,15 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ledger_server.errors import LedgerError
 from ledger_server.events import FAILURE_TAGS
 from ledger_server.ledger import Ledger
 from ledger_server.projections import DUPLICATE_KINDS
-from ledger_server.store.base import RunRow
+from ledger_server.store.base import RunRow, StoreError
 
 __all__ = [
     "REJECT_REASONS",
+    "SHARD_STATES",
     "LedgerMetrics",
     "RunCollector",
     "RunExport",
@@ -49,48 +52,27 @@ __all__ = [
 
 log = structlog.get_logger("shardledger.metrics")
 
-# Every ErrorInfo reason the server can refuse with, plus the auth reasons to come.
+# Every ErrorInfo reason the server can refuse with (ledger, store and auth).
 # Anything else is counted as OTHER, so a new reason can never grow the label set.
 REJECT_REASONS: Final = (
-    "INVALID_FIELD",
-    "LIMIT_EXCEEDED",
-    "RUN_NOT_FOUND",
-    "EVENT_ID_REUSED",
-    "PLAN_CONFLICT",
-    "LIFECYCLE_VIOLATION",
-    "SHARD_NOT_PLANNED",
-    "ATTEMPT_ALREADY_STARTED",
-    "ATTEMPT_NOT_STARTED",
-    "ATTEMPT_ENDED",
-    "ARTIFACT_NOT_COMMITTED",
-    "SHUTTING_DOWN",
-    "STORE_UNAVAILABLE",
-    "RESOURCE_EXHAUSTED",
-    "UNAUTHENTICATED",
-    "PERMISSION_DENIED",
-    "OTHER",
+    *("INVALID_FIELD", "LIMIT_EXCEEDED", "RUN_NOT_FOUND", "EVENT_ID_REUSED", "PLAN_CONFLICT"),
+    # LIFECYCLE_VIOLATION and its precise variants (projections.check_lifecycle).
+    *("LIFECYCLE_VIOLATION", "SHARD_NOT_PLANNED", "ATTEMPT_ALREADY_STARTED"),
+    *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED"),
+    *("LEDGER_ERROR", "SHUTTING_DOWN", "STORE_UNAVAILABLE", "RESOURCE_EXHAUSTED"),
+    # Authentication and authorization refusals (auth.py), counted per call.
+    *("TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_INVALID", "TOKEN_REVOKED", "TOKEN_EXPIRED"),
+    *("ROLE_FORBIDDEN", "NAMESPACE_FORBIDDEN", "RUN_PREFIX_FORBIDDEN"),
+    *("UNAUTHENTICATED", "PERMISSION_DENIED", "OTHER"),
 )
 # The run_shards states; "planned" counts every planned shard, the others partition it.
 SHARD_STATES: Final = ("planned", "verified", "failed", "missing", "running", "stale", "unverified")
 # verify_failed shards are exported under one tag, because verify reasons are free text.
 VERIFY_FAILED_TAG: Final = "verify_failed"
 COUNT_BUCKETS: Final = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000)
-LATENCY_BUCKETS: Final = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+# Appends commit in about a millisecond on a local disk, and in seconds under fsync stalls.
+_SUB_SECOND: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+LATENCY_BUCKETS: Final = (*_SUB_SECOND, 1.0, 2.5, 5.0, 10.0)
 _US: Final = 1_000_000
 
 
@@ -125,27 +107,22 @@ class LedgerMetrics:
         )
         self.calls_rejected = Counter(
             "shardledger_calls_rejected",
-            "Refused calls, by reason (AppendEvents refusals and auth refusals).",
+            "Calls refused by authentication or authorization, by reason.",
             ["reason"],
             registry=r,
         )
-        self.batch_events = Histogram(
-            "shardledger_append_batch_events",
-            "Events per AppendEvents call.",
-            buckets=COUNT_BUCKETS,
-            registry=r,
+
+        def sizes(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=COUNT_BUCKETS, registry=r)
+
+        self.batch_events = sizes(
+            "shardledger_append_batch_events", "Events per AppendEvents call."
         )
-        self.group_jobs = Histogram(
-            "shardledger_group_commit_batches",
-            "Append batches folded into one group commit.",
-            buckets=COUNT_BUCKETS,
-            registry=r,
+        self.group_jobs = sizes(
+            "shardledger_group_commit_batches", "Append batches folded into one group commit."
         )
-        self.group_events = Histogram(
-            "shardledger_group_commit_events",
-            "Events committed by one group commit.",
-            buckets=COUNT_BUCKETS,
-            registry=r,
+        self.group_events = sizes(
+            "shardledger_group_commit_events", "Events committed by one group commit."
         )
         # Every reason is exported from the start, so rate() sees 0 and not an absent series.
         for reason in REJECT_REASONS:
@@ -162,9 +139,19 @@ class LedgerMetrics:
             self.events_appended.inc(events)
             return
         self.append_seconds.labels("rejected").observe(duration_s)
-        label = reason_label(reason)
-        self.events_rejected.labels(label).inc(events)
-        self.calls_rejected.labels(label).inc()
+        self.events_rejected.labels(reason_label(reason)).inc(events)
+
+    @contextmanager
+    def timed_append(self, events: int) -> Iterator[None]:
+        """Times the enclosed append and records it, with the reason when it raises."""
+        start = time.perf_counter()
+        try:
+            yield
+        except (LedgerError, StoreError) as exc:
+            reason = exc.reason if isinstance(exc, LedgerError) else "STORE_UNAVAILABLE"
+            self.observe_append(time.perf_counter() - start, events, reason)
+            raise
+        self.observe_append(time.perf_counter() - start, events, None)
 
     def observe_group(self, jobs: int, events: int) -> None:
         """Records one group commit of jobs batches holding events events."""
@@ -172,7 +159,7 @@ class LedgerMetrics:
         self.group_events.observe(events)
 
     def observe_rejected_call(self, reason: str, *, events: int = 0) -> None:
-        """Records a call refused before it reached the ledger (authentication, quota)."""
+        """Records a call refused by authentication or authorization (the interceptor's hook)."""
         label = reason_label(reason)
         self.calls_rejected.labels(label).inc()
         if events:
@@ -193,71 +180,47 @@ class RunExport:
     heartbeat_scan_limit: int = 10_000
 
 
-@dataclass(slots=True)
-class _Families:
-    shards: GaugeMetricFamily
-    failed_by_tag: GaugeMetricFamily
-    duplicates: GaugeMetricFamily
-    completion: GaugeMetricFamily
-    silent: GaugeMetricFamily
-    heartbeat_age: GaugeMetricFamily
-    last_event_age: GaugeMetricFamily
-    events: GaugeMetricFamily
+# The per-run gauges: shardledger_run_<key>{namespace, run_id[, extra label]}.
+RUN_FAMILIES: Final[dict[str, tuple[str, str | None]]] = {
+    "shards": (
+        "Shards by state; planned counts every planned shard and the other states"
+        " partition it (failed includes verify_failed, unverified is committed).",
+        "state",
+    ),
+    "failed_by_tag": (
+        "Failed shards by failure tag (verify_failed: an artifact failed verification).",
+        "tag",
+    ),
+    "duplicates": (
+        "Shards with duplicate commits, by kind (wasted, nondeterministic, zombie).",
+        "kind",
+    ),
+    "completion_ratio": ("Verified shards over planned shards.", None),
+    "silent_error_ratio": (
+        "Shards that reported success but did not verify, over planned shards.",
+        None,
+    ),
+    "oldest_heartbeat_age_seconds": (
+        "Age of the oldest last-seen time among running and stale shards (absent when none).",
+        None,
+    ),
+    "last_event_age_seconds": (
+        "Seconds since the run's last event was received (server clock).",
+        None,
+    ),
+    "events_total": ("Events in the run's chain.", None),
+}
 
-    def all(self) -> list[Metric]:
-        return [
-            self.shards,
-            self.failed_by_tag,
-            self.duplicates,
-            self.completion,
-            self.silent,
-            self.heartbeat_age,
-            self.last_event_age,
-            self.events,
-        ]
 
-
-def _families() -> _Families:
-    run = ["namespace", "run_id"]
-
-    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, labels=[*run, *extra])
-
-    return _Families(
-        shards=gauge(
-            "shardledger_run_shards",
-            "Shards by state; planned counts every planned shard and the other states"
-            " partition it (failed includes verify_failed, unverified is committed).",
-            ("state",),
-        ),
-        failed_by_tag=gauge(
-            "shardledger_run_failed_by_tag",
-            "Failed shards by failure tag (verify_failed: an artifact failed verification).",
-            ("tag",),
-        ),
-        duplicates=gauge(
-            "shardledger_run_duplicates",
-            "Shards with duplicate commits, by kind (wasted, nondeterministic, zombie).",
-            ("kind",),
-        ),
-        completion=gauge(
-            "shardledger_run_completion_ratio", "Verified shards over planned shards."
-        ),
-        silent=gauge(
-            "shardledger_run_silent_error_ratio",
-            "Shards that reported success but did not verify, over planned shards.",
-        ),
-        heartbeat_age=gauge(
-            "shardledger_run_oldest_heartbeat_age_seconds",
-            "Age of the oldest last-seen time among running and stale shards"
-            " (absent when none runs).",
-        ),
-        last_event_age=gauge(
-            "shardledger_run_last_event_age_seconds",
-            "Seconds since the run's last event was received (server clock).",
-        ),
-        events=gauge("shardledger_run_events_total", "Events in the run's chain."),
-    )
+def _families() -> dict[str, GaugeMetricFamily]:
+    return {
+        key: GaugeMetricFamily(
+            f"shardledger_run_{key}",
+            doc,
+            labels=["namespace", "run_id", *([extra] if extra else [])],
+        )
+        for key, (doc, extra) in RUN_FAMILIES.items()
+    }
 
 
 class RunCollector(Collector):
@@ -296,7 +259,7 @@ class RunCollector(Collector):
             exported.add_metric([kind], float(count))
         yield up
         yield exported
-        yield from families.all()
+        yield from families.values()
         if ledger_age is not None:
             age = GaugeMetricFamily(
                 "shardledger_ledger_last_event_age_seconds",
@@ -310,7 +273,7 @@ class RunCollector(Collector):
         took.add_metric([], time.perf_counter() - started)
         yield took
 
-    def _collect_runs(self) -> tuple[_Families, float | None, dict[str, int]]:
+    def _collect_runs(self) -> tuple[dict[str, GaugeMetricFamily], float | None, dict[str, int]]:
         now_us = self.ledger.clock()
         e = self.export
         # One more than can be exported: the newest-first order puts every active run ahead.
@@ -322,34 +285,27 @@ class RunCollector(Collector):
         ledger_age = max(0.0, (now_us - rows[0].updated_us) / _US) if rows else None
         return families, ledger_age, {"active": len(active), "finished": len(finished)}
 
-    def _add_run(self, f: _Families, run: RunRow, now_us: int) -> None:
+    def _add_run(self, f: dict[str, GaugeMetricFamily], run: RunRow, now_us: int) -> None:
         s = self.ledger.summary(run.namespace, run.run_id, now=now_us)
         key = [run.namespace, run.run_id]
-        values = {
-            "planned": s["submitted"],
-            "verified": s["verified"],
-            "failed": s["failed"],
-            "missing": s["missing"],
-            "running": s["running"],
-            "stale": s["stale"],
-            "unverified": s["unverified"],
-        }
         for state in SHARD_STATES:
-            f.shards.add_metric([*key, state], float(values[state]))
+            # Each state is the summary key of the same name, except the total.
+            value = s["submitted"] if state == "planned" else s[state]
+            f["shards"].add_metric([*key, state], float(value))
         tags: dict[str, int] = s["failure_tags"]
         for tag in FAILURE_TAGS:
-            f.failed_by_tag.add_metric([*key, tag], float(tags.get(tag, 0)))
-        f.failed_by_tag.add_metric([*key, VERIFY_FAILED_TAG], float(s["verify_failed"]))
+            f["failed_by_tag"].add_metric([*key, tag], float(tags.get(tag, 0)))
+        f["failed_by_tag"].add_metric([*key, VERIFY_FAILED_TAG], float(s["verify_failed"]))
         for kind in DUPLICATE_KINDS:
-            f.duplicates.add_metric([*key, kind], float(s["duplicates"].get(kind, 0)))
-        f.completion.add_metric(key, float(s["completion_rate"]))
-        f.silent.add_metric(key, float(s["silent_error_rate"]))
-        f.last_event_age.add_metric(key, max(0.0, (now_us - run.updated_us) / _US))
-        f.events.add_metric(key, float(run.event_count))
+            f["duplicates"].add_metric([*key, kind], float(s["duplicates"].get(kind, 0)))
+        f["completion_ratio"].add_metric(key, float(s["completion_rate"]))
+        f["silent_error_ratio"].add_metric(key, float(s["silent_error_rate"]))
+        f["last_event_age_seconds"].add_metric(key, max(0.0, (now_us - run.updated_us) / _US))
+        f["events_total"].add_metric(key, float(run.event_count))
         if s["running"] or s["stale"]:
             oldest = self._oldest_last_seen(run.run_pk)
             if oldest is not None:
-                f.heartbeat_age.add_metric(key, max(0.0, (now_us - oldest) / _US))
+                f["oldest_heartbeat_age_seconds"].add_metric(key, max(0.0, (now_us - oldest) / _US))
 
     def _oldest_last_seen(self, run_pk: int) -> int | None:
         """Returns the earliest last-seen time among the run's running shards."""

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ledger_server.interceptor import RequestInterceptor
 from ledger_server.ledger import Ledger
+from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
 from ledger_server.store import open_store
@@ -56,6 +57,8 @@ class ServerConfig:
     # "tokens": every call but health/reflection needs a bearer token; "off": open;
     # "auto": tokens unless listening on loopback.
     auth: str = "auto"
+    # Prometheus /metrics (plain HTTP): HOST:PORT, port 0 picks one; None turns it off.
+    metrics_listen: str | None = None
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 
@@ -87,11 +90,16 @@ class RunningServer:
     ledger: Ledger
     health: health.HealthServicer
     interceptor: RequestInterceptor
+    metrics: LedgerMetrics
+    metrics_http: Any = None
+    metrics_port: int | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, drains in-flight calls, closes the database."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        if self.metrics_http is not None:
+            stop_metrics_server(self.metrics_http)
         self.ledger.close()
         self.ledger.store.close()
         log.info("server_stopped", port=self.port)
@@ -114,11 +122,16 @@ def create_server(config: ServerConfig) -> RunningServer:
         raise SystemExit(f"--auth must be auto, tokens or off, not {config.auth!r}")
     credentials = _server_credentials(config) if tls else None
     store = open_store(config.database)
-    ledger = Ledger(store)
+    metrics = LedgerMetrics()
+    ledger = Ledger(store, on_group=metrics.observe_group)
     require_tokens = config.auth == "tokens" or (
         config.auth == "auto" and not is_loopback(config.listen)
     )
-    interceptor = RequestInterceptor(tokens=store if require_tokens else None, clock=ledger.clock)
+    interceptor = RequestInterceptor(
+        tokens=store if require_tokens else None,
+        clock=ledger.clock,
+        on_rejected=metrics.observe_rejected_call,
+    )
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -135,7 +148,7 @@ def create_server(config: ServerConfig) -> RunningServer:
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     key = SigningKey.load_or_create(config.signing_key or default_key_path(config.database))
-    servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor)
+    servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor, metrics=metrics)
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -160,6 +173,9 @@ def create_server(config: ServerConfig) -> RunningServer:
         store.close()
         raise SystemExit(f"could not listen on {config.listen}: address in use or invalid")
     server.start()
+    metrics_http, metrics_port = None, None
+    if config.metrics_listen:
+        metrics_http, metrics_port = start_metrics_server(metrics, ledger, config.metrics_listen)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -170,8 +186,11 @@ def create_server(config: ServerConfig) -> RunningServer:
         tls=tls,
         mutual_tls=bool(config.client_ca),
         auth="tokens" if require_tokens else "off",
+        metrics_port=metrics_port,
     )
-    return RunningServer(server, port, ledger, health_servicer, interceptor)
+    return RunningServer(
+        server, port, ledger, health_servicer, interceptor, metrics, metrics_http, metrics_port
+    )
 
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:

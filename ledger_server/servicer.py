@@ -34,6 +34,7 @@ from ledger_server.errors import (
 from ledger_server.events import canonical_json
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
 from ledger_server.ledger import Ledger
+from ledger_server.metrics import LedgerMetrics
 from ledger_server.signing import SigningKey
 from ledger_server.store.base import StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -121,10 +122,12 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         *,
         signing_key: SigningKey | None = None,
         interceptor: RequestInterceptor | None = None,
+        metrics: LedgerMetrics | None = None,
     ) -> None:
         self.ledger = ledger
         self.signing_key = signing_key
         self.interceptor = interceptor
+        self.metrics = metrics or LedgerMetrics()
 
     def _scope(
         self, context: grpc.ServicerContext, action: str, namespace: str, run_id: str
@@ -161,7 +164,11 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 ]
             )
 
-        return _guard(context, call)
+        def timed() -> pb.AppendEventsResponse:
+            with self.metrics.timed_append(len(request.events)):
+                return call()
+
+        return _guard(context, timed)
 
     def ListEvents(
         self, request: pb.ListEventsRequest, context: grpc.ServicerContext

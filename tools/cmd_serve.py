@@ -38,6 +38,12 @@ def register(
     p.add_argument(
         "--insecure", action="store_true", help="allow plaintext on a non-loopback address"
     )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        default=None,
+        help="serve Prometheus /metrics on this address (plain HTTP; port 0 picks one)",
+    )
     tls = p.add_argument_group("TLS and authentication")
     tls.add_argument(
         "--tls-cert",
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         client_ca=args.client_ca,
         auth=args.auth,
         signing_key=args.signing_key,
+        metrics_listen=args.metrics_listen,
     )
 
     def ready(port: int) -> None:

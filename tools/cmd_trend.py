@@ -1,0 +1,319 @@
+"""`shardledger trend`: completion, silent errors and failure tags over runs, and ruler drift.
+
+A ruler run re-runs a fixed sample of shards (same ids, same inputs) so that
+drift shows up between nights. Two ruler runs are compared artifact by
+artifact: a digest that changed while the environment fingerprint stayed the
+same is drift (non-determinism, a silent library change); a digest that
+changed together with the fingerprint is expected, because numbers are only
+comparable inside one fingerprint group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any, Final
+
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, client_from, print_json
+
+if TYPE_CHECKING:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from shard_client.api.shardledger.v1.ledger_pb2 import RunInfo
+    from shard_client.client import LedgerClient
+
+DEFAULT_LAST: Final = 20
+DEFAULT_RULER_PREFIX: Final = "ruler-"
+# ListRuns answers at most this many runs (the server's page cap): the history rulers are
+# paired from. A ruler run older than that has no predecessor to compare with.
+RUN_SCAN: Final = 5000
+SHOWN_CHANGES: Final = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ShardArtifacts:
+    """What one shard of a ruler run produced: its fingerprint group and output digests."""
+
+    state: str
+    fingerprint: str
+    digests: dict[str, str]
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """Adds the trend command."""
+    p = sub.add_parser(
+        "trend",
+        parents=[common],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="completion, silent errors and failure tags over recent runs; ruler drift",
+        description="For the most recent runs (oldest first): completion rate (verified /\n"
+        "submitted), silent error rate, failure tags and fingerprint groups.\n\n"
+        "Ruler runs (run id starting with --ruler-prefix) re-run a fixed sample set.\n"
+        "Each is compared with the ruler run created before it, output by output:\n"
+        "  drift         the digest changed inside the same fingerprint group\n"
+        "  across groups the digest changed with the fingerprint (expected)\n"
+        "  unattributed  the digest changed and a fingerprint is unknown\n"
+        "Shards present in only one of the two are listed as an ID-set difference.\n\n"
+        "exit codes: 0 no drift; 1 drift found; 3 server unreachable; 4 refused",
+    )
+    p.add_argument(
+        "--last",
+        type=_positive,
+        default=DEFAULT_LAST,
+        help=f"runs to show (default {DEFAULT_LAST})",
+    )
+    p.add_argument(
+        "--ruler-prefix",
+        default=DEFAULT_RULER_PREFIX,
+        metavar="P",
+        help=f"run ids of ruler runs start with this (default {DEFAULT_RULER_PREFIX!r})",
+    )
+    p.set_defaults(func=run_trend)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def run_trend(args: argparse.Namespace) -> int:
+    """Prints the trend report; exits 1 when a ruler run drifted."""
+    client = client_from(args)
+    try:
+        report = build_report(
+            client, namespace=args.namespace, last=args.last, ruler_prefix=args.ruler_prefix
+        )
+    finally:
+        client.close()
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report)
+    return EXIT_PROBLEMS if report["drift_found"] else EXIT_OK
+
+
+def build_report(
+    client: LedgerClient, *, namespace: str, last: int, ruler_prefix: str
+) -> dict[str, Any]:
+    """Returns the trend of the last runs and the comparison of each ruler run with its previous."""
+    listed = client.list_runs(namespace=namespace, page_size=RUN_SCAN)  # newest update first
+    recent = sorted(listed[:last], key=_created_us)
+    rows = [_run_row(info, client, ruler_prefix) for info in recent]
+    rulers = sorted(
+        (r for r in listed if ruler_prefix and r.run_id.startswith(ruler_prefix)), key=_created_us
+    )
+    shown = {r.run_id for r in recent}
+    cache: dict[str, dict[str, ShardArtifacts]] = {}
+    comparisons = [
+        {
+            "run_id": current.run_id,
+            "previous_run_id": previous.run_id,
+            **compare_rulers(
+                _artifacts(client, previous, cache), _artifacts(client, current, cache)
+            ),
+        }
+        for previous, current in pairwise(rulers)
+        if current.run_id in shown
+    ]
+    return {
+        "namespace": namespace or "default",
+        "runs": rows,
+        "ruler_prefix": ruler_prefix,
+        "ruler_comparisons": comparisons,
+        "drift_found": any(c["drift"] for c in comparisons),
+    }
+
+
+def _us(timestamp: Timestamp) -> int:
+    return int(timestamp.seconds) * 1_000_000 + int(timestamp.nanos) // 1000
+
+
+def _created_us(info: RunInfo) -> tuple[int, str]:
+    return _us(info.create_time), info.run_id
+
+
+def _run_row(info: RunInfo, client: LedgerClient, ruler_prefix: str) -> dict[str, Any]:
+    s = json.loads(client.summary(info.run_id, namespace=info.namespace))
+    return {
+        "run_id": info.run_id,
+        "created": info.create_time.ToJsonString(),
+        "ruler": bool(ruler_prefix) and info.run_id.startswith(ruler_prefix),
+        "submitted": s["submitted"],
+        "verified": s["verified"],
+        "completion_rate": s["completion_rate"],
+        "silent_errors": s["silent_errors"],
+        "silent_error_rate": s["silent_error_rate"],
+        "failure_tags": s["failure_tags"],
+        "attempt_failure_tags": s["attempt_failure_tags"],
+        "verify_failures": s["verify_failures"],
+        "fingerprint_groups": s["fingerprint_groups"],
+    }
+
+
+def _artifacts(
+    client: LedgerClient, info: RunInfo, cache: dict[str, dict[str, ShardArtifacts]]
+) -> dict[str, ShardArtifacts]:
+    if info.run_id not in cache:
+        views = (
+            json.loads(v.view_json) for v in client.shards(info.run_id, namespace=info.namespace)
+        )
+        cache[info.run_id] = shard_artifacts(views)
+    return cache[info.run_id]
+
+
+def shard_artifacts(views: Iterable[dict[str, Any]]) -> dict[str, ShardArtifacts]:
+    """Returns each shard's fingerprint and output digests from its shard views."""
+    return {
+        v["shard_id"]: ShardArtifacts(
+            state=v["state"],
+            fingerprint=v.get("fingerprint", ""),
+            digests={name: a["blake3"] for name, a in v.get("artifacts", {}).items()},
+        )
+        for v in views
+    }
+
+
+def compare_rulers(
+    previous: dict[str, ShardArtifacts], current: dict[str, ShardArtifacts]
+) -> dict[str, Any]:
+    """Returns the outputs whose digest changed, split by whether the fingerprint changed too."""
+    drift: list[dict[str, str]] = []
+    across: list[dict[str, str]] = []
+    unattributed: list[dict[str, str]] = []
+    compared = unchanged = 0
+    for shard_id in sorted(previous.keys() & current.keys()):
+        before, after = previous[shard_id], current[shard_id]
+        for name in sorted(before.digests.keys() & after.digests.keys()):
+            compared += 1
+            if before.digests[name] == after.digests[name]:
+                unchanged += 1
+                continue
+            change = {
+                "shard_id": shard_id,
+                "output": name,
+                "previous_fingerprint": before.fingerprint,
+                "fingerprint": after.fingerprint,
+                "previous_blake3": before.digests[name],
+                "blake3": after.digests[name],
+            }
+            if not before.fingerprint or not after.fingerprint:
+                unattributed.append(change)
+            elif before.fingerprint == after.fingerprint:
+                drift.append(change)
+            else:
+                across.append(change)
+    return {
+        "compared_outputs": compared,
+        "unchanged": unchanged,
+        "drift": drift,
+        "across_groups": across,
+        "unattributed": unattributed,
+        "only_in_previous": sorted(previous.keys() - current.keys()),
+        "only_in_current": sorted(current.keys() - previous.keys()),
+    }
+
+
+# --- text output ------------------------------------------------------------
+
+
+def _percent(rate: float) -> str:
+    return f"{rate * 100:.2f}%"
+
+
+def _counts(values: dict[str, int], *, short: bool = False) -> str:
+    items = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{k[:8] if short else k} {v}" for k, v in items) or "-"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Prints the report as rich tables on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    # markup off: run ids and tags are data, never rich markup; a wide page when piped.
+    console = Console(
+        file=sys.stdout,
+        markup=False,
+        highlight=False,
+        width=None if sys.stdout.isatty() else 200,
+    )
+    if not report["runs"]:
+        console.print(f"no runs in namespace {report['namespace']}")
+        return
+    runs = Table(title="runs (oldest first)", title_justify="left")
+    for column in ("run", "created", "submitted", "verified", "completion", "silent errors"):
+        runs.add_column(column, justify="left" if column in ("run", "created") else "right")
+    runs.add_column("failure tags")
+    runs.add_column("fingerprint groups")
+    for r in report["runs"]:
+        runs.add_row(
+            r["run_id"] + (" (ruler)" if r["ruler"] else ""),
+            r["created"],
+            str(r["submitted"]),
+            str(r["verified"]),
+            _percent(r["completion_rate"]),
+            f"{r['silent_errors']} ({_percent(r['silent_error_rate'])})",
+            _counts({**r["failure_tags"], **_prefixed("verify:", r["verify_failures"])}),
+            _counts(r["fingerprint_groups"], short=True),
+        )
+    console.print(runs)
+    _print_rulers(console, report)
+
+
+def _prefixed(prefix: str, values: dict[str, int]) -> dict[str, int]:
+    return {prefix + k: v for k, v in values.items()}
+
+
+def _print_rulers(console: Any, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    comparisons = report["ruler_comparisons"]
+    if not comparisons:
+        console.print(f"no ruler run to compare (prefix {report['ruler_prefix']!r})")
+        return
+    table = Table(title="ruler runs vs. their previous ruler run", title_justify="left")
+    for column in ("run", "previous", "compared", "unchanged", "drift", "across groups"):
+        table.add_column(column, justify="left" if column in ("run", "previous") else "right")
+    table.add_column("unattributed", justify="right")
+    table.add_column("id-set difference")
+    for c in comparisons:
+        table.add_row(
+            c["run_id"],
+            c["previous_run_id"],
+            str(c["compared_outputs"]),
+            str(c["unchanged"]),
+            str(len(c["drift"])),
+            str(len(c["across_groups"])),
+            str(len(c["unattributed"])),
+            f"-{len(c['only_in_previous'])} +{len(c['only_in_current'])}",
+        )
+    console.print(table)
+    drift = [(c["run_id"], d) for c in comparisons for d in c["drift"]]
+    if not drift:
+        console.print("no drift: every changed digest changed with its fingerprint group")
+        return
+    details = Table(
+        title="drift: digest changed inside one fingerprint group", title_justify="left"
+    )
+    for column in ("run", "shard", "output", "fingerprint", "previous blake3", "blake3"):
+        details.add_column(column)
+    for run_id, d in drift[:SHOWN_CHANGES]:
+        details.add_row(
+            run_id,
+            d["shard_id"],
+            d["output"],
+            d["fingerprint"][:12],
+            d["previous_blake3"][:16],
+            d["blake3"][:16],
+        )
+    console.print(details)
+    if len(drift) > SHOWN_CHANGES:
+        console.print(f"... and {len(drift) - SHOWN_CHANGES} more (see --json)")
