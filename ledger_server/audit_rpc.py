@@ -20,6 +20,7 @@ import grpc
 from google.rpc import status_pb2
 from grpc_status import rpc_status
 
+from ledger_server.auth import AUDIT
 from ledger_server.errors import InvalidEvent, LedgerError
 from ledger_server.events import GENESIS_HASH, canonical_json, chain_hash, check_id
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
@@ -130,7 +131,16 @@ class RunTreeCache:
         entry = self._entry(run.run_pk)
         # One lock per run: a long first read of a big run never blocks other runs' audits.
         with entry.lock:
-            entry.extend(view, run)
+            # Re-read under the lock: every row an earlier holder added was committed before
+            # this read, so a head now shorter than the tree means rows were removed.
+            head = view.get_run(run.namespace, run.run_id)
+            if head is None or head.run_pk != run.run_pk or head.event_count < entry.tree.size:
+                raise LedgerCorrupt(
+                    f"run {run.run_id} went back from {entry.tree.size} events to"
+                    f" {head.event_count if head else 0}: the log was truncated or restored",
+                    run_id=run.run_id,
+                )
+            entry.extend(view, head)
             yield entry
 
     def _entry(self, run_pk: int) -> RunTree:
@@ -161,7 +171,7 @@ class AuditRpcMixin:
         self, request: pb.GetTreeHeadRequest, context: grpc.ServicerContext
     ) -> pb.GetTreeHeadResponse:
         def call() -> pb.GetTreeHeadResponse:
-            with self._audit_tree(request.namespace, request.run_id) as (run, entry):
+            with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 size = _size("tree_size", request.tree_size, entry.tree.size)
                 head = self._sign(run, size, entry.tree.root(size))
             return pb.GetTreeHeadResponse(tree_head_json=canonical_json(head.to_json()))
@@ -173,7 +183,7 @@ class AuditRpcMixin:
     ) -> pb.GetInclusionProofResponse:
         def call() -> pb.GetInclusionProofResponse:
             check_id("event_id", request.event_id)
-            with self._audit_tree(request.namespace, request.run_id) as (run, entry):
+            with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 bundle = self._inclusion(run, entry, request.event_id, request.tree_size)
             return pb.GetInclusionProofResponse(proof_bundle_json=canonical_json(bundle.to_json()))
 
@@ -183,7 +193,7 @@ class AuditRpcMixin:
         self, request: pb.GetConsistencyProofRequest, context: grpc.ServicerContext
     ) -> pb.GetConsistencyProofResponse:
         def call() -> pb.GetConsistencyProofResponse:
-            with self._audit_tree(request.namespace, request.run_id) as (run, entry):
+            with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 new = _size("new_size", request.new_size, entry.tree.size)
                 if not 0 <= request.old_size <= new:
                     raise InvalidEvent("old_size", f"must be between 0 and the new size {new}")
@@ -218,9 +228,17 @@ class AuditRpcMixin:
                     self._audit_trees = cache
         return cache
 
+    def _scope(
+        self, context: grpc.ServicerContext, action: str, namespace: str, run_id: str
+    ) -> str:
+        """Returns the namespace the request means; LedgerServicer overrides it with auth."""
+        return namespace
+
     @contextmanager
-    def _audit_tree(self, namespace: str, run_id: str) -> Iterator[tuple[RunRow, RunTree]]:
-        run = self.ledger.run(namespace, run_id)
+    def _audit_tree(
+        self, context: grpc.ServicerContext, namespace: str, run_id: str
+    ) -> Iterator[tuple[RunRow, RunTree]]:
+        run = self.ledger.run(self._scope(context, AUDIT, namespace, run_id), run_id)
         with self.audit_trees.locked(self.ledger.store.read(), run) as entry:
             yield run, entry
 

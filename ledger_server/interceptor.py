@@ -13,6 +13,7 @@ import grpc
 import structlog
 
 from ledger_server.auth import Principal, TokenSource, Unauthenticated, authenticate
+from ledger_server.errors import InvalidEvent
 
 log = structlog.get_logger("shardledger.server")
 
@@ -21,6 +22,39 @@ CURRENT_PRINCIPAL: ContextVar[Principal | None] = ContextVar("shardledger_princi
 CURRENT_METHOD: ContextVar[str] = ContextVar("shardledger_method", default="")
 # Health must answer load balancers without credentials; reflection only describes the schema.
 OPEN_PREFIXES: Final = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Stands in for a request whose bytes do not parse (see _lenient).
+_MALFORMED: Final = object()
+
+
+class MalformedRequest(InvalidEvent):
+    """The request bytes are not a valid message of the method's type (INVALID_ARGUMENT)."""
+
+    reason = "MALFORMED_REQUEST"
+
+    def __init__(self) -> None:
+        super().__init__("request", "is not a valid protobuf message of the method's type")
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """Returns a deserializer that yields _MALFORMED instead of raising."""
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception:  # DecodeError, or whatever a parser raises on hostile bytes
+            # gRPC itself would answer INTERNAL (and log a traceback) for a client's garbage.
+            return _MALFORMED
+
+    return parse
+
+
+def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
+    if request is _MALFORMED:
+        from ledger_server.servicer import rich_status
+
+        context.abort_with_status(rich_status(MalformedRequest()))
 
 
 class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
@@ -95,6 +129,7 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 token = CURRENT_PRINCIPAL.set(principal)
                 method_token = CURRENT_METHOD.set(method)
                 try:
+                    _refuse_malformed(request, context)
                     result = behavior(request, context)
                     failed = False
                     return result
@@ -109,6 +144,7 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     context.abort_with_status(rich_status(failure))
                 start, failed = time.perf_counter(), True
                 try:
+                    _refuse_malformed(request, context)
                     # A generator runs on whichever thread pulls it: set the principal per step.
                     inner = behavior(request, context)
                     while True:
@@ -135,13 +171,13 @@ def _wrap(handler: Any, make: Callable[[Callable[..., Any], bool], Callable[...,
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             make(handler.unary_unary, False),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
             make(handler.unary_stream, True),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
     return handler

@@ -103,8 +103,20 @@ def _token(value: Any) -> str:
 def _untoken(token: str) -> Any:
     try:
         return json.loads(base64.urlsafe_b64decode(token.encode()))
-    except (ValueError, UnicodeError):
+    except (ValueError, UnicodeError, RecursionError):
         raise InvalidEvent("page_token", "is not a token this server issued") from None
+
+
+def _int64(value: Any) -> int:
+    """Returns a token's number as an int SQLite can bind, or raises ValueError/TypeError."""
+    # Tokens come back from clients: 1e400 (OverflowError) or 2**64 would reach SQLite as UNKNOWN.
+    try:
+        number = int(value)
+    except OverflowError:
+        raise ValueError("not a finite number") from None
+    if not -(2**63) <= number < 2**63:
+        raise ValueError("outside the 64-bit range")
+    return number
 
 
 def _page_size(value: int) -> int:
@@ -178,7 +190,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             after = request.after_sequence
             if request.page_token:
                 try:
-                    after = int(_untoken(request.page_token))
+                    after = _int64(_untoken(request.page_token))
                 except (TypeError, ValueError):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
             size = _page_size(request.page_size)
@@ -254,7 +266,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             if request.page_token:
                 try:
                     index, shard_id = _untoken(request.page_token)
-                    after = (int(index), str(shard_id))
+                    after = (_int64(index), str(shard_id))
                 except (TypeError, ValueError):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
             ns = self._scope(context, READ, request.namespace, request.run_id)

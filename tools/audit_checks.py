@@ -1,0 +1,383 @@
+"""Audit checks shared by `audit` and `export`: chain walks, signed heads, checkpoints, proofs.
+
+Everything here judges data it is handed; fetching over gRPC is limited to the
+small rpc_* helpers, since LedgerClient has no audit methods yet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from ledger_server.audit import verify_rows
+from ledger_server.codec import decode_event, timestamp_us
+from ledger_server.errors import LedgerError
+from ledger_server.events import GENESIS_HASH, chain_hash, event_from_row, row_bytes
+from ledger_server.merkle import MerkleTree, verify_consistency
+from ledger_server.signing import (
+    InclusionProofBundle,
+    TreeHead,
+    check_inclusion_bundle,
+    load_public_key,
+    public_key_id,
+    verify_tree_head,
+)
+from ledger_server.store.base import RunRow, Store, StoredEvent, StoreError
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.errors import LedgerRejected
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, print_json
+from tools.cmd_report import iso_us
+
+# Codes with which a server says it cannot read its own rows: findings, not refusals.
+_UNREADABLE: Final = ("DATA_LOSS", "INTERNAL", "UNKNOWN")
+
+Check = tuple[str, bool, str]
+
+
+# --- chain walking ----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ChainWalk:
+    """Recomputes one run's chain and Merkle tree row by row and remembers the first break."""
+
+    run_id: str
+    namespace: str | None = None  # None: taken from the first row
+    tree: MerkleTree = field(default_factory=MerkleTree)
+    head_hash: bytes = GENESIS_HASH
+    where: str = ""  # the first bad row, e.g. "sequence 57" or "line 12"
+    bad_sequence: int | None = None
+    problem: str = ""
+
+    @property
+    def count(self) -> int:
+        """Returns how many rows chained correctly."""
+        return self.tree.size
+
+    def add(self, row: bytes, *, row_hash: bytes, run_sequence: int, where: str) -> bool:
+        """Checks one row against the chain so far; False (remembered) at the first break."""
+        problem = self._problem(row, row_hash, run_sequence)
+        if problem:
+            self.fail(where, problem)
+            return False
+        self.tree.append(row)
+        self.head_hash = row_hash
+        return True
+
+    def fail(self, where: str, problem: str, sequence: int | None = None) -> None:
+        """Records a break found outside the row checks."""
+        self.where, self.problem = where, problem
+        if sequence is None and where.startswith("sequence "):
+            sequence = int(where.split()[1])
+        self.bad_sequence = sequence
+
+    def _problem(self, row: bytes, row_hash: bytes, run_sequence: int) -> str:
+        expected = self.count + 1
+        if run_sequence != expected:
+            return (
+                f"run_sequence {run_sequence} where {expected} was expected"
+                " (a row was deleted, inserted or reordered)"
+            )
+        try:
+            event, in_row, receive_us = event_from_row(row)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"row bytes are not a ledger row ({type(exc).__name__}: {exc})"
+        if self.namespace is None:
+            self.namespace = event.namespace
+        if (event.namespace, event.run_id) != (self.namespace, self.run_id):
+            return f"row belongs to {event.namespace}/{event.run_id}"
+        if in_row != run_sequence:
+            return f"row bytes say run_sequence {in_row}, the row sits at {run_sequence}"
+        if row_bytes(event, run_sequence=in_row, receive_time_us=receive_us) != row:
+            return "row bytes are not canonical (edited)"
+        if chain_hash(self.head_hash, row) != row_hash:
+            return "row hash does not match blake3(previous hash || row)"
+        return ""
+
+
+def event_row(msg: pb.ShardEvent) -> bytes:
+    """Returns the canonical row bytes re-derived from an event as the server sent it."""
+    return row_bytes(
+        decode_event(msg),
+        run_sequence=msg.run_sequence,
+        receive_time_us=timestamp_us(msg.receive_time),
+    )
+
+
+def walk_server(client: Any, run_id: str, namespace: str) -> ChainWalk:
+    """Fetches every event of the run over gRPC and walks its chain."""
+    walk = ChainWalk(run_id, namespace or None)
+    last = 0
+    try:
+        for msg in client.list_events(run_id, namespace=namespace, page_size=5000):
+            try:
+                row = event_row(msg)
+            except LedgerError as exc:
+                walk.fail(f"sequence {msg.sequence}", f"the event cannot be decoded: {exc}")
+                break
+            if not walk.add(
+                row,
+                row_hash=msg.row_hash,
+                run_sequence=msg.run_sequence,
+                where=f"sequence {msg.sequence}",
+            ):
+                break
+            last = msg.sequence
+    except LedgerRejected as exc:
+        if exc.code.name not in _UNREADABLE:
+            raise
+        walk.fail(f"after sequence {last}", f"the server cannot read the next row: {exc}")
+    return walk
+
+
+def walk_store(view: Any, run: RunRow) -> tuple[dict[str, Any], MerkleTree]:
+    """Walks one run of a store with audit.verify_rows, building its Merkle tree on the way."""
+    tree = MerkleTree()
+
+    def tap(rows: Iterator[StoredEvent]) -> Iterator[StoredEvent]:
+        for stored in rows:
+            yield stored
+            # Reached only when verify_rows asks for the next row, i.e. this one passed.
+            tree.append(stored.row)
+
+    report = verify_rows(run, tap(view.iter_events(run.run_pk))).to_json()
+    return report, tree
+
+
+# --- checks and reports -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A saved signed head and the public key saved beside it."""
+
+    head: TreeHead
+    public_key_pem: str | None
+
+
+def read_json(path: str) -> Any:
+    """Returns the JSON in a file, or raises CommandError (exit 5)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise CommandError(f"{path} is not JSON: {exc}") from None
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """Reads a checkpoint file (or a bare tree head JSON)."""
+    data = read_json(path)
+    try:
+        if isinstance(data, dict) and "tree_head" in data:
+            pem = data.get("public_key_pem")
+            return Checkpoint(TreeHead.from_json(data["tree_head"]), pem)
+        return Checkpoint(TreeHead.from_json(data), None)
+    except (ValueError, TypeError) as exc:
+        raise CommandError(f"{path} is not a checkpoint: {exc}") from None
+
+
+def open_database(spec: str, *, must_exist: bool = True) -> Store:
+    """Opens a database by path or URL (sqlite:///PATH, postgresql://...) for the CLI."""
+    from ledger_server.store import open_store
+
+    path = spec[len("sqlite:///") :] if spec.startswith("sqlite:///") else spec
+    # SQLite creates a missing file: an auditor's typo must not look like an empty ledger.
+    if must_exist and "://" not in path and not Path(path).is_file():
+        raise CommandError(f"no database file at {spec}")
+    try:
+        return open_store(spec)
+    except ValueError as exc:
+        raise CommandError(str(exc), code=EXIT_USAGE) from None
+    except StoreError as exc:
+        raise CommandError(f"cannot open {spec}: {exc}") from None
+
+
+def read_public_key(path: str) -> str:
+    """Returns a PEM Ed25519 public key from a file, or raises CommandError (exit 5)."""
+    try:
+        pem = Path(path).read_text(encoding="ascii")
+        load_public_key(pem)
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise CommandError(f"{path}: {exc}") from None
+    return pem
+
+
+def head_problem(head: TreeHead, pem: str, *, run: tuple[str, str], size: int, root: bytes) -> str:
+    """Returns why a signed head does not vouch for (run, size, root), or ""."""
+    if not verify_tree_head(head, pem):
+        return f"the head's signature does not verify under key {public_key_id(pem)}"
+    if (head.namespace, head.run_id) != run:
+        return f"the head is for {head.namespace}/{head.run_id}, not {run[0]}/{run[1]}"
+    if head.tree_size != size:
+        return f"the head signs size {head.tree_size}, not {size}"
+    if head.root_hex != root.hex():
+        return f"the signed root {head.root_hex[:16]} differs from the recomputed {root.hex()[:16]}"
+    return ""
+
+
+def checkpoint_checks(
+    saved: Checkpoint, pem: str, walk: ChainWalk, proof: Sequence[bytes] | None = None
+) -> list[Check]:
+    """Returns the checks that today's log extends a saved head (proof: server's, if online)."""
+    head, checks = saved.head, list[Check]()
+    if not verify_tree_head(head, pem):
+        return [("checkpoint", False, "the saved head's signature does not verify")]
+    if (head.namespace, head.run_id) != (walk.namespace, walk.run_id):
+        return [("checkpoint", False, f"the saved head is for {head.namespace}/{head.run_id}")]
+    if walk.count < head.tree_size:
+        return [
+            (
+                "checkpoint",
+                False,
+                f"the log has {walk.count} events, fewer than the"
+                f" {head.tree_size} the saved head signed: truncated or restored from an"
+                " older copy",
+            )
+        ]
+    if walk.tree.root(head.tree_size).hex() != head.root_hex:
+        return [
+            (
+                "checkpoint",
+                False,
+                f"the first {head.tree_size} events differ from those"
+                " the saved head signed: history was rewritten",
+            )
+        ]
+    checks.append(
+        (
+            "checkpoint",
+            True,
+            f"extends the saved head of size {head.tree_size}"
+            f" signed {iso_us(head.timestamp_ms * 1000)}",
+        )
+    )
+    if proof is not None:
+        ok = verify_consistency(
+            old_size=head.tree_size,
+            new_size=walk.count,
+            old_root=bytes.fromhex(head.root_hex),
+            new_root=walk.tree.root(),
+            proof=proof,
+        )
+        detail = f"{head.tree_size} -> {walk.count}" if ok else "the server's proof fails"
+        checks.append(("consistency_proof", ok, detail))
+    return checks
+
+
+def report_for(walk: ChainWalk, checks: list[Check]) -> dict[str, Any]:
+    """Returns one run's verdict as a JSON-ready dict."""
+    chain: Check = (
+        ("chain", True, f"{walk.count} rows chain to head {walk.head_hash.hex()[:16]}")
+        if not walk.problem
+        else ("chain", False, f"{walk.where}: {walk.problem}")
+    )
+    checks = [chain, *checks]
+    return {
+        "namespace": walk.namespace,
+        "run_id": walk.run_id,
+        "events": walk.count,
+        "ok": all(ok for _, ok, _ in checks),
+        "first_bad_sequence": walk.bad_sequence,
+        "first_bad": walk.where or None,
+        "problem": walk.problem,
+        "root_hex": walk.tree.root().hex(),
+        "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
+    }
+
+
+def print_reports(reports: list[dict[str, Any]], as_json: bool) -> int:
+    """Prints the verdicts; returns 0 when every run is clean."""
+    ok = all(r["ok"] for r in reports)
+    if as_json:
+        print_json({"ok": ok, "runs": reports})
+        return EXIT_OK if ok else EXIT_PROBLEMS
+    for r in reports:
+        verdict = "clean" if r["ok"] else "TAMPERED OR INCONSISTENT"
+        # After a break, the count and root cover only the rows before it.
+        span = "events" if not r["problem"] else "rows before the break"
+        print(
+            f"run {r['namespace']}/{r['run_id']}: {r['events']} {span},"
+            f" root {r['root_hex'][:16]}: {verdict}"
+        )
+        for check in r["checks"]:
+            print(f"  {'ok  ' if check['ok'] else 'FAIL'}  {check['check']:<18} {check['detail']}")
+    return EXIT_OK if ok else EXIT_PROBLEMS
+
+
+def rpc_tree_head(client: Any, namespace: str, run_id: str, size: int) -> TreeHead:
+    """Returns the server's signed head of the run at size (0: now)."""
+    request = pb.GetTreeHeadRequest(namespace=namespace, run_id=run_id, tree_size=size)
+    response = client.call(lambda t: client.stub.GetTreeHead(request, timeout=t))
+    return TreeHead.from_json(json.loads(response.tree_head_json))
+
+
+def rpc_consistency(client: Any, walk: ChainWalk, old_size: int) -> list[bytes]:
+    """Returns the server's consistency proof from old_size to the walked size."""
+    request = pb.GetConsistencyProofRequest(
+        namespace=walk.namespace, run_id=walk.run_id, old_size=old_size, new_size=walk.count
+    )
+    return list(client.call(lambda t: client.stub.GetConsistencyProof(request, timeout=t)).proof)
+
+
+def signed_head_check(client: Any, walk: ChainWalk, pem: str) -> Check:
+    """Returns the check that the server signs the walked size and root under the key."""
+    assert walk.namespace is not None
+    try:
+        head = rpc_tree_head(client, walk.namespace, walk.run_id, walk.count)
+    except LedgerRejected as exc:
+        return "signed_head", False, f"the server refuses to sign ({exc.reason}): {exc}"
+    run = (walk.namespace, walk.run_id)
+    problem = head_problem(head, pem, run=run, size=walk.count, root=walk.tree.root())
+    if problem:
+        return "signed_head", False, problem
+    when = iso_us(head.timestamp_ms * 1000)
+    return "signed_head", True, f"size {head.tree_size} signed by key {head.key_id} at {when}"
+
+
+def key_checks(pinned: str | None, server_pem: str) -> list[Check]:
+    """Returns a failed check when the server's key is not the pinned one."""
+    if pinned is None or public_key_id(pinned) == public_key_id(server_pem):
+        return []
+    detail = (
+        f"the server signs with key {public_key_id(server_pem)}, pinned is {public_key_id(pinned)}"
+    )
+    return [("public_key", False, detail)]
+
+
+def rpc_public_key(client: Any) -> str:
+    """Returns the server's tree-head public key (PEM)."""
+    request = pb.GetPublicKeyRequest()
+    return str(client.call(lambda t: client.stub.GetPublicKey(request, timeout=t)).public_key_pem)
+
+
+def check_proof(bundle_data: Any, pem: str) -> tuple[bool, str]:
+    """Returns whether a bundle proves its row under the key, with the reason."""
+    try:
+        bundle = InclusionProofBundle.from_json(bundle_data)
+    except (ValueError, TypeError, KeyError) as exc:
+        return False, f"not an inclusion proof bundle: {exc}"
+    ok, why = check_inclusion_bundle(bundle, pem)
+    if not ok:
+        return ok, why
+    try:
+        event, run_sequence, receive_us = event_from_row(bytes.fromhex(bundle.leaf_hex))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return False, f"the proven leaf is not a ledger row ({type(exc).__name__}: {exc})"
+    head = bundle.head
+    if (event.namespace, event.run_id) != (head.namespace, head.run_id):
+        return False, f"the row belongs to {event.namespace}/{event.run_id}, not the signed run"
+    if run_sequence != bundle.leaf_index + 1:
+        return (
+            False,
+            f"the row says run_sequence {run_sequence} but sits at leaf {bundle.leaf_index}",
+        )
+    return True, (
+        f"event {event.event_id} ({event.kind} of shard {event.shard_id}, received"
+        f" {iso_us(receive_us)}) is {why}"
+    )
