@@ -25,6 +25,10 @@ CHANNEL_OPTIONS: Final = (
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     ("grpc.enable_retries", 0),
+    # gRPC's default reconnect backoff grows to 120 s; a job whose ledger blinked should
+    # drain its spool within seconds of the ledger coming back.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
 )
 
 T = TypeVar("T")

@@ -1,0 +1,485 @@
+"""The batching sender: one daemon thread per process turns emits into batched appends.
+
+``emit()`` only queues; the thread coalesces the events of every shard of the
+process into appends of up to 500 events, waiting at most 50 ms for more. When
+the ledger cannot be reached, the policy decides:
+
+- ``"spool"`` (default): events go to a durable local :class:`Spool` and the
+  job keeps running; the spool drains in order, before any newer event, once
+  the ledger answers (order matters: an artifact before its ``started`` is refused);
+- ``"block"``: the sender retries forever and ``emit`` waits once the queue is full;
+- ``"raise"``: the acks fail with ``LedgerUnavailable``, and so does every
+  later ``emit``: the job is meant to stop.
+
+Draining is idempotent because every event carries its id. An event the ledger
+refuses is logged on ``logging.getLogger("shard_client")`` and appended to
+``rejected.jsonl`` in the process's spool directory: nothing is lost silently.
+Events still queued in memory die with a SIGKILLed process; ``Ack.wait`` tells
+when one is safe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+from shard_client.errors import LedgerClientError, LedgerRejected, LedgerUnavailable
+from shard_client.spool import Spool
+from shard_client.spooldir import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_EVENTS,
+    REJECTED_FILE,
+    default_spool_root,
+    deliver,
+    drain_spool,
+    open_process_spool,
+    process_spool_dir,
+    record_rejection,
+)
+
+__all__ = ["Ack", "Policy", "Sender", "new_event_id"]
+
+Policy = Literal["spool", "block", "raise"]
+log = logging.getLogger("shard_client")
+_OUTCOMES: Final = {
+    pb.APPEND_OUTCOME_APPENDED: "appended",
+    pb.APPEND_OUTCOME_DUPLICATE: "duplicate",
+    pb.APPEND_OUTCOME_ALREADY_PLANNED: "already_planned",
+}
+
+
+_ids: tuple[int, str, itertools.count[int]] = (-1, "", itertools.count())
+
+
+def new_event_id() -> str:
+    """Returns a unique event id: a random per-process prefix and a counter (cheaper than uuid4)."""
+    global _ids
+    pid, prefix, counter = _ids
+    if pid != os.getpid():
+        _ids = pid, prefix, counter = os.getpid(), secrets.token_hex(10), itertools.count()
+    return f"{prefix}-{next(counter):x}"
+
+
+class Ack:
+    """The fate of one emitted event: acknowledged by the ledger, spooled, or refused.
+
+    ``settled`` turns true once the ledger acknowledged the event, the spool
+    holds it durably, or it failed; ``acknowledged`` once the ledger stored it
+    (a spooled event when it drains).
+    """
+
+    __slots__ = ("_sender", "acknowledged", "error", "event_id", "outcome", "sequence", "settled")
+
+    def __init__(self, event_id: str, sender: Sender) -> None:
+        self.event_id = event_id
+        self.sequence = 0
+        # appended | duplicate | already_planned | spooled | rejected | failed
+        self.outcome = ""
+        self.error: LedgerClientError | None = None
+        self.settled = self.acknowledged = False
+        self._sender = sender
+
+    @property
+    def spooled(self) -> bool:
+        """Returns whether the event waits durably in the spool, not yet acknowledged."""
+        return self.outcome == "spooled"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until the event is settled; returns False on timeout."""
+        return self._sender._await(lambda: self.settled, timeout)
+
+    def wait_acknowledged(self, timeout: float | None = None) -> bool:
+        """Waits until the ledger itself acknowledged the event (a spooled one once drained)."""
+        return self._sender._await(lambda: self.acknowledged, timeout)
+
+    def result(self, timeout: float | None = None) -> Ack:
+        """Waits like wait(); raises the refusal, or LedgerUnavailable when time runs out."""
+        if not self.wait(timeout):
+            raise LedgerUnavailable(f"event {self.event_id} was not recorded within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def _settle(
+        self, outcome: str, sequence: int = 0, error: LedgerClientError | None = None
+    ) -> bool:
+        """Records what happened (the sender's lock is held); returns whether it was news."""
+        first = not self.settled
+        if first or (outcome not in ("spooled", "failed") and not self.acknowledged):
+            self.outcome, self.sequence, self.error = outcome, sequence, error
+        self.acknowledged = self.acknowledged or sequence > 0
+        self.settled = True
+        return first
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    event: pb.ShardEvent
+    ack: Ack
+    size: int
+
+
+class Sender:
+    """Queues events and delivers them from one daemon thread per process; fork-aware.
+
+    A forked child starts afresh (its own queue, thread and spool directory) and
+    drops the parent's queued events, which the parent sends. A fork waits for
+    the append in flight, because a gRPC call active during fork() can leave the
+    child's gRPC state wedged.
+    """
+
+    def __init__(
+        self,
+        client: LedgerClient,
+        *,
+        spool_root: str | None = None,
+        policy: Policy = "spool",
+        max_batch: int = MAX_BATCH_EVENTS,
+        linger_s: float = 0.05,
+        max_queue: int = 10_000,
+        unavailable_after_s: float = 5.0,
+        max_backoff_s: float = 5.0,
+        exit_timeout_s: float = 30.0,
+    ) -> None:
+        if policy not in ("spool", "block", "raise"):
+            raise ValueError(f"policy must be 'spool', 'block' or 'raise', not {policy!r}")
+        self.client = client
+        self.spool_root = os.path.abspath(spool_root or default_spool_root(client.target))
+        self.policy: Policy = policy
+        self.max_batch = max_batch
+        self.linger_s = linger_s
+        self.max_queue = max_queue
+        self.unavailable_after_s = unavailable_after_s
+        self.max_backoff_s = max_backoff_s
+        self.exit_timeout_s = exit_timeout_s
+        self._reset()
+        _SENDERS.add(self)
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # settled events; flush and acks wait here
+        self._wakeup = threading.Condition(self._lock)  # only the sender thread waits here
+        self._gate = threading.Lock()  # held around every RPC and spool operation
+        self._buffer: deque[_Item] = deque()
+        self._inflight: list[_Item] = []
+        self._inflight_spooled = False
+        self._spool: Spool | None = None
+        self.spool_dir = process_spool_dir(self.spool_root)
+        self._spooled: dict[str, Ack] = {}
+        self._dirty = False  # the spool holds records that go before anything queued
+        self._retry_at = 0.0
+        self._backoff = 0.05
+        self._down: LedgerClientError | None = None
+        self._unsettled = 0
+        self._urgent = self._closing = self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def emit(self, event: pb.ShardEvent) -> Ack:
+        """Queues an event and returns its Ack; never waits for the network."""
+        if self._pid != os.getpid():
+            self._reset()
+        item = _Item(event, Ack(event.event_id, self), event.ByteSize())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the sender is closed")
+            if self.policy == "raise" and self._down is not None:
+                raise LedgerUnavailable(f"{self.client.target} is unreachable: {self._down}")
+            while self.policy == "block" and len(self._buffer) >= self.max_queue:
+                self._cond.wait(1.0)
+            if self.policy == "raise" and len(self._buffer) >= self.max_queue:
+                raise LedgerUnavailable("the sender's queue is full: the ledger is too slow")
+            self._unsettled += 1
+            self._buffer.append(item)
+            if len(self._buffer) > self.max_queue:
+                self._spill_locked()  # overflow goes to disk rather than blocking the job
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="shard_client-sender", daemon=True
+                )
+                self._thread.start()
+            self._wakeup.notify()
+        return item.ack
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every emitted event is acknowledged, spooled or refused."""
+        return self._wait(lambda: self._unsettled == 0, timeout)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Waits until every event is settled and this process's spool is empty."""
+        return self._wait(lambda: self._unsettled == 0 and not self._dirty, timeout, retry=True)
+
+    def _wait(
+        self, done: Callable[[], bool], timeout: float | None, *, retry: bool = False
+    ) -> bool:
+        if self._pid != os.getpid():
+            self._reset()
+        return self._await(done, timeout, retry=retry)
+
+    def _await(
+        self, done: Callable[[], bool], timeout: float | None, *, retry: bool = False
+    ) -> bool:
+        if self._pid != os.getpid():
+            return done()  # an ack of the parent process: nothing here will settle it
+        with self._cond:
+            self._urgent = True  # someone waits: stop lingering for more events
+            if retry:
+                self._retry_at = 0.0
+            self._wakeup.notify()
+            return self._cond.wait_for(done, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Delivers or spools what is queued, stops the thread and releases the spool."""
+        with self._cond:
+            if self._closed or self._pid != os.getpid():
+                return
+            self._closing = self._urgent = True
+            self._retry_at = 0.0
+            self._wakeup.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(self.exit_timeout_s if timeout is None else timeout)
+        with self._cond:
+            self._closed = True
+            if self._buffer and self.policy == "spool":
+                self._spill_locked()
+            lost, spool = len(self._buffer), self._spool
+        if lost:
+            log.error("events_lost count=%d reason=ledger unreachable at exit", lost)
+        if spool is not None:
+            with self._gate:
+                left = spool.pending_count()
+                spool.close()
+            if left:
+                log.warning("events_spooled count=%d directory=%s", left, self.spool_dir)
+            elif not os.path.exists(os.path.join(self.spool_dir, REJECTED_FILE)):
+                with contextlib.suppress(OSError):
+                    for name in os.listdir(self.spool_dir):
+                        os.unlink(os.path.join(self.spool_dir, name))
+                    os.rmdir(self.spool_dir)
+
+    # --- the thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                work = self._next_work_locked()
+            if work is None:
+                return
+            try:
+                if work:
+                    self._send(work)
+                else:
+                    self._drain_step()
+            except Exception:  # the thread must outlive any bug; the acks say what happened
+                log.exception("sender_failed")
+                with self._cond:
+                    self._fail_locked(work or [], LedgerClientError("internal sender error"))
+                    self._inflight = []
+                    self._retry_at = time.monotonic() + self.max_backoff_s
+
+    def _linger_locked(self) -> None:
+        deadline = time.monotonic() + self.linger_s
+        while len(self._buffer) < self.max_batch and not (self._urgent or self._closing):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wakeup.wait(left)
+
+    def _next_work_locked(self) -> list[_Item] | None:
+        """Returns a batch to send, [] to drain the spool first, or None to stop."""
+        while True:
+            if self._dirty:
+                if self._buffer:
+                    self._linger_locked()
+                    self._spill_locked()  # one order: the spool, then anything newer
+                if time.monotonic() >= self._retry_at:
+                    return []
+                if self._closing:
+                    return None
+                self._wakeup.wait(self._retry_at - time.monotonic())
+            elif self._buffer:
+                self._linger_locked()
+                if self._dirty:
+                    continue
+                self._urgent = False
+                batch, size = [self._buffer.popleft()], 0
+                while self._buffer and len(batch) < self.max_batch:
+                    size += batch[-1].size
+                    if size + self._buffer[0].size > MAX_BATCH_BYTES:
+                        break
+                    batch.append(self._buffer.popleft())
+                self._inflight, self._inflight_spooled = batch, False
+                self._cond.notify_all()
+                return batch
+            elif self._closing:
+                return None
+            else:
+                self._wakeup.wait()
+
+    def _send(self, batch: list[_Item]) -> None:
+        events = [item.event for item in batch]
+        pos, first_failure = 0, 0.0
+        while pos < len(batch):
+            results, stop = deliver(self.client, events[pos:], gate=self._gate)
+            self._settle(batch[pos : pos + len(results)], results)
+            pos += len(results)
+            if stop is None:
+                break
+            first_failure = first_failure or time.monotonic()
+            with self._cond:
+                if self._inflight_spooled:
+                    break  # an overflow already put these in the spool
+                elapsed = time.monotonic() - first_failure
+                if self.policy == "block" or (
+                    elapsed < self.unavailable_after_s and not self._closing
+                ):
+                    # Blocking means waiting out even a close; the others stop at once.
+                    self._wakeup.wait_for(
+                        lambda: self._closing and self.policy != "block", self._backoff
+                    )
+                    self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                    continue
+                if self.policy == "spool":
+                    self._spill_locked(batch[pos:])
+                    self._retry_at = time.monotonic() + self._backoff
+                else:
+                    self._down = stop
+                    self._fail_locked(batch[pos:], stop)
+                break
+        with self._cond:
+            self._inflight = []
+            if pos == len(batch):
+                self._down, self._backoff = None, 0.05
+            self._cond.notify_all()
+
+    def _drain_step(self) -> None:
+        spool = self._spool
+        assert spool is not None
+        _, _, stop = drain_spool(
+            spool,
+            self.client,
+            directory=self.spool_dir,
+            gate=self._gate,
+            on_result=self._on_drained,
+            max_batches=1,
+        )
+        with self._gate:
+            empty = spool.pending_count() == 0
+        with self._cond:
+            if stop is None:
+                self._backoff = 0.05
+            else:
+                # While closing, one last try is all: the rest stays for `spool drain`.
+                self._retry_at = float("inf") if self._closing else time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, self.max_backoff_s)
+            self._dirty = not empty
+            self._cond.notify_all()
+
+    def _on_drained(self, event_id: str, result: pb.AppendResult | LedgerRejected) -> None:
+        with self._cond:
+            ack = self._spooled.pop(event_id, None)
+            if ack is not None:
+                _resolve(ack, result)
+
+    # --- settling: always under the lock, so that each ack counts once ------------
+
+    def _settle(
+        self, items: Sequence[_Item], results: Sequence[pb.AppendResult | LedgerRejected]
+    ) -> None:
+        for item, result in zip(items, results, strict=True):
+            if isinstance(result, LedgerRejected):
+                record_rejection(self.spool_dir, item.event, result)
+        with self._cond:
+            for item, result in zip(items, results, strict=True):
+                self._unsettled -= _resolve(item.ack, result)
+                self._spooled.pop(item.ack.event_id, None)
+            self._cond.notify_all()
+
+    def _fail_locked(self, items: Sequence[_Item], error: LedgerClientError) -> None:
+        self._unsettled -= sum(item.ack._settle("failed", 0, error) for item in items)
+        self._cond.notify_all()
+
+    def _spill_locked(self, items: Sequence[_Item] = ()) -> None:
+        """Writes unsent events, oldest first, to the spool; the caller holds the lock."""
+        chosen = list(items)
+        # The batch in flight is older than the queue, so it goes first; if it
+        # gets through as well, its spooled copy drains as a harmless duplicate.
+        with_inflight = not chosen and bool(self._inflight) and not self._inflight_spooled
+        if with_inflight:
+            chosen = list(self._inflight)
+        chosen += self._buffer
+        if not chosen:
+            return
+        try:
+            with self._gate:
+                if self._spool is None:
+                    self._spool = open_process_spool(self.spool_dir, target=self.client.target)
+                self._spool.append([item.event.SerializeToString() for item in chosen])
+        except OSError as exc:  # the events stay in memory and a later attempt retries them
+            log.error("spool_write_failed directory=%s error=%s", self.spool_dir, exc)
+            self._buffer.extendleft(reversed(items))
+            return
+        self._inflight_spooled = self._inflight_spooled or with_inflight
+        self._buffer.clear()
+        for item in chosen:
+            self._unsettled -= item.ack._settle("spooled")
+            if not item.ack.acknowledged:
+                self._spooled[item.ack.event_id] = item.ack
+        self._dirty = True
+        self._cond.notify_all()
+        self._wakeup.notify()
+
+
+def _resolve(ack: Ack, result: pb.AppendResult | LedgerRejected) -> bool:
+    if isinstance(result, LedgerRejected):
+        return ack._settle("rejected", 0, result)
+    return ack._settle(_OUTCOMES.get(result.outcome, "appended"), result.sequence)
+
+
+_SENDERS: weakref.WeakSet[Sender] = weakref.WeakSet()
+
+
+_HELD: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    for sender in list(_SENDERS):
+        if sender._pid == os.getpid():
+            sender._gate.acquire()
+            _HELD.append(sender._gate)
+
+
+def _after_fork_in_parent() -> None:
+    while _HELD:
+        _HELD.pop().release()
+
+
+def _after_fork_in_child() -> None:
+    _HELD.clear()
+    for sender in list(_SENDERS):
+        sender._reset()  # the parent's queue, thread, locks and spool are not ours
+
+
+def _close_all() -> None:
+    for sender in list(_SENDERS):
+        sender.close()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
+atexit.register(_close_all)

@@ -1,0 +1,466 @@
+"""The job-facing API: one Ledger per process, one ``with ledger.shard(...)`` per attempt.
+
+A shard context never ends in a bare success. It emits ``started``, heartbeats
+from a background thread, an ``artifact_committed`` for every file it commits,
+and, when the block raises or ends without the expected artifacts, ``failed``
+with a tag; the process then exits non-zero because the exception propagates
+(:class:`IncompleteShard` for a clean exit that committed too little).
+
+SIGTERM: used from the main thread, the context sets ``shard.stopping`` on
+SIGTERM, so the job can checkpoint and stop within ``sigterm_grace`` seconds;
+after that :class:`Preempted` is raised in the main thread and the attempt is
+recorded as ``failed(preempted)``. The previous handler is restored on exit and
+a SIGTERM received during the block is not passed on to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from shard_client import atomic, checkpoint
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+from shard_client.errors import LedgerClientError
+from shard_client.failures import (
+    IncompleteShard,
+    Preempted,
+    SigtermGrace,
+    describe,
+    failure_tag,
+    stack_dumps_on_sigusr1,
+)
+from shard_client.fingerprint import Fingerprint
+from shard_client.fingerprint import fingerprint as read_fingerprint
+from shard_client.ids import check_id
+from shard_client.sender import Ack, Policy, Sender, new_event_id
+
+__all__ = ["Ledger", "Shard", "ShardOptions"]
+
+log = logging.getLogger("shard_client")
+MAX_HEARTBEAT_TIMEOUT_S: Final = 7 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOptions:
+    """How a shard context behaves (see Ledger.shard)."""
+
+    heartbeat_timeout: float = 60.0
+    heartbeat_interval: float | None = None
+    expected_outputs: tuple[str, ...] | None = None
+    output_dir: str | None = None
+    checkpoint_dir: str | None = None
+    orphan_age_s: float = 300.0
+    sigterm_grace: float | None = 30.0
+    fingerprint: bool | Fingerprint = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
+            raise ValueError("heartbeat_timeout must be > 0 and at most 7 days")
+        for name in self.expected_outputs or ():
+            check_id("expected output", name)
+
+    @property
+    def interval(self) -> float:
+        """Returns the heartbeat interval: the given one, else a quarter of the timeout."""
+        return self.heartbeat_interval or self.heartbeat_timeout / 4
+
+
+def _now() -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(time.time_ns())
+    return stamp
+
+
+class Ledger:
+    """The job's handle on a ledger: one per process (module level), shared by every shard.
+
+    ``target`` defaults to $SHARDLEDGER_SERVER; pass ``client=`` for TLS or a
+    token. ``spool_dir`` is the root under which each process keeps its own
+    spool (default $SHARDLEDGER_SPOOL_DIR or ~/.cache/shardledger/spool/<target>);
+    ``policy`` says what happens while the ledger is unreachable (see
+    shard_client.sender). Waits for commits are bounded by ``ack_timeout_s``
+    (None: as long as the policy takes); the end of a shard waits at most
+    ``flush_timeout_s`` for its remaining heartbeats.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        namespace: str = "",
+        spool_dir: str | None = None,
+        policy: Policy = "spool",
+        client: LedgerClient | None = None,
+        unavailable_after_s: float = 5.0,
+        ack_timeout_s: float | None = None,
+        flush_timeout_s: float = 30.0,
+    ) -> None:
+        self.client = client or LedgerClient(target)
+        self.namespace = namespace
+        self.ack_timeout_s = ack_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        self.sender = Sender(
+            self.client,
+            spool_root=spool_dir,
+            policy=policy,
+            unavailable_after_s=unavailable_after_s,
+        )
+
+    def shard(
+        self,
+        run_id: str,
+        shard_id: str,
+        *,
+        heartbeat_timeout: float = 60.0,
+        heartbeat_interval: float | None = None,
+        attempt_id: str | None = None,
+        expected_outputs: Iterable[str] | None = None,
+        output_dir: str | os.PathLike[str] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        orphan_age_s: float = 300.0,
+        sigterm_grace: float | None = 30.0,
+        fingerprint: bool | Fingerprint = True,
+    ) -> Shard:
+        """Returns a context manager for one attempt at a planned shard.
+
+        ``expected_outputs`` names the artifacts a clean exit must have committed
+        (else at least one); the server judges completeness by the plan anyway.
+        ``output_dir`` loses temp files of killed writers older than
+        ``orphan_age_s`` on entry. ``sigterm_grace=None`` leaves SIGTERM alone.
+        """
+        options = ShardOptions(
+            heartbeat_timeout=heartbeat_timeout,
+            heartbeat_interval=heartbeat_interval,
+            expected_outputs=None if expected_outputs is None else tuple(expected_outputs),
+            output_dir=None if output_dir is None else os.fspath(output_dir),
+            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+            orphan_age_s=orphan_age_s,
+            sigterm_grace=sigterm_grace,
+            fingerprint=fingerprint,
+        )
+        return Shard(self, run_id, shard_id, options=options, attempt_id=attempt_id)
+
+    def emit(self, event: pb.ShardEvent) -> Ack:
+        """Queues a raw event (namespace filled in) for the background sender."""
+        if not event.namespace:
+            event.namespace = self.namespace
+        return self.sender.emit(event)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every emitted event is acknowledged, spooled or refused."""
+        return self.sender.flush(timeout)
+
+    def close(self) -> None:
+        """Delivers or spools what is queued and stops the sender."""
+        self.sender.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Shard:
+    """One attempt at a shard; use it as ``with ledger.shard(run, shard) as shard:``."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        run_id: str,
+        shard_id: str,
+        *,
+        options: ShardOptions | None = None,
+        attempt_id: str | None = None,
+    ) -> None:
+        self.attempt_id = attempt_id or uuid.uuid4().hex
+        for what, value in (
+            ("run_id", run_id),
+            ("shard_id", shard_id),
+            ("attempt_id", self.attempt_id),
+        ):
+            check_id(what, value)
+        self.ledger, self.run_id, self.shard_id = ledger, run_id, shard_id
+        self.options = options or ShardOptions()
+        self._lock = threading.Lock()
+        self._committed: list[str] = []
+        self._state = "new"  # new -> active -> closed
+        self._step, self._progress, self._last_beat = 0, 0.0, 0.0
+        self._wake = threading.Event()
+        self._beater: threading.Thread | None = None
+        self._diagnostics = contextlib.ExitStack()
+        self._sigterm = SigtermGrace(
+            grace_s=self.options.sigterm_grace, label=f"shard {shard_id}", on_term=self._wake.set
+        )
+
+    @property
+    def committed(self) -> tuple[str, ...]:
+        """Returns the artifact names committed so far, in order."""
+        with self._lock:
+            return tuple(self._committed)
+
+    @property
+    def stopping(self) -> bool:
+        """Returns whether a SIGTERM arrived: checkpoint and stop within the grace period."""
+        return self._sigterm.term_at > 0
+
+    # --- life cycle -------------------------------------------------------------
+
+    def __enter__(self) -> Shard:
+        if self._state != "new":
+            raise RuntimeError("a Shard context can be entered once")
+        output_dir = self.options.output_dir
+        if output_dir is not None:
+            os.makedirs(output_dir, exist_ok=True)
+            atomic.cleanup_orphans(output_dir, older_than_s=self.options.orphan_age_s)
+        fp = self._read_fingerprint()
+        timeout = Duration()
+        timeout.FromNanoseconds(int(self.options.heartbeat_timeout * 1e9))
+        started = pb.AttemptStarted(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            heartbeat_timeout=timeout,
+            fingerprint={k[:256]: v[:1024] for k, v in fp.fields.items()},
+            fingerprint_digest=fp.digest,
+        )
+        # Waiting here turns a wrong run or shard id into an error before any work.
+        self._emit(started=started).result(self.ledger.ack_timeout_s)
+        self._state = "active"
+        self._last_beat = time.monotonic()
+        self._sigterm.install()
+        self._diagnostics.enter_context(stack_dumps_on_sigusr1(self.attempt_id))
+        self._beater = threading.Thread(
+            target=self._beat, name=f"shard_client-heartbeat-{self.shard_id}", daemon=True
+        )
+        self._beater.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._state = "closed"  # from here on a late SIGTERM is ignored, not raised
+        self._sigterm.restore()
+        self._diagnostics.close()
+        self._wake.set()
+        if self._beater is not None:
+            self._beater.join(5.0)
+        clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
+        if not clean:
+            assert exc is not None
+            tag = failure_tag(exc)
+            if self.stopping and tag in ("unknown", "killed"):
+                tag = "preempted"
+            self._fail(tag, describe(exc))
+            return
+        missing = self._missing()
+        if missing is None:
+            self.ledger.flush(self.ledger.flush_timeout_s)
+            return
+        message = (
+            f"missing expected outputs: {', '.join(missing)}"
+            if missing
+            else "the block ended without committing any artifact"
+        )
+        if self.stopping:
+            self._fail("preempted", f"stopped by SIGTERM; {message}")
+            raise Preempted(f"shard {self.shard_id}: stopped by SIGTERM; {message}")
+        self._fail("incomplete", message)
+        raise IncompleteShard(
+            f"shard {self.shard_id} of run {self.run_id}: {message}",
+            run_id=self.run_id,
+            shard_id=self.shard_id,
+            missing=missing,
+        )
+
+    def _missing(self) -> list[str] | None:
+        """Returns the expected names not committed ([] if none at all was), or None when complete."""
+        done = set(self.committed)
+        missing = [n for n in self.options.expected_outputs or () if n not in done]
+        return missing if missing or not done else None
+
+    def _fail(self, tag: str, message: str) -> None:
+        """Records failed(tag); an error doing so is logged, never raised over the job's own."""
+        failed = pb.AttemptFailed(tag=f"FAILURE_TAG_{tag.upper()}", message=message)
+        try:
+            self._emit(failed=failed).result(self.ledger.ack_timeout_s)
+        except LedgerClientError as error:
+            log.error("failure_not_recorded shard=%s tag=%s error=%s", self.shard_id, tag, error)
+        self.ledger.flush(self.ledger.flush_timeout_s)
+
+    def _read_fingerprint(self) -> Fingerprint:
+        if isinstance(self.options.fingerprint, Fingerprint):
+            return self.options.fingerprint
+        if not self.options.fingerprint:
+            return Fingerprint(fields={}, digest="")
+        try:
+            return read_fingerprint()
+        except Exception as exc:  # the fingerprint is evidence, never a reason to fail the job
+            return Fingerprint.from_fields({"error": describe(exc)})
+
+    # --- events -----------------------------------------------------------------
+
+    def _emit(self, **payload: Any) -> Ack:
+        event = pb.ShardEvent(
+            event_id=new_event_id(),
+            namespace=self.ledger.namespace,
+            run_id=self.run_id,
+            shard_id=self.shard_id,
+            attempt_id=self.attempt_id,
+            client_time=_now(),
+            **payload,
+        )
+        return self.ledger.sender.emit(event)
+
+    def _check_active(self) -> None:
+        if self._state != "active":
+            raise RuntimeError(f"shard {self.shard_id} is not inside its `with` block")
+
+    def progress(self, step: int, progress: float = 0.0, **metrics: float) -> Ack:
+        """Records a heartbeat with the step, progress in [0, 1] and a few metrics, now."""
+        self._check_active()
+        if step < 0 or not 0.0 <= progress <= 1.0:
+            raise ValueError("step must be >= 0 and progress in [0, 1]")
+        values = {k: float(v) for k, v in metrics.items()}
+        if any(v != v or v in (float("inf"), float("-inf")) for v in values.values()):
+            raise ValueError("metrics must be finite numbers")
+        self._step, self._progress = step, progress
+        self._last_beat = time.monotonic()
+        heartbeat = pb.Heartbeat(step=step, progress=progress, metrics=values)
+        return self._emit(heartbeat=heartbeat)
+
+    def _beat(self) -> None:
+        """Sends a heartbeat whenever the job was quiet for an interval; ends the grace period."""
+        while True:
+            due = min(self._last_beat + self.options.interval, self._sigterm.deadline())
+            if self._wake.wait(max(due - time.monotonic(), 0.0)):
+                self._wake.clear()
+            if self._state != "active":
+                return
+            now = time.monotonic()
+            if now >= self._sigterm.deadline():
+                self._sigterm.expire()
+            if now >= self._last_beat + self.options.interval:
+                self._last_beat = now
+                beat = pb.Heartbeat(step=self._step, progress=self._progress)
+                with contextlib.suppress(LedgerClientError, RuntimeError):
+                    self._emit(heartbeat=beat)
+
+    # --- artifacts --------------------------------------------------------------
+
+    def _artifact_name(self, path: str | os.PathLike[str], name: str | None) -> str:
+        chosen = name or os.path.basename(os.fspath(path))
+        check_id("artifact name (pass name=...)", chosen)
+        return chosen
+
+    def _record_commit(self, name: str, info: atomic.CommitInfo, media_type: str) -> None:
+        """Emits artifact_committed and waits until the ledger or the spool holds it."""
+        event = pb.ArtifactCommitted(
+            name=name,
+            path=info.path,
+            size_bytes=info.size_bytes,
+            blake3_hex=info.blake3_hex,
+            media_type=media_type,
+        )
+        # A commit not recorded durably anywhere must not be reported as done.
+        self._emit(artifact_committed=event).result(self.ledger.ack_timeout_s)
+        with self._lock:
+            self._committed.append(name)
+
+    @contextlib.contextmanager
+    def atomic_write(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        mode: str = "wb",
+        media_type: str = "",
+    ) -> Iterator[Any]:  # Any: an AtomicFile for "wb", an AtomicTextFile for "w"
+        """Writes a file atomically and records it as the artifact ``name`` (default: its file name)."""
+        self._check_active()
+        artifact = self._artifact_name(path, name)
+
+        def on_commit(info: atomic.CommitInfo) -> None:
+            self._record_commit(artifact, info, media_type)
+
+        with atomic.atomic_write(path, mode=mode, on_commit=on_commit) as f:
+            yield f
+
+    def commit(
+        self, path: str | os.PathLike[str], *, name: str | None = None, media_type: str = ""
+    ) -> atomic.CommitInfo:
+        """Makes a file another library wrote durable and records it as an artifact."""
+        self._check_active()
+        artifact = self._artifact_name(path, name)
+        return atomic.commit_file(
+            path, on_commit=lambda info: self._record_commit(artifact, info, media_type)
+        )
+
+    # --- checkpoints ------------------------------------------------------------
+
+    def _checkpoint_path(self, step: int, path: str | os.PathLike[str] | None) -> str:
+        if path is not None:
+            return os.fspath(path)
+        if self.options.checkpoint_dir is not None:
+            directory = self.options.checkpoint_dir
+        elif self.options.output_dir is not None:
+            directory = os.path.join(self.options.output_dir, "checkpoints")
+        else:
+            raise ValueError("pass checkpoint_dir= (or output_dir=) to ledger.shard(), or path=")
+        os.makedirs(directory, exist_ok=True)
+        return os.path.join(directory, checkpoint.checkpoint_name(step))
+
+    def _record_checkpoint(self, step: int, info: atomic.CommitInfo) -> None:
+        saved = pb.CheckpointSaved(
+            step=step, path=info.path, size_bytes=info.size_bytes, blake3_hex=info.blake3_hex
+        )
+        self._emit(checkpoint=saved).result(self.ledger.ack_timeout_s)
+        self._step = max(self._step, step)
+
+    @contextlib.contextmanager
+    def checkpoint_write(
+        self, step: int, *, path: str | os.PathLike[str] | None = None, mode: str = "wb"
+    ) -> Iterator[Any]:
+        """Writes a checkpoint of any format atomically and records it (no torch needed)."""
+        self._check_active()
+        target = self._checkpoint_path(step, path)
+        with atomic.atomic_write(
+            target, mode=mode, on_commit=lambda info: self._record_checkpoint(step, info)
+        ) as f:
+            yield f
+
+    def save_checkpoint(
+        self, step: int, *, path: str | os.PathLike[str] | None = None, **states: Any
+    ) -> atomic.CommitInfo:
+        """Saves model/optimizer/scheduler/extra and every RNG with torch; records the checkpoint."""
+        self._check_active()
+        return checkpoint.save_checkpoint(
+            self._checkpoint_path(step, path),
+            step=step,
+            on_commit=lambda info: self._record_checkpoint(step, info),
+            **states,
+        )
+
+    def load_latest_checkpoint(self, **kwargs: Any) -> checkpoint.LoadedCheckpoint | None:
+        """Restores the newest torch checkpoint of the checkpoint directory; None if there is none."""
+        latest = checkpoint.latest_checkpoint(os.path.dirname(self._checkpoint_path(0, None)))
+        if latest is None:
+            return None
+        loaded = checkpoint.load_checkpoint(latest, **kwargs)
+        self._step = max(self._step, loaded.step)
+        return loaded

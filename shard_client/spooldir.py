@@ -1,0 +1,364 @@
+"""Spool directories: where they live, how their records reach the ledger, and their leftovers.
+
+Layout: ``$SHARDLEDGER_SPOOL_DIR`` (else ``~/.cache/shardledger/spool/<target>``)
+holds one directory per process, ``<host>-<pid>-<random>``, because a spool has
+exactly one writer. Each holds the :class:`Spool` files, ``target`` (the ledger
+its events belong to) and, if the ledger refused any, ``rejected.jsonl``. The
+directory of a process that died while the ledger was away is drained by
+:func:`drain_spool_dirs` (``shardledger spool drain``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient, default_target
+from shard_client.errors import (
+    LedgerClientError,
+    LedgerRejected,
+    LedgerUnavailable,
+    Overloaded,
+    PermissionDenied,
+)
+from shard_client.spool import Spool, SpoolLockedError
+
+__all__ = [
+    "ENV_SPOOL_DIR",
+    "DrainResult",
+    "SpoolStatus",
+    "default_spool_root",
+    "deliver",
+    "drain_spool",
+    "drain_spool_dirs",
+    "find_spool_dirs",
+    "spool_base",
+    "spool_status",
+]
+
+ENV_SPOOL_DIR: Final = "SHARDLEDGER_SPOOL_DIR"
+REJECTED_FILE: Final = "rejected.jsonl"
+TARGET_FILE: Final = "target"
+MAX_BATCH_EVENTS: Final = 500
+# Well under the 16 MiB message limit whatever the events weigh (each is <= 64 KiB).
+MAX_BATCH_BYTES: Final = 4 * 1024 * 1024
+# Refusals that say nothing about the event itself: keep it and try again later.
+_TRANSIENT: Final = (LedgerUnavailable, Overloaded, PermissionDenied)
+_SPOOL_FILES: Final = ("lock", "acked", REJECTED_FILE)
+log = logging.getLogger("shard_client")
+
+Result = pb.AppendResult | LedgerRejected
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    """What draining one spool directory did; status is drained, locked or unavailable."""
+
+    directory: str
+    sent: int
+    rejected: int
+    remaining: int
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolStatus:
+    """One spool directory as `shardledger spool status` shows it."""
+
+    directory: str
+    target: str
+    pending: int
+    size_bytes: int
+    oldest: str  # client time of the oldest pending event, ISO 8601; "" if unknown
+    rejected: int
+    owner_pid: str  # pid of the live process that owns it; "" when nobody does
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "default"
+
+
+def spool_base() -> str:
+    """Returns $SHARDLEDGER_SPOOL_DIR, or ~/.cache/shardledger/spool, where every spool lives."""
+    explicit = os.environ.get(ENV_SPOOL_DIR)
+    if explicit:
+        return os.path.abspath(explicit)
+    return os.path.join(os.path.expanduser("~"), ".cache", "shardledger", "spool")
+
+
+def default_spool_root(target: str | None = None) -> str:
+    """Returns $SHARDLEDGER_SPOOL_DIR, or ~/.cache/shardledger/spool/<target> (no pid in it)."""
+    if os.environ.get(ENV_SPOOL_DIR):
+        return spool_base()
+    return os.path.join(spool_base(), _slug(target or default_target()))
+
+
+def process_spool_dir(root: str) -> str:
+    """Returns a fresh directory name for this process's spool (not created yet)."""
+    name = f"{_slug(socket.gethostname())}-{os.getpid()}-{secrets.token_hex(3)}"
+    return os.path.join(root, name)
+
+
+def open_process_spool(directory: str, *, target: str) -> Spool:
+    """Creates a process's spool directory, records its target, and opens the spool."""
+    spool = Spool(directory)
+    with open(os.path.join(directory, TARGET_FILE), "w", encoding="utf-8") as f:
+        f.write(target + "\n")
+    return spool
+
+
+def _guarded(gate: threading.Lock | None) -> contextlib.AbstractContextManager[object]:
+    return gate if gate is not None else contextlib.nullcontext()
+
+
+def deliver(
+    client: LedgerClient,
+    events: Sequence[pb.ShardEvent],
+    *,
+    gate: threading.Lock | None = None,
+    retry: bool = False,
+) -> tuple[list[Result], LedgerClientError | None]:
+    """Appends events in order, isolating refused ones; returns results for a prefix and why it stopped."""
+    done: list[Result] = []
+    # A stack of (start, end) slices to send, or (index, index, refusal) to record.
+    todo: list[tuple[int, int, LedgerRejected | None]] = [(0, len(events), None)]
+    while todo:
+        start, end, refusal = todo.pop()
+        if refusal is not None:
+            done.append(refusal)
+            continue
+        if start >= end:
+            continue
+        try:
+            with _guarded(gate):
+                done.extend(client.append(events[start:end], retry=retry))
+        except _TRANSIENT as exc:
+            return done, exc
+        except LedgerRejected as exc:
+            index = int(exc.metadata.get("event_index", -1))
+            if 0 <= index < end - start:
+                # The batch is atomic: nothing was stored, and what precedes the
+                # refused event is fine to send again.
+                cut = start + index
+                todo += [(cut + 1, end, None), (cut, cut, exc), (start, cut, None)]
+            elif end - start > 1:
+                mid = (start + end) // 2
+                todo += [(mid, end, None), (start, mid, None)]
+            else:
+                done.append(exc)
+    return done, None
+
+
+def record_rejection(directory: str, event: pb.ShardEvent | bytes, exc: LedgerRejected) -> None:
+    """Logs a refused event and appends it, fsynced, to the directory's rejected.jsonl."""
+    raw = event if isinstance(event, bytes) else event.SerializeToString()
+    about: dict[str, str] = {}
+    if not isinstance(event, bytes):
+        about = {"event_id": event.event_id, "run_id": event.run_id, "shard_id": event.shard_id}
+        about["kind"] = event.WhichOneof("payload") or ""
+    line = {
+        "time": dt.datetime.now(dt.UTC).isoformat(),
+        "reason": exc.reason,
+        "code": exc.code.name,
+        "message": str(exc),
+        **about,
+        "event_b64": base64.b64encode(raw).decode(),
+    }
+    log.warning("event_rejected reason=%s event=%s directory=%s", exc.reason, about, directory)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, REJECTED_FILE), "a", encoding="utf-8") as f:
+        f.write(json.dumps(line, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _decode(record: bytes) -> pb.ShardEvent | None:
+    try:
+        return pb.ShardEvent.FromString(record)
+    except Exception:  # a record we cannot parse is set aside, never retried forever
+        return None
+
+
+def _head(records: list[bytes]) -> list[bytes]:
+    size = 0
+    for count, record in enumerate(records):
+        size += len(record)
+        if size > MAX_BATCH_BYTES and count:
+            return records[:count]
+    return records
+
+
+def drain_spool(
+    spool: Spool,
+    client: LedgerClient,
+    *,
+    directory: str,
+    gate: threading.Lock | None = None,
+    on_result: Callable[[str, Result], None] | None = None,
+    max_batches: int | None = None,
+    retry: bool = False,
+) -> tuple[int, int, LedgerClientError | None]:
+    """Sends a spool's records in order and acks them; returns (sent, rejected, why it stopped)."""
+    sent = rejected = batches = 0
+    while max_batches is None or batches < max_batches:
+        batches += 1
+        with _guarded(gate):
+            records = _head(spool.pending(limit=MAX_BATCH_EVENTS))
+        if not records:
+            break
+        decoded = [_decode(r) for r in records]
+        bad = next((i for i, e in enumerate(decoded) if e is None), len(decoded))
+        events = [e for e in decoded[:bad] if e is not None]
+        results, stop = deliver(client, events, gate=gate, retry=retry)
+        for event, result in zip(events, results, strict=False):
+            if isinstance(result, LedgerRejected):
+                rejected += 1
+                record_rejection(directory, event, result)
+            else:
+                sent += 1
+            if on_result is not None:
+                on_result(event.event_id, result)
+        count = len(results)
+        if stop is None and bad < len(decoded):
+            error = LedgerRejected(
+                "undecodable spool record",
+                code=grpc.StatusCode.DATA_LOSS,
+                reason="UNDECODABLE",
+                metadata={},
+            )
+            record_rejection(directory, records[bad], error)
+            rejected, count = rejected + 1, count + 1
+        with _guarded(gate):
+            spool.ack(count)
+        if stop is not None:
+            return sent, rejected, stop
+    return sent, rejected, None
+
+
+def find_spool_dirs(root: str) -> list[str]:
+    """Returns the spool directories at or up to two levels below root, sorted."""
+    found: list[str] = []
+
+    def visit(path: str, depth: int) -> None:
+        try:
+            names = os.listdir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if any(n in _SPOOL_FILES or n.startswith("seg-") for n in names):
+            found.append(path)
+        elif depth < 2:
+            for name in names:
+                visit(os.path.join(path, name), depth + 1)
+
+    visit(os.path.abspath(root), 0)
+    return sorted(found)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def spool_status(directory: str) -> SpoolStatus:
+    """Describes one spool directory; one that a live process owns is described from its files."""
+    target = _read_text(os.path.join(directory, TARGET_FILE))
+    rejected = _count_lines(os.path.join(directory, REJECTED_FILE))
+    try:
+        spool = Spool(directory)
+    except SpoolLockedError as exc:
+        size = sum(
+            os.path.getsize(os.path.join(directory, n))
+            for n in os.listdir(directory)
+            if n.startswith("seg-")
+        )
+        return SpoolStatus(directory, target, -1, size, "", rejected, exc.holder or "?")
+    with spool:
+        head = spool.pending(limit=1)
+        event = _decode(head[0]) if head else None
+        oldest = ""
+        if event is not None and event.HasField("client_time"):
+            oldest = event.client_time.ToDatetime(dt.UTC).isoformat()
+        return SpoolStatus(
+            directory, target, spool.pending_count(), spool.size_bytes(), oldest, rejected, ""
+        )
+
+
+def drain_spool_dirs(
+    root: str | None = None,
+    *,
+    target: str | None = None,
+    exclude: Sequence[str] = (),
+    client_factory: Callable[[str], LedgerClient] = LedgerClient,
+    connect_timeout_s: float = 5.0,
+) -> list[DrainResult]:
+    """Sends the spools of dead processes to their ledger; spools a live process owns are skipped.
+
+    Each spool goes to ``target`` when given, else to the one its process
+    recorded; ``client_factory(target)`` makes the clients (credentials come
+    from the environment by default), and a ledger that does not answer within
+    ``connect_timeout_s`` counts as unreachable. A spool emptied without refusals is removed. A ledger that cannot
+    be reached leaves its spools in place, reported with status "unavailable".
+    """
+    results: list[DrainResult] = []
+    clients: dict[str, LedgerClient] = {}
+    unreachable: set[str] = set()
+    for directory in find_spool_dirs(root or default_spool_root(target)):
+        dest = target or _read_text(os.path.join(directory, TARGET_FILE)) or default_target()
+        if directory in exclude:
+            continue
+        if dest in unreachable:
+            results.append(DrainResult(directory, 0, 0, -1, "unavailable"))
+            continue
+        try:
+            spool = Spool(directory)
+        except SpoolLockedError:
+            results.append(DrainResult(directory, 0, 0, -1, "locked"))
+            continue
+        with spool:
+            if dest not in clients:
+                clients[dest] = client_factory(dest)
+            client = clients[dest]
+            stop: LedgerClientError | None
+            try:
+                client.wait_ready(connect_timeout_s)
+            except LedgerUnavailable as exc:
+                sent, rejected, stop = 0, 0, exc
+            else:
+                sent, rejected, stop = drain_spool(spool, client, directory=directory, retry=True)
+            remaining = spool.pending_count()
+        if stop is not None:
+            unreachable.add(dest)
+            log.warning(
+                "spool_drain_stopped directory=%s target=%s error=%s", directory, dest, stop
+            )
+        status = "drained" if stop is None else "unavailable"
+        results.append(DrainResult(directory, sent, rejected, remaining, status))
+        if stop is None and not os.path.exists(os.path.join(directory, REJECTED_FILE)):
+            shutil.rmtree(directory, ignore_errors=True)
+    return results

@@ -1,0 +1,209 @@
+"""`shardledger plan`: register shards from a manifest or a directory, idempotently, all or nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from ledger_server.server import RunningServer
+from shard_client import LedgerClient, shard_id_for
+from tools.cli import main as cli
+
+RUN = "night-03"
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> list[Path]:
+    """Returns three small input files."""
+    paths = []
+    for i in range(3):
+        path = tmp_path / "in" / f"part-{i}.bin"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(f"input {i}".encode() * 100)
+        paths.append(path)
+    return paths
+
+
+def write_manifest(path: Path, lines: Sequence[Any]) -> Path:
+    """Writes a JSON-lines manifest (str items are written verbatim)."""
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def manifest_of(inputs: list[Path], tmp_path: Path, *, lr: float = 0.1) -> Path:
+    """Returns a manifest with one line per input."""
+    lines = [{"input": str(p), "params": {"lr": lr}, "expected_outputs": ["out"]} for p in inputs]
+    return write_manifest(tmp_path / f"jobs-{lr}.jsonl", lines)
+
+
+def plan(server: RunningServer, *args: str) -> int:
+    """Runs `shardledger plan RUN ...` against the server."""
+    return cli(["plan", RUN, "--server", f"127.0.0.1:{server.port}", *args])
+
+
+def test_manifest_registers_every_shard_with_derived_ids(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert plan(server, "--manifest", str(manifest_of(inputs, tmp_path)), "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["shards"], report["new"], report["already_planned"], report["conflicting"]) == (
+        3,
+        3,
+        0,
+        [],
+    )
+    digest = blake3.blake3(inputs[0].read_bytes()).hexdigest()
+    expected_id = shard_id_for(input_blake3=digest, params={"lr": 0.1})
+    events = list(client.list_events(RUN))
+    first = events[0]
+    assert first.shard_id == expected_id
+    assert (first.planned.input_blake3, first.planned.input_bytes) == (digest, 700)
+    assert json.loads(first.planned.plan_line)["shard_id"] == expected_id
+    assert [e.planned.plan_index for e in events] == [0, 1, 2]
+    resume = [e.plan_line for e in client.resume(RUN)]
+    assert [json.loads(line)["input"] for line in resume] == [str(p) for p in inputs]
+
+
+def test_planning_again_counts_shards_as_already_planned(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    manifest = str(manifest_of(inputs, tmp_path))
+    assert plan(server, "--manifest", manifest) == 0
+    capsys.readouterr()
+    assert plan(server, "--manifest", manifest) == 0
+    assert "0 new, 3 already planned identically, 0 conflicting" in capsys.readouterr().out
+    assert len(list(client.list_events(RUN))) == 3
+
+
+def test_a_changed_definition_is_a_conflict_listed_on_stderr(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    first = [
+        {"input": str(p), "shard_id": f"shard-{i}", "params": {"lr": 0.1}}
+        for i, p in enumerate(inputs)
+    ]
+    assert plan(server, "--manifest", str(write_manifest(tmp_path / "a.jsonl", list(first)))) == 0
+    changed: list[dict[str, Any]] = [dict(line) for line in first]
+    changed.append({"input": str(inputs[0]), "shard_id": "shard-new"})
+    changed[1]["params"] = {"lr": 0.2}
+    capsys.readouterr()
+    assert plan(server, "--manifest", str(write_manifest(tmp_path / "b.jsonl", list(changed)))) == 1
+    out, err = capsys.readouterr()
+    assert "1 new, 2 already planned identically, 1 conflicting" in out
+    assert "shard-1" in err and "PLAN_CONFLICT" in err
+    assert len(list(client.list_events(RUN))) == 4
+
+
+def test_dry_run_prints_the_plan_lines_and_sends_nothing(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert plan(server, "--manifest", str(manifest_of(inputs, tmp_path)), "--dry-run") == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["input"] for x in lines] == [str(p) for p in inputs]
+    assert all(x["shard_id"].startswith("s-") for x in lines)
+    assert client.list_runs() == []
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ('["a list"]', "line 2: must be a JSON object"),
+        ('{"params": {}}', 'line 2: needs "input"'),
+        ('{"input": "s3://bucket/key"}', "line 2: input 's3://bucket/key' does not exist here"),
+        (
+            '{"input": "s3://b/k", "input_blake3": "XYZ"}',
+            "line 2: input_blake3 must be 64 lowercase hex",
+        ),
+        (
+            '{"input": "s3://b/k", "input_blake3": "'
+            + "a" * 64
+            + '", "expected_outputs": ["bad name"]}',
+            "line 2: expected output",
+        ),
+        (
+            '{"input": "s3://b/k", "input_blake3": "' + "a" * 64 + '", "shard_id": "ok-0"}',
+            "lines 1, 2: shard id ok-0",
+        ),
+    ],
+)
+def test_a_bad_manifest_line_exits_5_naming_it_and_sends_nothing(
+    server: RunningServer,
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    bad_line: str,
+    message: str,
+) -> None:
+    good = {"input": "s3://b/k0", "input_blake3": "a" * 64, "shard_id": "ok-0"}
+    manifest = write_manifest(
+        tmp_path / "jobs.jsonl", [good, bad_line, {**good, "shard_id": "ok-2"}]
+    )
+    assert plan(server, "--manifest", str(manifest)) == 5
+    err = capsys.readouterr().err
+    assert message in err and "nothing was sent" in err
+    assert client.list_runs() == []
+
+
+def test_a_digest_that_does_not_match_the_input_file_is_refused(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    manifest = write_manifest(
+        tmp_path / "jobs.jsonl", [{"input": str(inputs[0]), "input_blake3": "b" * 64}]
+    )
+    assert plan(server, "--manifest", str(manifest)) == 5
+    assert "does not match the file" in capsys.readouterr().err
+    assert client.list_runs() == []
+
+
+def test_inputs_directory_plans_one_shard_per_matching_file(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "in" / "notes.txt").write_text("not an input")
+    args = ["--inputs", str(tmp_path / "in"), "--glob", "*.bin", "--params", '{"seed": 7}']
+    assert plan(server, *args, "--expected-outputs", "image,stats", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["new"] == 3
+    events = list(client.list_events(RUN))
+    assert [e.planned.input_ref for e in events] == [str(p.resolve()) for p in inputs]
+    assert all(list(e.planned.expected_outputs) == ["image", "stats"] for e in events)
+    assert json.loads(events[0].planned.params_json) == {"seed": 7}
+
+
+def test_an_unreachable_ledger_exits_3(
+    inputs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = str(manifest_of(inputs, tmp_path))
+    assert (
+        cli(["plan", RUN, "--manifest", manifest, "--server", "127.0.0.1:1", "--timeout", "0.2"])
+        == 3
+    )
+    assert "unreachable" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""`shardledger spool status|drain`: inspect and deliver events that jobs kept in local spools."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Final
+
+from shard_client.client import LedgerClient
+from shard_client.spooldir import (
+    ENV_SPOOL_DIR,
+    drain_spool_dirs,
+    find_spool_dirs,
+    spool_base,
+    spool_status,
+)
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE, client_from, print_json
+
+DESCRIPTION: Final = f"""\
+When a job cannot reach the ledger it keeps its events in a durable spool on the
+local disk and keeps running; the job itself drains the spool once the ledger
+answers. A job that ended before that leaves its spool behind, one directory per
+process under ${ENV_SPOOL_DIR} (default ~/.cache/shardledger/spool/<server>).
+
+  status   pending events, bytes and the oldest pending event of every spool
+  drain    send the spools of finished processes to the ledger, in order; events
+           are idempotent, so a spool sent twice stores nothing twice. Events the
+           ledger refuses are set aside in rejected.jsonl beside the spool.
+
+exit codes: 0 ok; 1 (drain) some event was refused; 3 the ledger was unreachable
+"""
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """Adds the spool command group."""
+    p = sub.add_parser(
+        "spool",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="inspect or drain events kept in local spools while the ledger was unreachable",
+        description=DESCRIPTION,
+    )
+    actions = p.add_subparsers(dest="spool_command", metavar="ACTION", required=True)
+    status = actions.add_parser(
+        "status", parents=[common], help="show pending events per spool directory"
+    )
+    drain = actions.add_parser(
+        "drain", parents=[common], help="send finished processes' spools to the ledger"
+    )
+    for action in (status, drain):
+        action.add_argument(
+            "--dir",
+            default=None,
+            help=f"spool root or one spool directory (default: ${ENV_SPOOL_DIR} or "
+            "~/.cache/shardledger/spool)",
+        )
+    status.set_defaults(func=run_status)
+    drain.set_defaults(func=run_drain)
+
+
+def _root(args: argparse.Namespace) -> str:
+    return os.path.abspath(args.dir) if args.dir else spool_base()
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Prints one line (or JSON object) per spool directory."""
+    rows = [spool_status(d) for d in find_spool_dirs(_root(args))]
+    if args.json:
+        print_json([dataclasses.asdict(r) for r in rows])
+        return EXIT_OK
+    if not rows:
+        print(f"no spools under {_root(args)}")
+        return EXIT_OK
+    for r in rows:
+        pending = "? (in use)" if r.pending < 0 else str(r.pending)
+        owner = f"  owner pid {r.owner_pid}" if r.owner_pid else ""
+        oldest = f"  oldest {r.oldest}" if r.oldest else ""
+        rejected = f"  rejected {r.rejected}" if r.rejected else ""
+        print(
+            f"{r.directory}: {pending} pending, {r.size_bytes} bytes"
+            f"{oldest}{rejected}  -> {r.target or '?'}{owner}"
+        )
+    return EXIT_OK
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    """Drains every spool no live process owns; exit 3 when a ledger was unreachable."""
+
+    def client_for(target: str) -> LedgerClient:
+        client: LedgerClient = client_from(argparse.Namespace(**{**vars(args), "server": target}))
+        return client
+
+    results = drain_spool_dirs(
+        _root(args), target=args.server, client_factory=client_for, connect_timeout_s=args.timeout
+    )
+    if args.json:
+        print_json([dataclasses.asdict(r) for r in results])
+    else:
+        for r in results:
+            if r.status == "locked":
+                print(f"{r.directory}: skipped, a live process owns it")
+            else:
+                print(
+                    f"{r.directory}: {r.sent} sent, {r.rejected} rejected, "
+                    f"{r.remaining} left ({r.status})"
+                )
+        sent = sum(r.sent for r in results)
+        rejected = sum(r.rejected for r in results)
+        print(f"drained {len(results)} spool(s): {sent} events sent, {rejected} rejected")
+    if any(r.status == "unavailable" for r in results):
+        print("shardledger: ledger unreachable; the remaining events stay spooled", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    return EXIT_PROBLEMS if any(r.rejected for r in results) else EXIT_OK
