@@ -28,6 +28,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -61,6 +62,8 @@ TEMP_PREFIX = ".shardledger-tmp-"
 MMAP_HASH_THRESHOLD = 8 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
 _WRITE_BUFFER = 1024 * 1024
+# Writes at least this large hash on a second thread while the kernel copies them.
+_OVERLAP_BYTES = 256 * 1024
 # Leaves room for the prefix and mkstemp's random part within NAME_MAX (255).
 _MAX_STEM_IN_TEMP_NAME = 100
 FAILPOINTS = ("after_write", "after_fsync", "after_rename", "after_dir_fsync")
@@ -87,6 +90,8 @@ class _HashingSink(io.RawIOBase):
         self._fd = fd
         self._hasher = blake3.blake3()
         self._size = 0
+        # Created on the first large write, per file: an executor never crosses a fork.
+        self._pool: ThreadPoolExecutor | None = None
 
     def writable(self) -> bool:
         """Returns True: the sink only writes."""
@@ -98,10 +103,33 @@ class _HashingSink(io.RawIOBase):
             # The descriptor may already be closed and reused by another file.
             raise ValueError("write to a closed atomic file")
         view = memoryview(data).cast("B")
-        written = os.write(self._fd, view)
-        self._hasher.update(view[:written])
-        self._size += written
-        return written
+        if len(view) < _OVERLAP_BYTES:
+            written = os.write(self._fd, view)
+            self._hasher.update(view[:written])
+            self._size += written
+            return written
+        # Large chunks: hash on a second thread while the kernel copies the same bytes
+        # (both release the GIL), so the digest costs max(write, hash), not their sum.
+        # The whole chunk is written before returning, so the digest covers exactly the
+        # bytes in the file; if a write fails the atomic write fails and nothing commits.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomic-hash")
+        hashed = self._pool.submit(self._hasher.update, view)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(self._fd, view[done:])
+        finally:
+            hashed.result()
+        self._size += done
+        return done
+
+    def close(self) -> None:
+        """Stops the hashing thread, if any, and closes the sink."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        super().close()
 
     def tell(self) -> int:
         """Returns the number of bytes written so far."""
