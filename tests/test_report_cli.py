@@ -1,0 +1,379 @@
+"""`shardledger status|shards|resume|events|runs` against a real server on a real SQLite file."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from ledger_server.events import canonical_json
+from ledger_server.server import RunningServer, ServerConfig, create_server
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+from tools.cli import main
+from tools.cmd_report import slurm_ranges, with_resume_reason
+
+RUN = "night-01"
+DIGEST = "d" * 64
+# shard -> (plan_index, fate); resume order is plan order.
+FATES = {
+    "s00": (0, "verified"),
+    "s01": (1, "failed"),
+    "s02": (2, "planned"),
+    "s03": (3, "running"),
+    "s04": (4, "stale"),
+    "s05": (5, "committed"),
+    "s06": (6, "verify_failed"),
+    "s07": (7, "planned"),
+    "s08": (9, "verified"),
+    "s09": (10, "planned"),
+    "s10": (11, "planned"),
+}
+
+
+def plan_line(shard: str) -> str:
+    """Returns the plan line of a shard, canonical as the server stores it."""
+    return canonical_json({"cmd": ["train", "--shard", shard], "shard_id": shard, "x": "ünï"})
+
+
+_IDS = itertools.count()
+
+
+def ev(shard: str, attempt: str = "", run: str = RUN, **payload: Any) -> pb.ShardEvent:
+    """Returns an event with a fresh, readable id."""
+    event_id = f"{run}-{next(_IDS)}"
+    return pb.ShardEvent(
+        event_id=event_id, run_id=run, shard_id=shard, attempt_id=attempt, **payload
+    )
+
+
+def life(shard: str, index: int, fate: str, run: str = RUN) -> list[pb.ShardEvent]:
+    """Returns the events that bring one shard to its fate."""
+    plan = pb.ShardPlanned(
+        input_ref=f"/in/{shard}",
+        expected_outputs=["out"],
+        plan_line=plan_line(shard),
+        plan_index=index,
+    )
+    events = [ev(shard, run=run, planned=plan)]
+    if fate == "planned":
+        return events
+    timeout = Duration(nanos=1000) if fate == "stale" else Duration(seconds=3600)
+    started = pb.AttemptStarted(
+        host="gpu-1", pid=7, heartbeat_timeout=timeout, fingerprint_digest="f" * 64
+    )
+    events.append(ev(shard, "a1", run, started=started))
+    if fate == "failed":
+        events.append(
+            ev(shard, "a1", run, failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM, message="OOM"))
+        )
+    if fate in ("verified", "committed", "verify_failed"):
+        path = f"/out/{shard}.bin"
+        commit = pb.ArtifactCommitted(name="out", path=path, size_bytes=3, blake3_hex=DIGEST)
+        events.append(ev(shard, "a1", run, artifact_committed=commit))
+        if fate != "committed":
+            ok = fate == "verified"
+            verdict = pb.ArtifactVerified(
+                name="out",
+                path=path,
+                blake3_hex=DIGEST,
+                result=pb.VERIFICATION_RESULT_PASSED if ok else pb.VERIFICATION_RESULT_FAILED,
+                reason="" if ok else "digest_mismatch",
+            )
+            events.append(ev(shard, run=run, verified=verdict))
+    return events
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A real server with run night-01 (every fate) and run all-good (one verified shard)."""
+    db = tmp_path_factory.mktemp("report") / "ledger.db"
+    server = create_server(ServerConfig(database=str(db), listen="127.0.0.1:0"))
+    client = LedgerClient(f"127.0.0.1:{server.port}")
+    client.append([e for shard, (i, fate) in FATES.items() for e in life(shard, i, fate)])
+    client.append(life("g0", 0, "verified", run="all-good"))
+    client.close()
+    time.sleep(0.01)  # the stale shard's 1 µs timeout has passed
+    yield server
+    server.stop(0.5)
+
+
+@pytest.fixture
+def cli(running: RunningServer, capsys: pytest.CaptureFixture[str]) -> Any:
+    """Returns run(*argv) -> (exit code, stdout, stderr) against the fixture server."""
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main([argv[0], "--server", f"127.0.0.1:{running.port}", *argv[1:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+# --- status -------------------------------------------------------------------
+
+
+def test_status_prints_the_reconciliation_equation_and_exits_1_when_shards_are_unverified(
+    cli: Any,
+) -> None:
+    code, out, _ = cli("status", RUN)
+    assert code == 1
+    assert (
+        "submitted 11 = verified 2 + failed 2 + missing 4 + running 1 + stale 1 + unverified 1"
+        in out
+    )
+    assert "completion rate    18.18 %" in out
+    assert "silent error rate  9.09 %" in out  # the verify-failed shard reported success
+    assert "oom" in out and "digest_mismatch" in out
+    assert "f" * 16 in out  # the fingerprint group
+
+
+def test_status_json_carries_the_server_summary(cli: Any) -> None:
+    code, out, _ = cli("status", RUN, "--json")
+    summary = json.loads(out)
+    assert code == 1
+    assert {
+        k: summary[k] for k in ("submitted", "verified", "failed", "missing", "running", "stale")
+    } == {
+        "submitted": 11,
+        "verified": 2,
+        "failed": 2,
+        "missing": 4,
+        "running": 1,
+        "stale": 1,
+    }
+    assert summary["unverified"] == 1
+    assert summary["failure_tags"] == {"oom": 1}
+    assert summary["verify_failures"] == {"digest_mismatch": 1}
+    assert summary["fingerprint_groups"] == {"f" * 64: 7}
+
+
+def test_status_exits_0_when_every_planned_shard_is_verified(cli: Any) -> None:
+    code, out, _ = cli("status", "all-good")
+    assert code == 0
+    assert "submitted 1 = verified 1 + failed 0" in out
+
+
+def test_status_of_an_unknown_run_is_refused_with_exit_4(cli: Any) -> None:
+    code, _, err = cli("status", "no-such-run")
+    assert code == 4
+    assert "RUN_NOT_FOUND" in err
+
+
+def test_status_without_a_server_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["status", RUN, "--server", "127.0.0.1:1", "--timeout", "0.2"])
+    assert code == 3
+    assert "unreachable" in capsys.readouterr().err
+
+
+# --- shards -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ("missing", ["s02", "s07", "s09", "s10"]),
+        ("stale", ["s04"]),
+        ("running", ["s03"]),
+        ("verified", ["s00", "s08"]),
+        ("failed", ["s01"]),
+        ("verify_failed", ["s06"]),
+        ("committed", ["s05"]),
+        ("unconfirmed", ["s01", "s02", "s03", "s04", "s05", "s06", "s07", "s09", "s10"]),
+    ],
+)
+def test_shards_state_filter_lists_exactly_that_state(
+    cli: Any, state: str, expected: list[str]
+) -> None:
+    code, out, _ = cli("shards", RUN, "--state", state, "--json")
+    assert code == 0
+    assert [v["shard_id"] for v in json.loads(out)] == expected
+
+
+def test_shards_text_lists_one_row_per_shard_in_plan_order(cli: Any) -> None:
+    code, out, _ = cli("shards", RUN)
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].split()[:3] == ["INDEX", "SHARD", "STATE"]
+    assert [line.split()[1] for line in lines[1:]] == list(FATES)
+    assert lines[2].split()[2:4] == ["failed", "oom"]
+
+
+def test_shards_limit_stops_after_n(cli: Any) -> None:
+    _, out, _ = cli("shards", RUN, "--limit", "3", "--json")
+    assert [v["shard_id"] for v in json.loads(out)] == ["s00", "s01", "s02"]
+
+
+def test_shards_json_of_no_match_is_an_empty_array(cli: Any) -> None:
+    _, out, _ = cli("shards", "all-good", "--state", "failed", "--json")
+    assert json.loads(out) == []
+
+
+def test_shards_rejects_an_unknown_state_as_usage_error(cli: Any) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli("shards", RUN, "--state", "bogus")
+    assert exc.value.code == 2
+
+
+# --- resume -------------------------------------------------------------------
+
+UNCONFIRMED = [s for s, (_, fate) in FATES.items() if fate != "verified"]
+
+
+def test_resume_jsonl_is_the_original_plan_lines_byte_for_byte(cli: Any) -> None:
+    code, out, err = cli("resume", RUN)
+    assert code == 1
+    assert out.encode() == "".join(plan_line(s) + "\n" for s in UNCONFIRMED).encode()
+    assert err.startswith("9 shards to re-run")
+    assert "never-started 4" in err and "failed:oom 1" in err and "stale 1" in err
+
+
+def test_resume_reasons_adds_a_key_and_keeps_the_rest_of_the_line(cli: Any) -> None:
+    _, out, _ = cli("resume", RUN, "--reasons")
+    lines = out.splitlines()
+    reasons = [json.loads(line)["_resume_reason"] for line in lines]
+    assert reasons == [
+        "failed:oom",
+        "never-started",
+        "running",
+        "stale",
+        "unverified",
+        "verify-failed:digest_mismatch",
+        "never-started",
+        "never-started",
+        "never-started",
+    ]
+    for shard, line in zip(UNCONFIRMED, lines, strict=True):
+        assert line.startswith(plan_line(shard)[:-1] + ',"_resume_reason":')
+
+
+def test_resume_ids_prints_shard_ids(cli: Any) -> None:
+    _, out, _ = cli("resume", RUN, "--format", "ids")
+    assert out.split() == UNCONFIRMED
+
+
+def test_resume_slurm_array_compacts_plan_indexes_into_ranges(cli: Any) -> None:
+    _, out, _ = cli("resume", RUN, "--format", "slurm-array")
+    assert out == "1-7,10-11\n"
+
+
+def test_resume_to_a_file_replaces_it_atomically(cli: Any, tmp_path: Path) -> None:
+    target = tmp_path / "rerun.jsonl"
+    target.write_text("stale content\n")
+    code, out, err = cli("resume", RUN, "-o", str(target))
+    assert code == 1 and out == ""
+    assert target.read_text() == "".join(plan_line(s) + "\n" for s in UNCONFIRMED)
+    assert os.listdir(tmp_path) == ["rerun.jsonl"]  # no temp file left behind
+    assert f"written to {target}" in err
+
+
+def test_resume_to_a_device_writes_through_it_instead_of_replacing_it(cli: Any) -> None:
+    code, _, _ = cli("resume", RUN, "-o", os.devnull)
+    assert code == 1
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
+def test_resume_of_a_fully_verified_run_is_empty_and_exits_0(cli: Any, tmp_path: Path) -> None:
+    code, _, err = cli("resume", "all-good", "-o", str(tmp_path / "none.jsonl"))
+    assert code == 0
+    assert (tmp_path / "none.jsonl").read_text() == ""
+    assert err.startswith("0 shards to re-run")
+
+
+def test_resume_reasons_with_another_format_is_a_usage_error(cli: Any) -> None:
+    code, _, err = cli("resume", RUN, "--format", "ids", "--reasons")
+    assert code == 2 and "--reasons" in err
+
+
+@pytest.mark.parametrize(
+    ("indexes", "ranges"),
+    [([], []), ([3, 4, 5, 9, 12, 13, 14], ["3-5", "9", "12-14"]), ([0, 0, 1, 3], ["0-1", "3"])],
+)
+def test_slurm_ranges_merge_runs_and_repeats(indexes: list[int], ranges: list[str]) -> None:
+    assert list(slurm_ranges(indexes)) == ranges
+
+
+def test_with_resume_reason_handles_empty_objects_and_an_existing_key() -> None:
+    assert with_resume_reason("{}", "stale") == '{"_resume_reason":"stale"}'
+    assert json.loads(with_resume_reason('{"_resume_reason":"x","a":1}', "stale")) == {
+        "_resume_reason": "stale",
+        "a": 1,
+    }
+
+
+# --- events and runs ------------------------------------------------------------
+
+
+def test_events_prints_one_line_per_event_with_kind_and_payload(cli: Any) -> None:
+    code, out, _ = cli("events", RUN)
+    lines = out.splitlines()
+    assert code == 0
+    assert len(lines) == sum(len(life(s, i, f)) for s, (i, f) in FATES.items())
+    assert "s01 a1 failed tag=oom" in out
+    assert "verified FAILED out /out/s06.bin reason=digest_mismatch" in out
+
+
+def test_events_json_lines_and_after_filter(cli: Any) -> None:
+    _, out, _ = cli("events", RUN, "--json")
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[0]["planned"]["plan_line"] == plan_line("s00")
+    plan = next(e for e in events if e["shard_id"] == "s01" and "planned" in e)
+    assert plan["planned"]["plan_index"] == "1"  # int64 is a string in the JSON mapping
+    after = int(events[-3]["sequence"])
+    _, tail, _ = cli("events", RUN, "--json", "--after", str(after))
+    assert [json.loads(line)["event_id"] for line in tail.splitlines()] == [
+        e["event_id"] for e in events[-2:]
+    ]
+
+
+def test_events_follow_streams_new_events_until_ctrl_c(running: RunningServer) -> None:
+    client = LedgerClient(f"127.0.0.1:{running.port}")
+    first = life("t0", 0, "planned", run="tail-run")
+    client.append(first)
+    argv = [sys.executable, "-m", "tools.cli", "events", "tail-run", "--follow", "--json"]
+    argv += ["--server", f"127.0.0.1:{running.port}"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["event_id"] == first[0].event_id
+        late = life("t1", 1, "planned", run="tail-run")
+        client.append(late)
+        assert json.loads(proc.stdout.readline())["event_id"] == late[0].event_id
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+
+
+def test_runs_lists_both_runs(cli: Any) -> None:
+    code, out, _ = cli("runs", "--json")
+    assert code == 0
+    counts = {r["run_id"]: r["event_count"] for r in json.loads(out)}
+    assert counts[RUN] == sum(len(life(s, i, f)) for s, (i, f) in FATES.items())
+    assert counts["all-good"] == 4
+    _, text, _ = cli("runs")
+    assert RUN in text and "all-good" in text
+
+
+@pytest.mark.parametrize("command", ["status", "shards", "resume", "events", "runs"])
+def test_every_report_command_documents_itself(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert "--server" in out
+    if command in ("status", "shards", "resume"):
+        assert "exit codes:" in out
