@@ -294,18 +294,23 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     ) -> Iterator[pb.StreamResumeListResponse]:
         ns = _guard(context, lambda: self._scope(context, READ, request.namespace, request.run_id))
         items = _guard(context, lambda: self.ledger.resume(ns, request.run_id))
-        chunk: list[pb.ResumeEntry] = []
+        # Entries are added in place: building them separately and passing a list would
+        # copy every message once more (a third of the cost per line at a million shards).
+        response = pb.StreamResumeListResponse()
+        add = response.entries.add
+        count = 0
         for item in items:
-            chunk.append(
-                pb.ResumeEntry(
-                    shard_id=item.shard_id,
-                    plan_line=item.plan_line,
-                    reason=item.reason,
-                    plan_index=item.plan_index,
-                )
+            add(
+                shard_id=item.shard_id,
+                plan_line=item.plan_line,
+                reason=item.reason,
+                plan_index=item.plan_index,
             )
-            if len(chunk) >= RESUME_CHUNK:
-                yield pb.StreamResumeListResponse(entries=chunk)
-                chunk = []
-        if chunk:
-            yield pb.StreamResumeListResponse(entries=chunk)
+            count += 1
+            if count >= RESUME_CHUNK:
+                yield response
+                response = pb.StreamResumeListResponse()
+                add = response.entries.add
+                count = 0
+        if count:
+            yield response
