@@ -2,7 +2,7 @@
 
     LedgerError
     ├── InvalidEvent            a field is malformed (INVALID_ARGUMENT)
-    ├── LimitExceeded           a documented limit was exceeded (RESOURCE_EXHAUSTED)
+    ├── LimitExceeded           a documented limit was exceeded (INVALID_ARGUMENT, names the limit)
     ├── RunNotFound             the run has no events (NOT_FOUND)
     ├── ConflictError           (ALREADY_EXISTS)
     │   ├── EventIdReused       same event_id, different content
