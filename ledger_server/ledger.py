@@ -36,8 +36,7 @@ from ledger_server.events import (
     row_bytes,
     validate,
 )
-from ledger_server.store import ConcurrentWriteError
-from ledger_server.store.base import RunRow, Store, StoredEvent, WriteTx
+from ledger_server.store.base import ConcurrentWriteError, RunRow, Store, StoredEvent, WriteTx
 
 log = structlog.get_logger("shardledger.ledger")
 
@@ -194,9 +193,10 @@ class Ledger:
         outcomes: list[list[AppendResult] | BaseException] = []
         receive_us = self.clock()
         with self.store.write() as tx:
-            # Lock (PostgreSQL: FOR UPDATE) every existing run of the group in one global order
-            # before any job runs, so two replicas whose groups share runs queue instead of
-            # deadlocking. In SQLite these are plain reads.
+            # Lock (PostgreSQL: FOR UPDATE) every existing run of the group, in one global
+            # order, before any job reads: two replicas whose groups share runs then queue
+            # instead of deadlocking, and every later read (stored event ids, shard records)
+            # sees those runs as of holding their locks. In SQLite these are plain reads.
             for key in sorted({(e.namespace, e.run_id) for job in jobs for e in job.events}):
                 tx.get_run(*key)
             for job in jobs:

@@ -22,7 +22,7 @@ from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
-from ledger_server.store import open_store
+from ledger_server.store import open_store, redact_url
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
@@ -182,7 +182,7 @@ def create_server(config: ServerConfig) -> RunningServer:
         "server_started",
         listen=config.listen,
         port=port,
-        database=config.database,
+        database=redact_url(config.database),
         tls=tls,
         mutual_tls=bool(config.client_ca),
         auth="tokens" if require_tokens else "off",

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ledger_server.server import DEFAULT_DB, DEFAULT_LISTEN, ServerConfig, configure_logging, serve
+from ledger_server.store import redact_url
 
 
 def register(
@@ -22,6 +23,13 @@ def register(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--db", default=DEFAULT_DB, help="SQLite file (or sqlite:///PATH)")
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=os.environ.get("SHARDLEDGER_DATABASE_URL"),
+        help="sqlite:///PATH or postgresql://USER@HOST/DB; overrides --db (env SHARDLEDGER_DATABASE_URL). "
+        "Replicas on one PostgreSQL must share --signing-key",
+    )
     p.add_argument(
         "--listen", default=DEFAULT_LISTEN, help="HOST:PORT to listen on (port 0 picks one)"
     )
@@ -85,8 +93,9 @@ def register(
 def run(args: argparse.Namespace) -> int:
     """Runs the server until SIGTERM."""
     configure_logging(args.log_level)
+    database = args.database_url or args.db
     config = ServerConfig(
-        database=args.db,
+        database=database,
         listen=args.listen,
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
@@ -103,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         print(
-            f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port} (db {args.db})",
+            f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port} (db {redact_url(database)})",
             file=sys.stderr,
         )
         if args.port_file:

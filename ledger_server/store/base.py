@@ -12,6 +12,10 @@ class StoreError(Exception):
     """A backend failure (I/O, corruption, lost connection); never a domain error."""
 
 
+class ConcurrentWriteError(StoreError):
+    """Another writer (a replica) won a race; the transaction was rolled back and may be retried."""
+
+
 class ImmutableRowError(StoreError):
     """An UPDATE or DELETE on the events table was refused by the database."""
 

@@ -1,0 +1,254 @@
+"""The PostgreSQL event store: one database shared by several stateless server replicas.
+
+Concurrency model (what makes replicas safe):
+
+* Appends to one run are serialized by a row lock on the run's head
+  (``SELECT ... FOR UPDATE`` on ``runs``), held until COMMIT; the Ledger takes
+  the locks of all of a group's runs first, in sorted order, then reads. A new
+  run is inserted with ``ON CONFLICT DO NOTHING``; losing that race raises
+  ConcurrentWriteError and the Ledger retries the group, which then finds and
+  locks the winner's row. So does any sign, later in the group, of rows for a
+  run that was missing (and so unlocked) when the group began: the group's
+  reads would otherwise come from two moments. Appends to different runs touch
+  different rows and never wait for each other.
+* A tailer never skips an event that commits late. A PostgreSQL sequence hands
+  out numbers at INSERT time, not at COMMIT, so across *all* runs a lower
+  ``seq`` can become visible after a higher one. Every event read is per run,
+  though, and within a run that cannot happen: a writer draws a run's sequence
+  numbers only while holding that run's row lock (a job's numbers are reserved
+  in one round trip after its locks are taken, and leftovers are dropped at the
+  next lock), and the lock is released only
+  after the commit is visible to every new snapshot, so the next writer of the
+  run draws strictly higher numbers and commits strictly later. We chose this
+  over a global commit-order position because the latter needs a lock held
+  across every COMMIT (its WAL flush), which would serialize all replicas; the
+  run lock costs nothing extra. As a second line of defence, ``list_events``
+  (the tail and page reader) checks ``run_seq``, which the hash chain numbers
+  densely per run, and returns only the gap-free prefix of what it read.
+* ``event_id`` is unique in the database. A duplicate inserted by another
+  replica at the same moment surfaces as a unique violation, translated to
+  ConcurrentWriteError; the retried group sees the committed row and answers
+  DUPLICATE with the original sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from ledger_server.store import postgres_sql as q
+from ledger_server.store.base import RunRow, ShardRow, StoredEvent, TokenRow
+from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
+
+__all__ = ["PostgresStore", "split_url"]
+
+# Query parameters the store reads itself (libpq would refuse them).
+POOL_OPTIONS: Final = {"pool_min_size": 1, "pool_max_size": 16, "pool_timeout": 5.0}
+
+
+def split_url(url: str) -> tuple[str, dict[str, float]]:
+    """Returns the libpq URL without the store's own pool_* parameters, and those parameters."""
+    parts = urlsplit(url)
+    options: dict[str, float] = dict(POOL_OPTIONS)
+    kept = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in POOL_OPTIONS:
+            options[key] = float(value)
+        else:
+            kept.append((key, value))
+    if not any(k == "connect_timeout" for k, _ in kept):
+        kept.append(("connect_timeout", "5"))
+    return urlunsplit(parts._replace(query=urlencode(kept))), options
+
+
+def _configure(conn: Conn) -> None:
+    # on: a COMMIT returns only after its WAL is flushed, so an acknowledged append survives a
+    # database crash. The idle timeout frees run locks held by a replica that hung mid-group.
+    conn.execute("SET synchronous_commit = on")
+    conn.execute("SET idle_in_transaction_session_timeout = '60s'")
+    conn.execute("SET application_name = 'shardledger'")
+
+
+class PostgresStore:
+    """An event store in one PostgreSQL database, safe for several server processes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        conninfo, options = split_url(url)
+        self._pool: ConnectionPool[Conn] = ConnectionPool(
+            conninfo,
+            min_size=int(options["pool_min_size"]),
+            max_size=int(options["pool_max_size"]),
+            timeout=options["pool_timeout"],
+            kwargs={"autocommit": True},
+            configure=_configure,
+            # A connection that died with the server (restart, failover) is dropped at
+            # checkout instead of failing the caller's query.
+            check=ConnectionPool.check_connection,
+            name="shardledger",
+            open=False,
+        )
+        with edge():
+            self._pool.open(wait=True, timeout=options["pool_timeout"])
+        try:
+            self._migrate()
+        except BaseException:
+            self._pool.close()
+            raise
+        self._view = PgReadView(self._pool)
+
+    def _migrate(self) -> None:
+        with edge(), self._pool.connection() as conn:
+            # The usual case, and the only one a least-privilege server role can pass: the
+            # schema is current, so no DDL (and no CREATE privilege) is needed.
+            if conn.execute(q.SQL_TABLE_EXISTS).fetchone() == (True,):
+                done = {row[0] for row in conn.execute(q.SQL_APPLIED)}
+                if done >= {version for version, _, _ in q.MIGRATIONS}:
+                    return
+            for version, name, statements in q.MIGRATIONS:
+                with conn.transaction():
+                    # Replicas starting together queue here; the loser sees the record and skips.
+                    conn.execute(q.SQL_MIGRATION_LOCK, q.MIGRATION_LOCK)
+                    conn.execute(q.SQL_CREATE_MIGRATIONS)
+                    done = {row[0] for row in conn.execute(q.SQL_APPLIED)}
+                    if version in done:
+                        continue
+                    for statement in statements:
+                        conn.execute(statement)
+                    conn.execute(q.SQL_RECORD_MIGRATION, (version, name, int(time.time() * 1e6)))
+
+    def applied_migrations(self) -> list[tuple[int, str, int]]:
+        """Returns (version, name, applied_us) of every applied migration."""
+        with edge(), self._pool.connection() as conn:
+            return [(int(v), str(n), int(t)) for v, n, t in conn.execute(q.SQL_APPLIED)]
+
+    def schema_version(self) -> int:
+        """Returns the highest applied migration."""
+        return max((v for v, _, _ in self.applied_migrations()), default=0)
+
+    @contextmanager
+    def write(self) -> Iterator[PgWriteTx]:
+        """Opens the write transaction; it commits durably when the context exits cleanly."""
+        with edge():
+            conn = self._pool.getconn()
+        try:
+            with edge():
+                conn.execute("BEGIN")
+            tx = PgWriteTx(conn)
+            try:
+                yield tx
+                with edge():
+                    tx.flush()
+                    conn.execute("COMMIT")
+            except BaseException:
+                if (
+                    not conn.closed
+                    and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+                ):
+                    # If the connection is gone, the server has rolled back on its own.
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute("ROLLBACK")
+                raise
+        finally:
+            self._pool.putconn(conn)
+
+    def read(self) -> PgReadView:
+        """Returns the read view (thread-safe: each query borrows a pooled connection)."""
+        return self._view
+
+    def integrity_check(self) -> str:
+        """Returns "ok", or what is wrong with the schema and its immutability triggers."""
+        problems = []
+        if self.schema_version() != q.MIGRATIONS[-1][0]:
+            problems.append(f"schema version {self.schema_version()} is not current")
+        with edge(), self._pool.connection() as conn:
+            triggers = {str(name): str(state) for name, state in conn.execute(q.SQL_TRIGGERS)}
+        for name in q.EXPECTED_TRIGGERS:
+            if triggers.get(name) in (None, "D"):
+                problems.append(f"trigger {name} is missing or disabled")
+        return "\n".join(problems) or "ok"
+
+    def execute_raw(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        """Runs raw SQL in its own transaction (tests and maintenance only)."""
+        with edge(), self._pool.connection() as conn, conn.transaction():
+            cur = conn.execute(sql, params)
+            return list(cur.fetchall()) if cur.description else []
+
+    def create_token(self, token: TokenRow) -> None:
+        """Stores a new token (its secret only as a hash)."""
+        self.execute_raw(
+            q.SQL_CREATE_TOKEN,
+            (
+                *(token.token_id, token.namespace, token.role, token.run_prefix),
+                *(token.secret_hash, token.description, token.created_us),
+                *(token.expires_us, token.revoked_us),
+            ),
+        )
+
+    def get_token(self, token_id: str) -> TokenRow | None:
+        """Returns the token with this id, or None."""
+        rows = self._view.rows(q.SQL_GET_TOKEN, (token_id,))
+        return TokenRow(*rows[0]) if rows else None
+
+    def list_tokens(self) -> list[TokenRow]:
+        """Returns every token, oldest first."""
+        return [TokenRow(*r) for r in self._view.rows(q.SQL_LIST_TOKENS, ())]
+
+    def revoke_token(self, token_id: str, *, now_us: int) -> bool:
+        """Marks a token revoked; returns False when there is no such live token."""
+        with edge(), self._pool.connection() as conn:
+            return conn.execute(q.SQL_REVOKE_TOKEN, (now_us, token_id)).rowcount == 1
+
+    def import_run(
+        self,
+        run: RunRow,
+        events: Iterable[StoredEvent],
+        projections: Callable[[], tuple[list[ShardRow], dict[str, int]]],
+    ) -> None:
+        """Writes one run verbatim (keys, rows, hashes) and its projections in one transaction.
+
+        ``projections`` is called after ``events`` is exhausted, so a caller can fold the
+        stream while it is copied instead of holding the run in memory.
+        """
+        with edge(), self._pool.connection() as conn, conn.transaction():
+            conn.execute(
+                q.SQL_IMPORT_RUN,
+                (
+                    *(run.run_pk, run.namespace, run.run_id, run.event_count, run.head_hash),
+                    *(run.created_us, run.updated_us),
+                ),
+            )
+            with conn.cursor().copy(q.SQL_COPY_EVENTS) as copy:
+                for ev in events:
+                    copy.write_row(
+                        (ev.sequence, ev.run_pk, ev.run_sequence, ev.event_id, ev.row, ev.row_hash)
+                    )
+            shards, counters = projections()
+            with conn.cursor().copy(q.SQL_COPY_SHARDS) as copy:
+                for s in shards:
+                    copy.write_row(
+                        (
+                            *(run.run_pk, s.shard_id, s.plan_index, s.state, s.detail),
+                            *(s.deadline_us, s.plan_line, s.record),
+                        )
+                    )
+            with conn.cursor().copy(q.SQL_COPY_COUNTERS) as copy:
+                for key, n in sorted(counters.items()):
+                    copy.write_row((run.run_pk, key, n))
+
+    def sync_sequences(self) -> None:
+        """Moves the id sequences past the highest imported keys."""
+        with edge(), self._pool.connection() as conn, conn.transaction():
+            for statement in q.SQL_SYNC_SEQUENCES:
+                conn.execute(statement)
+
+    def close(self) -> None:
+        """Closes every connection."""
+        self._pool.close()

@@ -1,0 +1,245 @@
+"""Throwaway PostgreSQL clusters for tests: initdb into a temp dir, one database per test.
+
+Import the fixtures into a test module (``from tests.pg import pg_cluster, pg_url``).
+``SHARDLEDGER_TEST_PG_URL`` points the tests at an existing server instead (it must allow
+CREATE DATABASE); without it and without PostgreSQL binaries the tests are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+ENV_URL: Final = "SHARDLEDGER_TEST_PG_URL"
+SKIP_REASON: Final = (
+    "PostgreSQL binaries (initdb, pg_ctl, postgres) not found and SHARDLEDGER_TEST_PG_URL not"
+    " set: install the `postgresql` package (Debian: apt-get install -y postgresql)"
+)
+
+
+def find_bin_dir() -> Path | None:
+    """Returns the directory holding initdb and pg_ctl, or None."""
+    found = shutil.which("initdb")
+    if found and shutil.which("pg_ctl"):
+        return Path(os.path.realpath(found)).parent
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]), reverse=True
+    )
+    for candidate in [*candidates, "/usr/local/pgsql/bin"]:
+        if (Path(candidate) / "initdb").exists() and (Path(candidate) / "pg_ctl").exists():
+            return Path(candidate)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _with_dbname(url: str, dbname: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path="/" + dbname))
+
+
+class PgCluster:
+    """A PostgreSQL server for the test session: ours (startable, stoppable) or an external one."""
+
+    def __init__(
+        self, admin_url: str, *, data_dir: Path | None = None, durable: bool = False
+    ) -> None:
+        self.admin_url = admin_url
+        self.data_dir = data_dir
+        self.durable = durable
+        self.bin_dir = find_bin_dir()
+        # initdb and postgres refuse to run as root: run them as an unprivileged user.
+        self.run_as: str | None = None
+        if os.geteuid() == 0:
+            for user in ("postgres", "nobody"):
+                try:
+                    pwd.getpwnam(user)
+                except KeyError:
+                    continue
+                self.run_as = user
+                break
+        self.port = urlsplit(admin_url).port or 5432
+
+    @property
+    def controllable(self) -> bool:
+        """Returns whether the tests may stop and start this server."""
+        return self.data_dir is not None
+
+    def _cmd(self, *args: str) -> list[str]:
+        assert self.bin_dir is not None
+        cmd = [str(self.bin_dir / args[0]), *args[1:]]
+        return ["runuser", "-u", self.run_as, "--", *cmd] if self.run_as else cmd
+
+    def init(self) -> None:
+        """Creates the cluster's files."""
+        assert self.data_dir is not None
+        subprocess.run(
+            self._cmd(
+                "initdb",
+                *("-D", str(self.data_dir), "-U", "postgres", "-A", "trust"),
+                *("-E", "UTF8", "--locale=C.UTF-8", "--no-sync"),
+            ),
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self) -> None:
+        """Starts the server and waits until it accepts connections."""
+        assert self.data_dir is not None
+        socket_dir = self.data_dir.parent
+        options = " ".join(
+            [
+                f"-p {self.port}",
+                f"-k {socket_dir}",
+                "-c listen_addresses=127.0.0.1",
+                "-c max_connections=300",
+            ]
+        )
+        if not self.durable:
+            # The tests kill processes, never the machine: the OS page cache holds the WAL
+            # across `pg_ctl stop -m immediate`, so fsync is not needed for them.
+            options += " -c fsync=off -c full_page_writes=off"
+        subprocess.run(
+            self._cmd(
+                "pg_ctl",
+                *("-D", str(self.data_dir), "-l", str(socket_dir / "server.log")),
+                *("-o", options, "-w", "-t", "60", "start"),
+            ),
+            check=True,
+            capture_output=True,
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stops the server with pg_ctl (mode: smart, fast or immediate)."""
+        assert self.data_dir is not None
+        subprocess.run(
+            self._cmd("pg_ctl", "-D", str(self.data_dir), "-m", mode, "-w", "stop"),
+            check=True,
+            capture_output=True,
+        )
+
+    def postmaster_pid(self) -> int | None:
+        """Returns the running postmaster's PID, or None."""
+        assert self.data_dir is not None
+        try:
+            return int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def kill(self) -> None:
+        """Stops our postmaster by PID (fast shutdown, then SIGKILL)."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        assert self.data_dir is not None
+        try:
+            os.kill(pid, signal.SIGINT)
+            # The postmaster removes its pid file when it is done; polling the process itself
+            # would wait on a zombie where PID 1 does not reap (some containers).
+            deadline = time.monotonic() + 30
+            while (self.data_dir / "postmaster.pid").exists():
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                time.sleep(0.02)
+        except ProcessLookupError:
+            pass
+
+    def destroy(self) -> None:
+        """Stops our server and deletes its files."""
+        self.kill()
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir.parent, ignore_errors=True)
+
+    def url(self, dbname: str) -> str:
+        """Returns a URL for one database of this server."""
+        return _with_dbname(self.admin_url, dbname)
+
+    def create_database(self) -> str:
+        """Creates an empty database and returns its URL."""
+        import psycopg
+
+        name = f"sl_test_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def drop_database(self, url: str) -> None:
+        """Drops a database created by create_database, closing its sessions."""
+        import psycopg
+
+        name = urlsplit(url).path.lstrip("/")
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Blocks until the server accepts connections."""
+        import psycopg
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                psycopg.connect(self.admin_url, connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def start_cluster(*, durable: bool = False) -> PgCluster:
+    """Creates and starts a throwaway cluster on 127.0.0.1 with a free port (fsync only if durable)."""
+    root = Path(tempfile.mkdtemp(prefix="shardledger-pg-"))
+    url = f"postgresql://postgres@127.0.0.1:{_free_port()}/postgres"
+    cluster = PgCluster(url, data_dir=root / "data", durable=durable)
+    if cluster.run_as:
+        pw = pwd.getpwnam(cluster.run_as)
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+    cluster.init()
+    cluster.start()
+    cluster.wait_ready()
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """Returns the session's PostgreSQL server, starting a throwaway one when needed."""
+    external = os.environ.get(ENV_URL)
+    if external:
+        yield PgCluster(external)
+        return
+    if find_bin_dir() is None:
+        pytest.skip(SKIP_REASON)
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: PgCluster) -> Iterator[str]:
+    """Returns the URL of a fresh, empty database, dropped after the test."""
+    url = pg_cluster.create_database()
+    yield url
+    # A test that stopped the server may leave its database to the cluster.
+    with contextlib.suppress(Exception):
+        pg_cluster.drop_database(url)

@@ -1,0 +1,319 @@
+"""`shardledger db`: apply schema migrations, and move a whole ledger between backends."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from ledger_server import projections as proj
+from ledger_server.audit import ChainReport, verify_store
+from ledger_server.ledger import recorded
+from ledger_server.store import Store, open_store, redact_url
+from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json
+
+if TYPE_CHECKING:
+    from ledger_server.store.postgres import PostgresStore
+
+ENV_DATABASE_URL: Final = "SHARDLEDGER_DATABASE_URL"
+
+COPY_DESCRIPTION: Final = """\
+Copy a whole ledger into an empty PostgreSQL database, run by run: every event
+row verbatim (global sequence, run sequence, receive time, row bytes, hash), so
+the hash chains, Merkle trees and acknowledged sequence numbers stay valid. The
+projections (shard states, summary counters) are rebuilt in the target by
+folding each run's events, exactly as the server would have. Each run is copied
+in one transaction; after the copy every chain in the target is verified.
+
+Stop the servers writing to the source first. A target that already holds runs
+is refused unless --resume, which skips runs already copied whole (same event
+count and head hash) and refuses ones that differ. Replicas serving the target
+must sign tree heads with the same key as before: copy the key file
+(beside the SQLite file, *.signing-key.pem) and pass it to every replica.
+
+exit codes: 0 copied and verified, 1 a chain failed verification, 5 refused or failed
+"""
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """Adds the db command group."""
+    p = sub.add_parser(
+        "db",
+        help="database maintenance: migrate, copy SQLite to PostgreSQL, server-role grants",
+        description="Database maintenance for either backend.",
+    )
+    dbsub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True)
+    default_url = os.environ.get(ENV_DATABASE_URL)
+    m = dbsub.add_parser(
+        "migrate",
+        help="apply pending schema migrations and print the applied versions",
+        description="Apply every pending numbered migration (each in one transaction with its "
+        "record; concurrent replicas wait on an advisory lock) and print the applied versions.",
+    )
+    m.add_argument(
+        "--database-url",
+        default=default_url,
+        required=default_url is None,
+        help=f"sqlite:///PATH or postgresql://USER@HOST/DB (default ${ENV_DATABASE_URL})",
+    )
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(func=run_migrate)
+    c = dbsub.add_parser(
+        "copy",
+        help="copy a whole ledger (rows verbatim) into PostgreSQL and verify every chain",
+        description=COPY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("--from", dest="source", required=True, help="source: sqlite:///PATH (or a URL)")
+    c.add_argument("--to", dest="target", required=True, help="target: postgresql://USER@HOST/DB")
+    c.add_argument(
+        "--resume", action="store_true", help="continue an interrupted copy: skip runs copied whole"
+    )
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.set_defaults(func=run_copy)
+    g = dbsub.add_parser(
+        "grants",
+        help="print the GRANT/REVOKE statements for a least-privilege server role",
+        description="Print SQL that lets ROLE append and read but never UPDATE, DELETE or "
+        "TRUNCATE events. Run it as the tables' owner (the migration role), after `db migrate`.",
+    )
+    g.add_argument("--role", required=True, help="the role the replicas connect as")
+    g.set_defaults(func=run_grants)
+
+
+def _applied(store: Store) -> list[tuple[int, str, int]]:
+    from ledger_server.store.sqlite import SqliteStore
+
+    if isinstance(store, SqliteStore):
+        rows = store.execute_raw(
+            "SELECT version, name, applied_us FROM schema_migrations ORDER BY version"
+        )
+        return [(int(v), str(n), int(t)) for v, n, t in rows]  # type: ignore[call-overload]
+    applied: Callable[[], list[tuple[int, str, int]]] = store.applied_migrations  # type: ignore[attr-defined]
+    return applied()
+
+
+def _open(url: str) -> Store:
+    try:
+        return open_store(url)
+    except (StoreError, ValueError) as exc:
+        raise CommandError(f"cannot open {redact_url(url)}: {exc}") from None
+
+
+def run_migrate(args: argparse.Namespace) -> int:
+    """Applies pending migrations and prints the applied versions."""
+    store = _open(args.database_url)
+    try:
+        applied = _applied(store)
+    finally:
+        store.close()
+    if args.json:
+        print_json(
+            {
+                "database": redact_url(args.database_url),
+                "schema_version": max((v for v, _, _ in applied), default=0),
+                "migrations": [{"version": v, "name": n, "applied_us": t} for v, n, t in applied],
+            }
+        )
+        return EXIT_OK
+    print(f"{redact_url(args.database_url)}: schema version {applied[-1][0] if applied else 0}")
+    for version, name, applied_us in applied:
+        when = datetime.fromtimestamp(applied_us / 1e6, UTC).isoformat(timespec="seconds")
+        print(f"  {version:>4}  {name}  (applied {when})")
+    return EXIT_OK
+
+
+def run_grants(args: argparse.Namespace) -> int:
+    """Prints the statements for a least-privilege server role."""
+    from ledger_server.store.postgres_sql import server_role_grants
+
+    for statement in server_role_grants(args.role):
+        print(statement + ";")
+    return EXIT_OK
+
+
+@dataclass(slots=True)
+class CopyReport:
+    """What a copy did."""
+
+    copied_runs: int = 0
+    skipped_runs: int = 0
+    events: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    projection_mismatches: list[str] = field(default_factory=list)
+    chains: list[ChainReport] = field(default_factory=list)
+
+
+class _Fold:
+    """Folds a run's events into projections while they stream past into the target."""
+
+    def __init__(self, advance: Callable[[int], None]) -> None:
+        self.replay = proj.RunReplay()
+        self.events = 0
+        self._advance = advance
+        self._built: tuple[list[ShardRow], dict[str, int]] | None = None
+
+    def feed(self, rows: Iterable[StoredEvent]) -> Iterator[StoredEvent]:
+        for stored in rows:
+            self.replay.feed(recorded(stored))
+            self.events += 1
+            if self.events % 1000 == 0:
+                self._advance(1000)
+            yield stored
+        self._advance(self.events % 1000)
+
+    def projections(self) -> tuple[list[ShardRow], dict[str, int]]:
+        if self._built is None:
+            self._built = self._build()
+        return self._built
+
+    def _build(self) -> tuple[list[ShardRow], dict[str, int]]:
+        shards = []
+        for record in self.replay.ordered():
+            state, detail = proj.base_state(record)
+            shards.append(
+                ShardRow(
+                    record.shard_id,
+                    record.plan_index,
+                    state,
+                    detail,
+                    proj.deadline_us(record),
+                    record.plan_line,
+                    record.to_json().encode(),
+                )
+            )
+        return shards, {k: n for k, n in self.replay.counters().items() if n}
+
+
+def copy_ledger(
+    source: Store,
+    target: PostgresStore,
+    *,
+    resume: bool,
+    advance: Callable[[int], None] = lambda n: None,
+) -> CopyReport:
+    """Copies every run of source into target (a PostgresStore) and verifies the chains."""
+    started = time.monotonic()
+    report = CopyReport()
+    src = source.read()
+    runs = sorted(src.list_runs(None, 1 << 62), key=lambda r: r.run_pk)
+    present = {(r.namespace, r.run_id): r for r in target.read().list_runs(None, 1 << 62)}
+    if present and not resume:
+        raise CommandError(
+            f"the target already holds {len(present)} runs: refusing to copy into it"
+            " (pass --resume to continue an interrupted copy)"
+        )
+    for run in runs:
+        have: RunRow | None = present.get((run.namespace, run.run_id))
+        if have is not None:
+            if (have.event_count, have.head_hash) != (run.event_count, run.head_hash):
+                raise CommandError(
+                    f"run {run.namespace}/{run.run_id} differs in the target"
+                    f" ({have.event_count} events there, {run.event_count} here): refusing"
+                )
+            report.skipped_runs += 1
+            advance(run.event_count)
+            continue
+        fold = _Fold(advance)
+        target.import_run(run, fold.feed(src.iter_events(run.run_pk)), fold.projections)
+        report.copied_runs += 1
+        report.events += fold.events
+        if src.counters(run.run_pk) != fold.projections()[1]:
+            # The target holds the replayed counters, which follow from the events alone.
+            report.projection_mismatches.append(f"{run.namespace}/{run.run_id}")
+    # Access tokens move too (hashes only), or every client would be locked out after the move.
+    have_tokens = {t.token_id for t in target.list_tokens()}
+    for token in source.list_tokens():
+        if token.token_id not in have_tokens:
+            target.create_token(token)
+            report.tokens += 1
+    target.sync_sequences()
+    report.chains = verify_store(target)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _progress(total: int) -> AbstractContextManager[Callable[[int], None]]:
+    """Returns a context yielding advance(n): a progress bar when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return nullcontext(lambda n: None)
+
+    @contextmanager
+    def bar() -> Iterator[Callable[[int], None]]:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("copying events", total=total)
+            yield lambda n: progress.advance(task, n)
+
+    return bar()
+
+
+def run_copy(args: argparse.Namespace) -> int:
+    """Copies a ledger into PostgreSQL and verifies it."""
+    from ledger_server.store.postgres import PostgresStore
+
+    path = args.source[len("sqlite:///") :] if args.source.startswith("sqlite:///") else args.source
+    if "://" not in path and not Path(path).exists():
+        raise CommandError(f"no ledger at {args.source}")
+    if not args.target.startswith(("postgresql://", "postgres://")):
+        raise CommandError("--to must be a postgresql:// URL")
+    source = _open(args.source)
+    try:
+        target = _open(args.target)
+        assert isinstance(target, PostgresStore)
+        try:
+            total = sum(r.event_count for r in source.read().list_runs(None, 1 << 62))
+            with _progress(total) as advance:
+                report = copy_ledger(source, target, resume=args.resume, advance=advance)
+        finally:
+            target.close()
+    finally:
+        source.close()
+    return _print_report(args, report)
+
+
+def _print_report(args: argparse.Namespace, report: CopyReport) -> int:
+    broken = [c for c in report.chains if not c.ok]
+    if args.json:
+        print_json(
+            {
+                "copied_runs": report.copied_runs,
+                "skipped_runs": report.skipped_runs,
+                "events": report.events,
+                "tokens": report.tokens,
+                "seconds": round(report.seconds, 3),
+                "chains_verified": len(report.chains) - len(broken),
+                "broken_chains": [c.to_json() for c in broken],
+                "source_projection_mismatches": report.projection_mismatches,
+            }
+        )
+    else:
+        rate = report.events / report.seconds if report.seconds else 0.0
+        print(
+            f"copied {report.copied_runs} runs ({report.events} events, {rate:,.0f}/s),"
+            f" skipped {report.skipped_runs} already copied, {report.tokens} access tokens"
+        )
+        print(f"verified {len(report.chains)} chains in the target: {len(broken)} broken")
+        for chain in broken:
+            print(
+                f"  BROKEN {chain.namespace}/{chain.run_id} at {chain.first_bad_sequence}: {chain.problem}"
+            )
+        for name in report.projection_mismatches:
+            print(
+                f"  note: the source's projections of {name} disagreed with a replay;"
+                " the target holds the replayed ones"
+            )
+    return EXIT_PROBLEMS if broken else EXIT_OK
