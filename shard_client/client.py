@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -29,9 +30,28 @@ CHANNEL_OPTIONS: Final = (
     # drain its spool within seconds of the ledger coming back.
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5000),
+    # Several replicas behind one DNS name (or a list of addresses) share the load.
+    ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
 )
 
 T = TypeVar("T")
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """Returns a gRPC target for one address, a comma-separated list, or a list of replicas.
+
+    Several HOST:PORT addresses become one ``ipv4:``/``ipv6:`` target that gRPC
+    balances round-robin; use ``dns:///name:port`` for replicas behind one DNS name.
+    """
+    targets = [
+        t.strip() for t in (target.split(",") if isinstance(target, str) else target) if t.strip()
+    ]
+    if len(targets) == 1:
+        return targets[0]
+    if not targets:
+        raise ValueError("no ledger address given")
+    scheme = "ipv6:" if all(t.startswith("[") for t in targets) else "ipv4:"
+    return scheme + ",".join(targets)
 
 
 def default_target() -> str:
@@ -90,7 +110,7 @@ class LedgerClient:
 
     def __init__(
         self,
-        target: str | None = None,
+        target: str | Sequence[str] | None = None,
         *,
         timeout_s: float = 10.0,
         retry_deadline_s: float = 30.0,
@@ -101,7 +121,7 @@ class LedgerClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
     ) -> None:
-        self.target = target or default_target()
+        self.target = channel_target(target or default_target())
         if credentials is None:
             credentials = channel_credentials(
                 token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key

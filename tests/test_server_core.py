@@ -447,3 +447,21 @@ def test_serve_refuses_plaintext_on_a_public_address(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0
     assert "refusing to serve plaintext" in proc.stderr
+
+
+def test_client_balances_round_robin_over_a_list_of_replicas(tmp_path: Path) -> None:
+    first = create_server(ServerConfig(database=str(tmp_path / "a.db"), listen="127.0.0.1:0"))
+    second = create_server(ServerConfig(database=str(tmp_path / "b.db"), listen="127.0.0.1:0"))
+    try:
+        client = LedgerClient([f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"])
+        assert client.target.startswith("ipv4:")
+        for i in range(20):
+            client.append([planned(run_id=f"rr-{i}")])
+            time.sleep(0.02)
+        runs_a = len(first.ledger.list_runs(None))
+        runs_b = len(second.ledger.list_runs(None))
+    finally:
+        first.stop(0.5)
+        second.stop(0.5)
+    assert runs_a + runs_b == 20
+    assert runs_a > 0 and runs_b > 0
