@@ -93,11 +93,14 @@ def _client_proc(
     out.put((sum(counts), sum(errors)))
 
 
-def _drive(kind: str, port: int, *, procs: int, threads: int, seconds: float, payloads: list[list[bytes]]) -> dict[str, float]:
+def _drive(
+    kind: str, port: int, *, procs: int, threads: int, seconds: float, payloads: list[list[bytes]]
+) -> dict[str, float]:
     queue: Any = mp.get_context("spawn").Queue()
     ctx = mp.get_context("spawn")
     workers = [
-        ctx.Process(target=_client_proc, args=(kind, port, threads, seconds, payloads[i], queue)) for i in range(procs)
+        ctx.Process(target=_client_proc, args=(kind, port, threads, seconds, payloads[i], queue))
+        for i in range(procs)
     ]
     start = time.monotonic()
     for w in workers:
@@ -107,25 +110,51 @@ def _drive(kind: str, port: int, *, procs: int, threads: int, seconds: float, pa
         w.join()
     elapsed = time.monotonic() - start
     calls = sum(r[0] for r in results)
-    return {"calls": calls, "errors": sum(r[1] for r in results), "seconds": seconds, "calls_per_s": calls / seconds, "wall_s": elapsed}
+    return {
+        "calls": calls,
+        "errors": sum(r[1] for r in results),
+        "seconds": seconds,
+        "calls_per_s": calls / seconds,
+        "wall_s": elapsed,
+    }
 
 
-def _heartbeat_payloads(client: LedgerClient, run_id: str, shards: int, per_call: int, count: int) -> list[bytes]:
+def _heartbeat_payloads(
+    client: LedgerClient, run_id: str, shards: int, per_call: int, count: int
+) -> list[bytes]:
     plans = []
     starts = []
     for i in range(shards):
-        plans.append(pb.ShardEvent(event_id=uuid.uuid4().hex, run_id=run_id, shard_id=f"s{i}",
-                                   planned=pb.ShardPlanned(input_ref=f"in{i}", plan_index=i)))
-        starts.append(pb.ShardEvent(event_id=uuid.uuid4().hex, run_id=run_id, shard_id=f"s{i}", attempt_id="a",
-                                    started=pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 600})))
+        plans.append(
+            pb.ShardEvent(
+                event_id=uuid.uuid4().hex,
+                run_id=run_id,
+                shard_id=f"s{i}",
+                planned=pb.ShardPlanned(input_ref=f"in{i}", plan_index=i),
+            )
+        )
+        starts.append(
+            pb.ShardEvent(
+                event_id=uuid.uuid4().hex,
+                run_id=run_id,
+                shard_id=f"s{i}",
+                attempt_id="a",
+                started=pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 600}),
+            )
+        )
     for k in range(0, shards, 1000):
         client.append(plans[k : k + 1000])
         client.append(starts[k : k + 1000])
     out = []
     for c in range(count):
         events = [
-            pb.ShardEvent(event_id=uuid.uuid4().hex, run_id=run_id, shard_id=f"s{(c * per_call + j) % shards}",
-                          attempt_id="a", heartbeat=pb.Heartbeat(step=c, progress=0.5, metrics={"loss": 0.1}))
+            pb.ShardEvent(
+                event_id=uuid.uuid4().hex,
+                run_id=run_id,
+                shard_id=f"s{(c * per_call + j) % shards}",
+                attempt_id="a",
+                heartbeat=pb.Heartbeat(step=c, progress=0.5, metrics={"loss": 0.1}),
+            )
             for j in range(per_call)
         ]
         out.append(pb.AppendEventsRequest(events=events).SerializeToString())
@@ -138,14 +167,22 @@ def _heartbeat_payloads(client: LedgerClient, run_id: str, shards: int, per_call
 def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict[str, Any]:
     """Durable single-event appends vs a bare echo of the same bytes, 64 in flight."""
     with tempfile.TemporaryDirectory() as tmp:
-        running = create_server(ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", max_concurrent_rpcs=1024))
+        running = create_server(
+            ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", max_concurrent_rpcs=1024)
+        )
         client = LedgerClient(f"127.0.0.1:{running.port}")
         per_proc = int(seconds * 4000)
-        payloads = [_heartbeat_payloads(client, f"unary-{p}", 256, 1, per_proc) for p in range(procs)]
+        payloads = [
+            _heartbeat_payloads(client, f"unary-{p}", 256, 1, per_proc) for p in range(procs)
+        ]
         echo_server, echo_port = _echo_server()
-        echo = _drive("echo", echo_port, procs=procs, threads=threads, seconds=seconds, payloads=payloads)
+        echo = _drive(
+            "echo", echo_port, procs=procs, threads=threads, seconds=seconds, payloads=payloads
+        )
         echo_server.stop(0)
-        ours = _drive("ledger", running.port, procs=procs, threads=threads, seconds=seconds, payloads=payloads)
+        ours = _drive(
+            "ledger", running.port, procs=procs, threads=threads, seconds=seconds, payloads=payloads
+        )
         groups = running.ledger.stats["groups"]
         events = running.ledger.stats["events"]
         running.stop(1)
@@ -191,8 +228,12 @@ def bench_batched(seconds: float = 5.0, procs: int = 2, threads: int = 4) -> dic
         running = create_server(ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0"))
         client = LedgerClient(f"127.0.0.1:{running.port}")
         per_proc = int(seconds * 300)
-        payloads = [_heartbeat_payloads(client, f"batch-{p}", 2000, 100, per_proc) for p in range(procs)]
-        ours = _drive("ledger", running.port, procs=procs, threads=threads, seconds=seconds, payloads=payloads)
+        payloads = [
+            _heartbeat_payloads(client, f"batch-{p}", 2000, 100, per_proc) for p in range(procs)
+        ]
+        ours = _drive(
+            "ledger", running.port, procs=procs, threads=threads, seconds=seconds, payloads=payloads
+        )
         row = running.ledger.store.read().list_events(1, after_sequence=5000, limit=1)
         row_bytes = len(row[0].row) if row else 300
         running.stop(1)
@@ -258,6 +299,7 @@ def bench_artifact(big_mib: int = 256, repeat: int = 5) -> dict[str, Any]:
 
             raw_s = _timed(raw, reps)
             sdk_s = _timed(sdk, reps)
+
             def hash_only(data: bytes = data) -> None:
                 blake3.blake3(data).digest()
 
@@ -282,8 +324,11 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the chosen benchmarks, prints them and saves JSON."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("which", choices=[*BENCHES, "all"])
     parser.add_argument("-o", "--output", default=str(RESULTS / "ingest.json"))
     args = parser.parse_args(argv)
