@@ -434,6 +434,10 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the chosen benchmarks, prints them and saves JSON."""
+    from ledger_server.server import configure_logging
+
+    # One log line per request is the product's default; a benchmark measures the ledger.
+    configure_logging("warning")
     parser = argparse.ArgumentParser(
         prog="python -m tools.bench",
         description=__doc__,

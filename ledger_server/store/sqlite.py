@@ -107,10 +107,16 @@ SQL_EVENT_COLUMNS: Final = "seq, run_pk, run_seq, event_id, row, hash"
 SQL_LIST_EVENTS: Final = (
     f"SELECT {SQL_EVENT_COLUMNS} FROM events WHERE run_pk = ? AND seq > ? ORDER BY seq LIMIT ?"
 )
+# An upsert updates the row in place, touching only the indexes whose columns changed
+# (a heartbeat moves deadline_us); INSERT OR REPLACE would delete and re-insert the row
+# in every index.
 SQL_SAVE_SHARD: Final = (
-    "INSERT OR REPLACE INTO shards"
+    "INSERT INTO shards"
     " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (run_pk, shard_id) DO UPDATE SET plan_index = excluded.plan_index,"
+    " state = excluded.state, detail = excluded.detail, deadline_us = excluded.deadline_us,"
+    " plan_line = excluded.plan_line, record = excluded.record"
 )
 SQL_ADD_COUNTER: Final = (
     "INSERT INTO run_counters (run_pk, key, n) VALUES (?, ?, ?)"
