@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, TypeVar
 
 import grpc
-from google.rpc import status_pb2
-from grpc_status import rpc_status
 
 from ledger_server.auth import AUDIT
-from ledger_server.errors import InvalidEvent, LedgerError
+from ledger_server.errors import (
+    EventNotFound,
+    InvalidEvent,
+    LedgerCorrupt,
+    LedgerError,
+    SigningKeyMissing,
+)
 from ledger_server.events import GENESIS_HASH, canonical_json, chain_hash, check_id
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
 from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
@@ -35,35 +39,8 @@ MAX_CACHED_RUNS: Final = 64
 # About 130 bytes per leaf (tree levels plus the event-id index): ~500 MiB at most.
 MAX_CACHED_LEAVES: Final = 4_000_000
 _PAGE: Final = 5000
-_DETAILS_KEY: Final = "grpc-status-details-bin"
 
 T = TypeVar("T")
-
-
-class EventNotFound(LedgerError):
-    """The event id names no event of the run (NOT_FOUND)."""
-
-    reason = "EVENT_NOT_FOUND"
-
-
-class LedgerCorrupt(LedgerError):
-    """The stored rows break the hash chain or disagree with the run head (DATA_LOSS)."""
-
-    reason = "LEDGER_CORRUPT"
-
-
-class SigningKeyMissing(LedgerError):
-    """The server was started without a tree-head signing key (FAILED_PRECONDITION)."""
-
-    reason = "SIGNING_KEY_MISSING"
-
-
-# Audit-only errors take these codes; every other error keeps the servicer's table.
-AUDIT_ERROR_CODES: Final[list[tuple[type[LedgerError], grpc.StatusCode]]] = [
-    (EventNotFound, grpc.StatusCode.NOT_FOUND),
-    (LedgerCorrupt, grpc.StatusCode.DATA_LOSS),
-    (SigningKeyMissing, grpc.StatusCode.FAILED_PRECONDITION),
-]
 
 
 @dataclass(slots=True)
@@ -302,24 +279,11 @@ def _size(field_name: str, requested: int, current: int) -> int:
     return requested or current
 
 
-def audit_status(exc: LedgerError | StoreError) -> grpc.Status:
-    """Returns the rich status of an error, with the audit-only codes applied."""
-    # Imported here: servicer.py imports this module to build LedgerServicer.
-    from ledger_server.servicer import rich_status
-
-    status = rich_status(exc)
-    code = next((c for cls, c in AUDIT_ERROR_CODES if isinstance(exc, cls)), None)
-    if code is None:
-        return status
-    detail = dict(status.trailing_metadata)[_DETAILS_KEY]
-    message = status_pb2.Status.FromString(detail)
-    message.code = code.value[0]
-    return rpc_status.to_status(message)
-
-
 def _guard(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
     try:
         return call()
     except (LedgerError, StoreError) as exc:
-        context.abort_with_status(audit_status(exc))
+        from ledger_server.servicer import rich_status  # servicer imports this module
+
+        context.abort_with_status(rich_status(exc))
         raise AssertionError("unreachable") from exc  # abort_with_status always raises

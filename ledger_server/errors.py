@@ -4,6 +4,9 @@
     ├── InvalidEvent            a field is malformed (INVALID_ARGUMENT)
     ├── LimitExceeded           a documented limit was exceeded (INVALID_ARGUMENT, names the limit)
     ├── RunNotFound             the run has no events (NOT_FOUND)
+    ├── EventNotFound           no such event in the run (NOT_FOUND)
+    ├── LedgerCorrupt           stored rows break the chain (DATA_LOSS)
+    ├── SigningKeyMissing       no tree-head key (FAILED_PRECONDITION)
     ├── ConflictError           (ALREADY_EXISTS)
     │   ├── EventIdReused       same event_id, different content
     │   └── PlanConflict        a re-plan with a different definition
@@ -77,6 +80,24 @@ class PlanConflict(ConflictError):
     """The shard was planned before with a different definition."""
 
     reason = "PLAN_CONFLICT"
+
+
+class EventNotFound(LedgerError):
+    """The event id names no event of the run (NOT_FOUND)."""
+
+    reason = "EVENT_NOT_FOUND"
+
+
+class LedgerCorrupt(LedgerError):
+    """The stored rows break the hash chain or disagree with the run head (DATA_LOSS)."""
+
+    reason = "LEDGER_CORRUPT"
+
+
+class SigningKeyMissing(LedgerError):
+    """The server was started without a tree-head signing key (FAILED_PRECONDITION)."""
+
+    reason = "SIGNING_KEY_MISSING"
 
 
 class LifecycleViolation(LedgerError):

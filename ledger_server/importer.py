@@ -172,17 +172,7 @@ class _RunWriter:
             raise ImportRejected("the export holds no events")
         run_pk = self.run.run_pk
         for shard_id, record in self.records.items():
-            state, detail = proj.base_state(record)
-            self.tx.save_shard(
-                run_pk=run_pk,
-                shard_id=shard_id,
-                plan_index=record.plan_index,
-                state=state,
-                detail=detail,
-                deadline_us=proj.deadline_us(record),
-                plan_line=record.plan_line,
-                record=record.to_json().encode(),
-            )
+            self.tx.save_shard(run_pk=run_pk, shard_id=shard_id, **proj.row_columns(record))
             self.tx.add_counters(run_pk, proj.contributions(record))
         self.tx.update_run(
             run_pk, event_count=self.count, head_hash=self.head, now_us=self.last_receive_us

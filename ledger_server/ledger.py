@@ -234,17 +234,7 @@ class Ledger:
             results.append(result)
         for shard_key in dirty:
             record = records[shard_key]
-            state, detail = proj.base_state(record)
-            tx.save_shard(
-                run_pk=shard_key[0],
-                shard_id=shard_key[1],
-                plan_index=record.plan_index,
-                state=state,
-                detail=detail,
-                deadline_us=proj.deadline_us(record),
-                plan_line=record.plan_line,
-                record=record.to_json().encode(),
-            )
+            tx.save_shard(run_pk=shard_key[0], shard_id=shard_key[1], **proj.row_columns(record))
             # Heartbeats and checkpoints never change a shard's summary counters, so a
             # shard touched only by them skips the recount (the hot path of a busy fleet).
             if shard_key in before:

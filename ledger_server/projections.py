@@ -348,6 +348,19 @@ def deadline_us(record: ShardRecord) -> int | None:
     return latest.last_seen_us + latest.timeout_us
 
 
+def row_columns(record: ShardRecord) -> dict[str, Any]:
+    """Returns the stored columns of a shard's projection row (every store, every writer)."""
+    state, detail = base_state(record)
+    return {
+        "plan_index": record.plan_index,
+        "state": state,
+        "detail": detail,
+        "deadline_us": deadline_us(record),
+        "plan_line": record.plan_line,
+        "record": record.to_json().encode(),
+    }
+
+
 def duplicate_kinds(record: ShardRecord) -> list[str]:
     """Returns the kinds of duplicate the shard shows, sorted."""
     kinds = set()

@@ -24,12 +24,15 @@ from ledger_server.auth import (
 )
 from ledger_server.errors import (
     ConflictError,
+    EventNotFound,
     EventRejected,
     InvalidEvent,
+    LedgerCorrupt,
     LedgerError,
     LifecycleViolation,
     LimitExceeded,
     RunNotFound,
+    SigningKeyMissing,
 )
 from ledger_server.events import canonical_json
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
@@ -52,6 +55,9 @@ ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
     (InvalidEvent, grpc.StatusCode.INVALID_ARGUMENT),
     (LimitExceeded, grpc.StatusCode.INVALID_ARGUMENT),
     (RunNotFound, grpc.StatusCode.NOT_FOUND),
+    (EventNotFound, grpc.StatusCode.NOT_FOUND),
+    (LedgerCorrupt, grpc.StatusCode.DATA_LOSS),
+    (SigningKeyMissing, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (LifecycleViolation, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreError, grpc.StatusCode.UNAVAILABLE),

@@ -181,18 +181,7 @@ class _Fold:
     def _build(self) -> tuple[list[ShardRow], dict[str, int]]:
         shards = []
         for record in self.replay.ordered():
-            state, detail = proj.base_state(record)
-            shards.append(
-                ShardRow(
-                    record.shard_id,
-                    record.plan_index,
-                    state,
-                    detail,
-                    proj.deadline_us(record),
-                    record.plan_line,
-                    record.to_json().encode(),
-                )
-            )
+            shards.append(ShardRow(shard_id=record.shard_id, **proj.row_columns(record)))
         return shards, {k: n for k, n in self.replay.counters().items() if n}
 
 
