@@ -278,7 +278,7 @@ def _timed(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(samples)
 
 
-def bench_artifact(big_mib: int = 256, repeat: int = 5) -> dict[str, Any]:
+def bench_artifact(big_mib: int = 256, repeat: int = 7) -> dict[str, Any]:
     """SDK atomic_write (streaming blake3) vs raw write+fsync+rename of the same bytes."""
     from shard_client.atomic import atomic_write
 
@@ -298,8 +298,16 @@ def bench_artifact(big_mib: int = 256, repeat: int = 5) -> dict[str, Any]:
                     for i in range(0, len(data), chunk):
                         fh.write(view[i : i + chunk])
 
-            raw_s = _timed(raw, reps)
-            sdk_s = _timed(sdk, reps)
+            # Interleaved, so disk writeback from one side does not land on the other's runs.
+            raw_samples, sdk_samples = [], []
+            # os.sync() first, outside the timing: otherwise each run pays for the previous
+            # run's dirty pages and the figures measure writeback order, not the code.
+            for _ in range(reps):
+                os.sync()
+                raw_samples.append(_timed(raw, 1))
+                os.sync()
+                sdk_samples.append(_timed(sdk, 1))
+            raw_s, sdk_s = statistics.median(raw_samples), statistics.median(sdk_samples)
 
             def hash_only(data: bytes = data) -> None:
                 blake3.blake3(data).digest()
