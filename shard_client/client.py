@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 
@@ -196,24 +196,23 @@ class LedgerClient:
         )
         return list(response.results)
 
+    def _pages(self, rpc: Callable[..., Any], request: Any, field: str) -> Iterator[Any]:
+        """Yields the items of every page of a paginated RPC (AIP-158 page tokens)."""
+        while True:
+            response = self.call(lambda t: rpc(request, timeout=t))
+            yield from getattr(response, field)
+            if not response.next_page_token:
+                return
+            request.page_token = response.next_page_token
+
     def list_events(
         self, run_id: str, *, namespace: str = "", after_sequence: int = 0, page_size: int = 1000
     ) -> Iterator[pb.ShardEvent]:
         """Yields every event of the run after a sequence, page by page."""
-        token = ""
-        while True:
-            request = pb.ListEventsRequest(
-                namespace=namespace,
-                run_id=run_id,
-                after_sequence=after_sequence,
-                page_size=page_size,
-                page_token=token,
-            )
-            response = self.call(lambda t, r=request: self.stub.ListEvents(r, timeout=t))  # type: ignore[misc]
-            yield from response.events
-            token = response.next_page_token
-            if not token:
-                return
+        request = pb.ListEventsRequest(
+            namespace=namespace, run_id=run_id, after_sequence=after_sequence, page_size=page_size
+        )
+        return self._pages(self.stub.ListEvents, request, "events")
 
     def tail(
         self, run_id: str, *, namespace: str = "", after_sequence: int = 0
@@ -243,20 +242,10 @@ class LedgerClient:
         self, run_id: str, *, namespace: str = "", state: str = "", page_size: int = 1000
     ) -> Iterator[pb.ShardView]:
         """Yields the run's shards (optionally one state) in plan order."""
-        token = ""
-        while True:
-            request = pb.ListShardsRequest(
-                namespace=namespace,
-                run_id=run_id,
-                state=state,
-                page_size=page_size,
-                page_token=token,
-            )
-            response = self.call(lambda t, r=request: self.stub.ListShards(r, timeout=t))  # type: ignore[misc]
-            yield from response.shards
-            token = response.next_page_token
-            if not token:
-                return
+        request = pb.ListShardsRequest(
+            namespace=namespace, run_id=run_id, state=state, page_size=page_size
+        )
+        return self._pages(self.stub.ListShards, request, "shards")
 
     def resume(self, run_id: str, *, namespace: str = "") -> Iterator[pb.ResumeEntry]:
         """Yields exactly the planned shards without a confirmed artifact, in plan order."""
