@@ -107,6 +107,7 @@ class _RunWriter:
             )
         for row, rec in zip(chunk, decoded, strict=True):
             self._insert(row, rec)
+        self.tx.flush()
 
     def _decode(self, row: ImportRow) -> RecordedEvent:
         self.count += 1

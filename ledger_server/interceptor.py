@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -110,6 +111,8 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         from ledger_server.servicer import rich_status
 
         def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
+            if not log.is_enabled_for(logging.INFO):
+                return  # context.peer() and the rest cost more than a filtered-out line
             code = context.code() if failed else None  # type: ignore[attr-defined]
             log.info(
                 "request_handled",

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
@@ -50,6 +50,10 @@ GROUP_ATTEMPTS: Final = 3
 # Event kinds that never change a shard's contribution to the run counters.
 _COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
 
+# Shard records the single writer keeps between transactions (exclusive stores only), so
+# a busy shard's heartbeat costs no parse of its stored record; about 2 KB each.
+RECORD_CACHE_SIZE: Final = 50_000
+
 APPENDED: Final = "appended"
 DUPLICATE: Final = "duplicate"
 ALREADY_PLANNED: Final = "already_planned"
@@ -80,6 +84,22 @@ class ResumeItem:
 
 
 @dataclass(slots=True)
+class _BatchState:
+    """What folding one batch reads and builds up."""
+
+    stored: dict[str, StoredEvent]
+    runs: dict[tuple[str, str], RunRow]
+    records: dict[tuple[int, str], proj.ShardRecord]
+    # event_id -> (canonical content, result) of the events earlier in this batch.
+    in_batch: dict[str, tuple[str, AppendResult]] = field(default_factory=dict)
+    # Shards whose row changes, and those of them that need more than a heartbeat touch.
+    dirty: set[tuple[int, str]] = field(default_factory=set)
+    full: set[tuple[int, str]] = field(default_factory=set)
+    # A shard's counter contributions before this batch changed it (only when they may).
+    before: dict[tuple[int, str], Counter[str]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class _Job:
     events: list[Event]
     future: Future[list[AppendResult]]
@@ -107,6 +127,9 @@ class Ledger:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._commit_cond = threading.Condition()
         self._last_sequence = store.read().max_sequence()
+        self._records: dict[tuple[int, str], proj.ShardRecord] | None = (
+            {} if store.exclusive_writer else None
+        )
         self._closed = False
         self.stats: Counter[str] = Counter()
         self._writer = threading.Thread(target=self._writer_loop, name="ledger-writer", daemon=True)
@@ -161,6 +184,8 @@ class Ledger:
             outcomes = self._write_group_retrying(jobs)
         except Exception as exc:  # the commit itself failed: nobody is acknowledged
             log.error("group_commit_failed", error=str(exc), jobs=len(jobs))
+            if self._records is not None:
+                self._records.clear()  # it may hold what was folded but never committed
             for job in jobs:
                 job.future.set_exception(exc)
             return
@@ -179,17 +204,28 @@ class Ledger:
                 job.future.set_result(outcome)
 
     def _write_group_retrying(self, jobs: list[_Job]) -> list[list[AppendResult] | BaseException]:
+        # The only writer of a store may skip looking up each event id before inserting it:
+        # a resent id (rare: a client retry) then fails the unique index at commit, and the
+        # group is redone with the lookups. Shared stores always look up first.
+        careful = self._records is None
         for attempt in range(1, GROUP_ATTEMPTS):
             try:
-                return self._write_group(jobs)
+                return self._write_group(jobs, careful=careful)
             except ConcurrentWriteError as exc:
-                # Another replica won a race (the same event id, the same new run). Nothing of
-                # this group was committed, and a fresh transaction sees the winner's rows, so
-                # the retry answers DUPLICATE or appends after them instead of failing.
+                # Another replica won a race (the same event id, the same new run), or an id
+                # was already stored. Nothing of this group was committed, and a fresh
+                # transaction sees the stored rows, so the retry answers DUPLICATE or appends
+                # after them instead of failing.
                 log.info("group_commit_retried", error=str(exc), attempt=attempt)
-        return self._write_group(jobs)
+                self.stats["groups_retried"] += 1
+                if self._records is not None:
+                    self._records.clear()  # it holds what the rolled-back group folded
+                careful = True
+        return self._write_group(jobs, careful=True)
 
-    def _write_group(self, jobs: list[_Job]) -> list[list[AppendResult] | BaseException]:
+    def _write_group(
+        self, jobs: list[_Job], *, careful: bool
+    ) -> list[list[AppendResult] | BaseException]:
         outcomes: list[list[AppendResult] | BaseException] = []
         receive_us = self.clock()
         with self.store.write() as tx:
@@ -202,45 +238,121 @@ class Ledger:
             for job in jobs:
                 try:
                     with tx.savepoint():
-                        outcomes.append(self._apply(tx, job.events, receive_us))
+                        outcomes.append(self._apply(tx, job.events, receive_us, careful))
+                    continue
+                except LedgerError as exc:
+                    if careful:
+                        outcomes.append(exc)
+                        continue
+                # Refused without the id lookups: a resent event may be what broke the rules
+                # (an attempt "started twice"), so the batch is judged again with them.
+                try:
+                    with tx.savepoint():
+                        outcomes.append(self._apply(tx, job.events, receive_us, True))
                 except LedgerError as exc:
                     outcomes.append(exc)
         return outcomes
 
-    def _apply(self, tx: WriteTx, events: list[Event], receive_us: int) -> list[AppendResult]:
-        stored = tx.find_events([e.event_id for e in events])
+    def _apply(
+        self, tx: WriteTx, events: list[Event], receive_us: int, careful: bool
+    ) -> list[AppendResult]:
+        # A resent plan would answer ALREADY_PLANNED instead of DUPLICATE without a lookup.
+        if careful or any(isinstance(e.payload, ShardPlanned) for e in events):
+            stored = tx.find_events([e.event_id for e in events])
+        else:
+            stored = {}
         runs: dict[tuple[str, str], RunRow] = {}
-        for key in dict.fromkeys((e.namespace, e.run_id) for e in events):
+        wanted: dict[tuple[str, str], dict[str, None]] = {}
+        for e in events:
+            wanted.setdefault((e.namespace, e.run_id), {})[e.shard_id] = None
+        for key in wanted:
             run = tx.get_run(*key)
             if run is not None:
                 runs[key] = run
+        records = self._load_records(tx, runs, wanted)
+        try:
+            results = self._fold_batch(tx, events, stored, runs, records, receive_us)
+        except BaseException:
+            # The batch is rolled back, but the cached records it folded into are not.
+            if self._records is not None:
+                for shard_key in records:
+                    self._records.pop(shard_key, None)
+            raise
+        if self._records is not None:
+            self._remember(records)
+        return results
+
+    def _load_records(
+        self,
+        tx: WriteTx,
+        runs: dict[tuple[str, str], RunRow],
+        wanted: dict[tuple[str, str], dict[str, None]],
+    ) -> dict[tuple[int, str], proj.ShardRecord]:
         records: dict[tuple[int, str], proj.ShardRecord] = {}
-        before: dict[tuple[int, str], Counter[str]] = {}
+        cache = self._records
         for key, run in runs.items():
-            wanted = [e.shard_id for e in events if (e.namespace, e.run_id) == key]
-            for shard_id, blob in tx.load_shards(run.run_pk, wanted).items():
-                records[(run.run_pk, shard_id)] = proj.ShardRecord.from_json(blob)
-        in_batch: dict[str, tuple[str, AppendResult]] = {}
+            missing = []
+            for shard_id in wanted[key]:
+                record = cache.get((run.run_pk, shard_id)) if cache is not None else None
+                if record is None:
+                    missing.append(shard_id)
+                else:
+                    records[(run.run_pk, shard_id)] = record
+            if missing:
+                for shard_id, row in tx.load_shards(run.run_pk, missing).items():
+                    records[(run.run_pk, shard_id)] = proj.record_from_row(
+                        row.record, row.beat_us, row.beat_step
+                    )
+        return records
+
+    def _remember(self, records: dict[tuple[int, str], proj.ShardRecord]) -> None:
+        cache = self._records
+        assert cache is not None
+        for shard_key, record in records.items():
+            cache.pop(shard_key, None)  # re-inserted last: the dict's order is recency
+            cache[shard_key] = record
+        while len(cache) > RECORD_CACHE_SIZE:
+            del cache[next(iter(cache))]
+
+    def _fold_batch(
+        self,
+        tx: WriteTx,
+        events: list[Event],
+        stored: dict[str, StoredEvent],
+        runs: dict[tuple[str, str], RunRow],
+        records: dict[tuple[int, str], proj.ShardRecord],
+        receive_us: int,
+    ) -> list[AppendResult]:
+        state = _BatchState(stored, runs, records)
         results: list[AppendResult] = []
-        dirty: set[tuple[int, str]] = set()
         for index, event in enumerate(events):
             try:
-                result = self._apply_one(
-                    tx, event, stored, in_batch, runs, records, dirty, before, receive_us
-                )
+                result = self._apply_one(tx, event, state, receive_us)
             except LedgerError as exc:
                 raise EventRejected(index, exc) from None
-            in_batch.setdefault(event.event_id, (event.content_json(), result))
+            state.in_batch.setdefault(event.event_id, (event.content_json(), result))
             results.append(result)
-        for shard_key in dirty:
+        for shard_key in state.dirty:
             record = records[shard_key]
-            tx.save_shard(run_pk=shard_key[0], shard_id=shard_key[1], **proj.row_columns(record))
+            run_pk, shard_id = shard_key
+            if shard_key not in state.full:
+                # Only heartbeats of the latest attempt: two numbers and the deadline move.
+                latest = record.attempts[record.latest_attempt]
+                tx.touch_shard(
+                    run_pk=run_pk,
+                    shard_id=shard_id,
+                    deadline_us=proj.deadline_us(record),
+                    beat_us=latest.last_seen_us,
+                    beat_step=latest.last_step,
+                )
+                continue
+            tx.save_shard(run_pk=run_pk, shard_id=shard_id, **proj.row_columns(record))
             # Heartbeats and checkpoints never change a shard's summary counters, so a
             # shard touched only by them skips the recount (the hot path of a busy fleet).
-            if shard_key in before:
+            if shard_key in state.before:
                 delta = proj.contributions(record)
-                delta.subtract(before[shard_key])
-                tx.add_counters(shard_key[0], delta)
+                delta.subtract(state.before[shard_key])
+                tx.add_counters(run_pk, delta)
         for run in runs.values():
             tx.update_run(
                 run.run_pk, event_count=run.event_count, head_hash=run.head_hash, now_us=receive_us
@@ -248,28 +360,19 @@ class Ledger:
         return results
 
     def _apply_one(
-        self,
-        tx: WriteTx,
-        event: Event,
-        stored: dict[str, StoredEvent],
-        in_batch: dict[str, tuple[str, AppendResult]],
-        runs: dict[tuple[str, str], RunRow],
-        records: dict[tuple[int, str], proj.ShardRecord],
-        dirty: set[tuple[int, str]],
-        before: dict[tuple[int, str], Counter[str]],
-        receive_us: int,
+        self, tx: WriteTx, event: Event, state: _BatchState, receive_us: int
     ) -> AppendResult:
         content = event.content_json()
-        if event.event_id in in_batch:
-            earlier_content, earlier = in_batch[event.event_id]
+        if event.event_id in state.in_batch:
+            earlier_content, earlier = state.in_batch[event.event_id]
             if earlier_content != content:
                 raise EventIdReused(
                     f"event_id {event.event_id} is used twice in this batch with different content",
                     event_id=event.event_id,
                 )
             return AppendResult(event.event_id, earlier.sequence, DUPLICATE)
-        if event.event_id in stored:
-            original = stored[event.event_id]
+        if event.event_id in state.stored:
+            original = state.stored[event.event_id]
             if recorded(original).event.content_json() != content:
                 raise EventIdReused(
                     f"event_id {event.event_id} was stored at sequence {original.sequence}"
@@ -278,6 +381,7 @@ class Ledger:
                     existing_sequence=original.sequence,
                 )
             return AppendResult(event.event_id, original.sequence, DUPLICATE)
+        runs, records = state.runs, state.records
         run_key = (event.namespace, event.run_id)
         run = runs.get(run_key)
         is_plan = isinstance(event.payload, ShardPlanned)
@@ -320,12 +424,16 @@ class Ledger:
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         if record is None:
             records[shard_key] = proj.new_record(rec)
-            before[shard_key] = Counter()
+            state.before[shard_key] = Counter()
+            state.full.add(shard_key)
         else:
-            if shard_key not in before and not isinstance(event.payload, _COUNTER_NEUTRAL):
-                before[shard_key] = proj.contributions(record)
+            payload = event.payload
+            if not isinstance(payload, _COUNTER_NEUTRAL):
+                state.before.setdefault(shard_key, proj.contributions(record))
+            if not (isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt):
+                state.full.add(shard_key)
             proj.apply(record, rec)
-        dirty.add(shard_key)
+        state.dirty.add(shard_key)
         return AppendResult(event.event_id, sequence, APPENDED)
 
     # --- reads ----------------------------------------------------------------
@@ -415,7 +523,7 @@ class Ledger:
         cursor: tuple[int, str] | None = None
         for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
             assert row.record is not None
-            record = proj.ShardRecord.from_json(row.record)
+            record = proj.record_from_row(row.record, row.beat_us, row.beat_step)
             cursor = (row.plan_index, row.shard_id)
             if state and not proj.matches(record, state, at):
                 continue

@@ -315,19 +315,22 @@ class RunCollector(Collector):
         for index, row in enumerate(rows):
             if index >= self.export.heartbeat_scan_limit:
                 break
-            seen = _last_seen_us(row.record)
+            seen = _last_seen_us(row.record, row.beat_us)
             if seen is not None and (oldest is None or seen < oldest):
                 oldest = seen
         return oldest
 
 
-def _last_seen_us(record: bytes | None) -> int | None:
+def _last_seen_us(record: bytes | None, beat_us: int | None) -> int | None:
     # json.loads of the stored record, not ShardRecord.from_json: only one field is needed.
+    # A heartbeat after the record was written moved beat_us instead (see record_from_row).
     if record is None:
         return None
     data: dict[str, Any] = json.loads(record)
     attempt = data["attempts"].get(data["latest_attempt"])
-    return int(attempt["last_seen_us"]) if attempt else None
+    if not attempt:
+        return None
+    return max(int(attempt["last_seen_us"]), beat_us if beat_us is not None else 0)
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -140,6 +140,22 @@ class ShardRecord:
         )
 
 
+def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | None) -> ShardRecord:
+    """Parses a stored record and folds in the heartbeat columns written after it.
+
+    A heartbeat of the latest attempt only moves that attempt's last_seen_us and
+    last_step, so the writer stores those two numbers (and the deadline) instead of
+    re-encoding the whole record; both fold by max, exactly as apply() does.
+    """
+    out = ShardRecord.from_json(record)
+    if beat_us is not None:
+        latest = out.attempts.get(out.latest_attempt)
+        if latest is not None:
+            latest.last_seen_us = max(latest.last_seen_us, beat_us)
+            latest.last_step = max(latest.last_step, beat_step if beat_step is not None else -1)
+    return out
+
+
 def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:
     """Returns the plan line handed back in resume lists (the original one when given)."""
     if plan.plan_line:

@@ -166,9 +166,15 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     ) -> pb.AppendEventsResponse:
         def call() -> pb.AppendEventsResponse:
             events = []
+            # One authorization per (namespace, run) of the batch, not one per event.
+            scopes: dict[tuple[str, str], str] = {}
             for index, msg in enumerate(request.events):
                 try:
-                    msg.namespace = self._scope(context, APPEND, msg.namespace, msg.run_id)
+                    key = (msg.namespace, msg.run_id)
+                    scope = scopes.get(key)
+                    if scope is None:
+                        scope = scopes[key] = self._scope(context, APPEND, *key)
+                    msg.namespace = scope
                     events.append(codec.decode_event(msg))
                 except LedgerError as exc:
                     raise EventRejected(index, exc) from None

@@ -116,10 +116,11 @@ def test_migrate_applies_and_prints_versions_on_both_backends(
     for url in (f"sqlite:///{tmp_path / 'new.db'}", pg_url):
         assert _db("migrate", "--database-url", url) == EXIT_OK
         out = capsys.readouterr().out
-        assert "schema version 2" in out and "1  events, runs" in out and "2  access tokens" in out
+        assert "schema version 3" in out and "1  events, runs" in out and "2  access tokens" in out
+        assert "3  heartbeat columns" in out
         assert _db("migrate", "--database-url", url, "--json") == EXIT_OK
         versions = json.loads(capsys.readouterr().out)["migrations"]
-        assert [m["version"] for m in versions] == [1, 2]
+        assert [m["version"] for m in versions] == [1, 2, 3]
 
 
 def test_copy_moves_every_row_verbatim_and_rebuilds_equal_projections(

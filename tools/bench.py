@@ -12,10 +12,12 @@ No timing is asserted anywhere in the test suite: numbers live here and in docs/
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import sqlite3
 import statistics
 import tempfile
@@ -36,6 +38,19 @@ from shard_client.client import LedgerClient
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
+# "sdk": ids as shard_client's new_event_id makes them (a random per-process prefix and a
+# counter), so each client's ids land near each other in the unique index; "uuid4": ids
+# from a foreign client, random across the whole index. Both sides of a ratio use the same.
+ID_STYLES = ("sdk", "uuid4")
+id_style = "sdk"
+
+
+def _id_source() -> Callable[[], str]:
+    """Returns one client process's event id generator in the chosen style."""
+    if id_style == "uuid4":
+        return lambda: uuid.uuid4().hex
+    prefix, counter = secrets.token_hex(10), itertools.count()
+    return lambda: f"{prefix}-{next(counter):x}"
 
 
 def _env() -> dict[str, Any]:
@@ -123,12 +138,13 @@ def _drive(
 def _heartbeat_payloads(
     client: LedgerClient, run_id: str, shards: int, per_call: int, count: int
 ) -> list[bytes]:
+    new_id = _id_source()
     plans = []
     starts = []
     for i in range(shards):
         plans.append(
             pb.ShardEvent(
-                event_id=uuid.uuid4().hex,
+                event_id=new_id(),
                 run_id=run_id,
                 shard_id=f"s{i}",
                 planned=pb.ShardPlanned(input_ref=f"in{i}", plan_index=i),
@@ -136,7 +152,7 @@ def _heartbeat_payloads(
         )
         starts.append(
             pb.ShardEvent(
-                event_id=uuid.uuid4().hex,
+                event_id=new_id(),
                 run_id=run_id,
                 shard_id=f"s{i}",
                 attempt_id="a",
@@ -150,7 +166,7 @@ def _heartbeat_payloads(
     for c in range(count):
         events = [
             pb.ShardEvent(
-                event_id=uuid.uuid4().hex,
+                event_id=new_id(),
                 run_id=run_id,
                 shard_id=f"s{(c * per_call + j) % shards}",
                 attempt_id="a",
@@ -189,6 +205,7 @@ def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict
         running.stop(1)
     return {
         "workload": f"{procs * threads} concurrent unary callers, 1 heartbeat per call",
+        "event_ids": id_style,
         "echo_calls_per_s": round(echo["calls_per_s"]),
         "durable_appends_per_s": round(ours["calls_per_s"]),
         "ratio_to_echo": round(ours["calls_per_s"] / echo["calls_per_s"], 3),
@@ -198,8 +215,13 @@ def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict
     }
 
 
-def _raw_sqlite_rate(rows: int, row_bytes: int) -> float:
-    """Inserts the same shape of rows, 1,000 per transaction, synchronous=FULL, same indexes."""
+def _raw_sqlite_rate(rows: int, row_bytes: int, clients: int) -> float:
+    """Inserts the same shape of rows, 1,000 per transaction, synchronous=FULL, same indexes.
+
+    The ids are made as the clients make theirs (one id source per client process,
+    interleaved), so the unique index sees the same key pattern as the ledger's.
+    """
+    sources = [_id_source() for _ in range(clients)]
     with tempfile.TemporaryDirectory() as tmp:
         conn = sqlite3.connect(f"{tmp}/raw.db", isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -215,7 +237,7 @@ def _raw_sqlite_rate(rows: int, row_bytes: int) -> float:
             conn.execute("BEGIN")
             conn.executemany(
                 "INSERT INTO events (run_pk, run_seq, event_id, row, hash) VALUES (?, ?, ?, ?, ?)",
-                [(1, base + i, uuid.uuid4().hex, body, os.urandom(32)) for i in range(1000)],
+                [(1, base + i, sources[i % clients](), body, os.urandom(32)) for i in range(1000)],
             )
             conn.execute("COMMIT")
         elapsed = time.perf_counter() - start
@@ -239,9 +261,10 @@ def bench_batched(seconds: float = 5.0, procs: int = 2, threads: int = 4) -> dic
         row_bytes = len(row[0].row) if row else 300
         running.stop(1)
     events_per_s = ours["calls_per_s"] * 100
-    raw = _raw_sqlite_rate(200_000, row_bytes)
+    raw = _raw_sqlite_rate(200_000, row_bytes, procs)
     return {
         "workload": f"{procs * threads} clients, 100 heartbeats per append, chain + projections",
+        "event_ids": id_style,
         "events_per_s": round(events_per_s),
         "raw_sqlite_rows_per_s": round(raw),
         "ratio_to_raw_sqlite": round(events_per_s / raw, 3),
@@ -453,13 +476,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("which", choices=[*BENCHES, "all"])
     parser.add_argument("-o", "--output", default=str(RESULTS / "ingest.json"))
+    parser.add_argument(
+        "--ids",
+        choices=ID_STYLES,
+        default="sdk",
+        help="event ids as the SDK makes them (default) or random uuid4 (foreign clients)",
+    )
     args = parser.parse_args(argv)
+    global id_style
+    id_style = args.ids
     names = list(BENCHES) if args.which == "all" else [args.which]
     report: dict[str, Any] = {"env": _env()}
     for name in names:
         print(f"== {name}", flush=True)
-        report[name] = BENCHES[name]()
-        print(json.dumps(report[name], indent=2), flush=True)
+        key = (
+            name if id_style == "sdk" or name not in ("unary", "batched") else f"{name}_{id_style}"
+        )
+        report[key] = BENCHES[name]()
+        print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() else {}

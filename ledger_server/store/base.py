@@ -16,6 +16,10 @@ class ConcurrentWriteError(StoreError):
     """Another writer (a replica) won a race; the transaction was rolled back and may be retried."""
 
 
+class DuplicateEventError(ConcurrentWriteError):
+    """An inserted event id is already stored: the writer skipped the lookup and must redo it."""
+
+
 class ImmutableRowError(StoreError):
     """An UPDATE or DELETE on the events table was refused by the database."""
 
@@ -56,6 +60,19 @@ class ShardRow:
     deadline_us: int | None
     plan_line: str
     record: bytes | None
+    # Liveness of the latest attempt written by heartbeats without re-encoding the record
+    # (None when the record is current); merge with projections.record_from_row.
+    beat_us: int | None = None
+    beat_step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredShard:
+    """A shard's stored projection record and the heartbeat columns written after it."""
+
+    record: bytes
+    beat_us: int | None
+    beat_step: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +96,9 @@ class WriteTx(Protocol):
     def savepoint(self) -> AbstractContextManager[None]:
         """Returns a context that rolls back its writes if it exits with an exception."""
 
+    def flush(self) -> None:
+        """Sends the buffered writes now; a long transaction calls it to bound its memory."""
+
     def get_run(self, namespace: str, run_id: str) -> RunRow | None:
         """Returns the run's head, or None."""
 
@@ -88,7 +108,7 @@ class WriteTx(Protocol):
     def find_events(self, event_ids: Sequence[str]) -> dict[str, StoredEvent]:
         """Returns the stored events with these ids."""
 
-    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, bytes]:
+    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, StoredShard]:
         """Returns the stored projection records of these shards."""
 
     def insert_event(
@@ -108,7 +128,12 @@ class WriteTx(Protocol):
         plan_line: str,
         record: bytes,
     ) -> None:
-        """Inserts or replaces one shard's projection row."""
+        """Inserts or replaces one shard's projection row (its heartbeat columns cleared)."""
+
+    def touch_shard(
+        self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
+    ) -> None:
+        """Moves an existing shard's deadline and heartbeat columns; the record stays as it is."""
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         """Adds the deltas to the run's summary counters."""
@@ -156,6 +181,10 @@ class ReadView(Protocol):
 
 class Store(Protocol):
     """A durable event store."""
+
+    # True when this process is the store's only writer, so the writer may keep shard
+    # records in memory between transactions (SQLite); False for shared databases.
+    exclusive_writer: bool
 
     def write(self) -> AbstractContextManager[WriteTx]:
         """Opens the write transaction; it commits durably when the context exits cleanly."""

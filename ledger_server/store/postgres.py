@@ -79,6 +79,9 @@ def _configure(conn: Conn) -> None:
 class PostgresStore:
     """An event store in one PostgreSQL database, safe for several server processes."""
 
+    # Other replicas write the same rows, so nothing may be kept between transactions.
+    exclusive_writer = False
+
     def __init__(self, url: str) -> None:
         self.url = url
         conninfo, options = split_url(url)

@@ -76,6 +76,11 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                 revoked_us bigint)""",
         ],
     ),
+    (
+        3,
+        "heartbeat columns: a heartbeat moves two numbers, not the whole record",
+        ["ALTER TABLE shards ADD COLUMN beat_us bigint, ADD COLUMN beat_step bigint"],
+    ),
 ]
 
 IMMUTABLE_SQLSTATE: Final = "SL001"
@@ -127,18 +132,26 @@ SQL_FIND_EVENTS: Final = (
     " FROM events AS e JOIN runs AS r USING (run_pk) WHERE e.event_id = ANY(%s)"
 )
 SQL_LOAD_SHARDS: Final = (
-    "SELECT shard_id, record FROM shards WHERE run_pk = %s AND shard_id = ANY(%s)"
+    "SELECT shard_id, record, beat_us, beat_step FROM shards"
+    " WHERE run_pk = %s AND shard_id = ANY(%s)"
 )
 # Each (run, shard) and (run, key) appears once per statement (the buffer keys them), as
 # ON CONFLICT DO UPDATE may touch a row only once per statement.
 SQL_SAVE_SHARDS: Final = (
-    "INSERT INTO shards"
-    " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
+    "INSERT INTO shards (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line,"
+    " record, beat_us, beat_step)"
     " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::bigint[], %b::text[], %b::text[],"
-    " %b::bigint[], %b::text[], %b::bytea[])"
+    " %b::bigint[], %b::text[], %b::bytea[], %b::bigint[], %b::bigint[])"
     " ON CONFLICT (run_pk, shard_id) DO UPDATE SET plan_index = excluded.plan_index,"
     " state = excluded.state, detail = excluded.detail, deadline_us = excluded.deadline_us,"
-    " plan_line = excluded.plan_line, record = excluded.record"
+    " plan_line = excluded.plan_line, record = excluded.record, beat_us = excluded.beat_us,"
+    " beat_step = excluded.beat_step"
+)
+SQL_TOUCH_SHARDS: Final = (
+    "UPDATE shards AS s SET deadline_us = t.deadline_us, beat_us = t.beat_us,"
+    " beat_step = t.beat_step FROM unnest(%b::bigint[], %b::bigint[], %b::bigint[],"
+    " %b::bigint[], %b::text[]) AS t (deadline_us, beat_us, beat_step, run_pk, shard_id)"
+    " WHERE s.run_pk = t.run_pk AND s.shard_id = t.shard_id"
 )
 SQL_ADD_COUNTERS: Final = (
     "INSERT INTO run_counters (run_pk, key, n)"
@@ -162,7 +175,7 @@ SQL_COUNT_STALE: Final = (
 )
 SQL_ITER_SHARDS: Final = (
     "SELECT shard_id, plan_index, state, detail, deadline_us, plan_line,"
-    " CASE WHEN %(with_record)s THEN record END FROM shards"
+    " CASE WHEN %(with_record)s THEN record END, beat_us, beat_step FROM shards"
     " WHERE run_pk = %(run)s AND (plan_index, shard_id) > (%(index)s, %(shard)s)"
     " ORDER BY plan_index, shard_id"
 )

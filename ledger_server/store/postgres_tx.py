@@ -18,6 +18,7 @@ from ledger_server.store.base import (
     RunRow,
     ShardRow,
     StoredEvent,
+    StoredShard,
     StoreError,
 )
 
@@ -67,6 +68,8 @@ class PgWriteTx:
         self._savepoints = 0
         self._events: list[tuple[Any, ...]] = []
         self._shards: dict[tuple[int, str], tuple[Any, ...]] = {}
+        # Heartbeat touches of shards with no full save pending: key -> (deadline, us, step).
+        self._touches: dict[tuple[int, str], tuple[Any, ...]] = {}
         # Counter deltas are sums, so the deltas of many shards fold into one upsert per key.
         self._counters: dict[tuple[int, str], int] = {}
         self._heads: dict[int, tuple[Any, ...]] = {}
@@ -78,12 +81,13 @@ class PgWriteTx:
 
     def flush(self) -> None:
         """Sends the buffered writes in one pipeline: one round trip, one statement per table."""
-        if not (self._events or self._shards or self._counters or self._heads):
+        if not (self._events or self._shards or self._touches or self._counters or self._heads):
             return
         counters = [(pk, key, n) for (pk, key), n in self._counters.items() if n]
         bulk = [
             (q.SQL_INSERT_EVENTS, self._events),
             (q.SQL_SAVE_SHARDS, list(self._shards.values())),
+            (q.SQL_TOUCH_SHARDS, [(*t, *k) for k, t in self._touches.items()]),
             (q.SQL_ADD_COUNTERS, counters),
         ]
         heads = list(self._heads.values())
@@ -102,6 +106,7 @@ class PgWriteTx:
     def discard(self) -> None:
         """Drops the buffered writes (their savepoint is being rolled back)."""
         self._events, self._shards, self._counters, self._heads = [], {}, {}, {}
+        self._touches = {}
 
     def _query(self, sql: str, params: Any) -> list[TupleRow]:
         with edge():
@@ -172,9 +177,10 @@ class PgWriteTx:
             found[row[3]] = _event(row[:6])
         return found
 
-    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, bytes]:
+    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, StoredShard]:
         ids = list(dict.fromkeys(shard_ids))
-        return {sid: rec for sid, rec in self._query(q.SQL_LOAD_SHARDS, (run_pk, ids))}
+        rows = self._query(q.SQL_LOAD_SHARDS, (run_pk, ids))
+        return {sid: StoredShard(rec, us, step) for sid, rec, us, step in rows}
 
     def insert_event(
         self, *, run_pk: int, run_sequence: int, event_id: str, row: bytes, row_hash: bytes
@@ -199,10 +205,22 @@ class PgWriteTx:
         plan_line: str,
         record: bytes,
     ) -> None:
+        self._touches.pop((run_pk, shard_id), None)
         self._shards[(run_pk, shard_id)] = (
             *(run_pk, shard_id, plan_index, state, detail),
-            *(deadline_us, plan_line, record),
+            *(deadline_us, plan_line, record, None, None),
         )
+
+    def touch_shard(
+        self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
+    ) -> None:
+        key = (run_pk, shard_id)
+        saved = self._shards.get(key)
+        if saved is not None:
+            # A full save is pending: it carries the heartbeat columns along.
+            self._shards[key] = (*saved[:5], deadline_us, saved[6], saved[7], beat_us, beat_step)
+        else:
+            self._touches[key] = (deadline_us, beat_us, beat_step)
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         for key, n in deltas.items():

@@ -7,14 +7,17 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
 from ledger_server.store.base import (
+    DuplicateEventError,
     ImmutableRowError,
     RunRow,
     ShardRow,
     StoredEvent,
+    StoredShard,
     StoreError,
     TokenRow,
 )
@@ -82,6 +85,14 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                 revoked_us INTEGER)""",
         ],
     ),
+    (
+        3,
+        "heartbeat columns: a heartbeat moves two numbers, not the whole record",
+        [
+            "ALTER TABLE shards ADD COLUMN beat_us INTEGER",
+            "ALTER TABLE shards ADD COLUMN beat_step INTEGER",
+        ],
+    ),
 ]
 SQL_TOKEN_COLUMNS: Final = "token_id, namespace, role, run_prefix, secret_hash, description, created_us, expires_us, revoked_us"
 
@@ -100,8 +111,12 @@ SQL_CREATE_RUN: Final = (
 SQL_UPDATE_RUN: Final = (
     "UPDATE runs SET event_count = ?, head_hash = ?, updated_us = ? WHERE run_pk = ?"
 )
+SQL_INSERT_RUN: Final = (
+    "INSERT INTO runs (run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 SQL_INSERT_EVENT: Final = (
-    "INSERT INTO events (run_pk, run_seq, event_id, row, hash) VALUES (?, ?, ?, ?, ?)"
+    "INSERT INTO events (seq, run_pk, run_seq, event_id, row, hash) VALUES (?, ?, ?, ?, ?, ?)"
 )
 SQL_EVENT_COLUMNS: Final = "seq, run_pk, run_seq, event_id, row, hash"
 SQL_LIST_EVENTS: Final = (
@@ -111,13 +126,14 @@ SQL_LIST_EVENTS: Final = (
 # (a heartbeat moves deadline_us); INSERT OR REPLACE would delete and re-insert the row
 # in every index.
 SQL_SAVE_SHARD: Final = (
-    "INSERT INTO shards"
-    " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO shards (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line,"
+    " record, beat_us, beat_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (run_pk, shard_id) DO UPDATE SET plan_index = excluded.plan_index,"
     " state = excluded.state, detail = excluded.detail, deadline_us = excluded.deadline_us,"
-    " plan_line = excluded.plan_line, record = excluded.record"
+    " plan_line = excluded.plan_line, record = excluded.record, beat_us = excluded.beat_us,"
+    " beat_step = excluded.beat_step"
 )
+SQL_TOUCH_SHARD: Final = "UPDATE shards SET deadline_us = ?, beat_us = ?, beat_step = ? WHERE run_pk = ? AND shard_id = ?"
 SQL_ADD_COUNTER: Final = (
     "INSERT INTO run_counters (run_pk, key, n) VALUES (?, ?, ?)"
     " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
@@ -144,11 +160,15 @@ def _translate(exc: sqlite3.Error) -> StoreError:
     # Driver errors are translated at this one edge; callers see StoreError only.
     if "append-only" in str(exc):
         return ImmutableRowError(str(exc))
+    if isinstance(exc, sqlite3.IntegrityError) and "events.event_id" in str(exc):
+        return DuplicateEventError(str(exc))
     return StoreError(f"{type(exc).__name__}: {exc}")
 
 
 class SqliteStore:
     """An event store in one SQLite file."""
+
+    exclusive_writer = True
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
@@ -213,12 +233,14 @@ class SqliteStore:
             except sqlite3.Error as exc:
                 raise _translate(exc) from exc
             try:
-                yield _SqliteWriteTx(conn)
+                tx = _SqliteWriteTx(conn)
+                yield tx
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
             try:
+                tx.flush()
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 if conn.in_transaction:
@@ -303,36 +325,138 @@ class SqliteStore:
             self._writer.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _ShardWrite:
+    """A buffered shard row: a full save (record set) or a heartbeat touch (record None)."""
+
+    deadline_us: int | None
+    beat_us: int | None
+    beat_step: int | None
+    plan_index: int = 0
+    state: str = ""
+    detail: str = ""
+    plan_line: str = ""
+    record: bytes | None = None
+
+
+@dataclass(slots=True)
+class _Buffer:
+    """Everything one transaction will write; copied at a savepoint, restored on rollback."""
+
+    next_seq: int
+    next_run_pk: int | None = None
+    events: list[tuple[int, int, int, str, bytes, bytes]] = field(default_factory=list)
+    event_index: dict[str, int] = field(default_factory=dict)
+    new_runs: list[RunRow] = field(default_factory=list)
+    runs: dict[tuple[str, str], RunRow] = field(default_factory=dict)
+    dirty_runs: set[int] = field(default_factory=set)
+    shards: dict[tuple[int, str], _ShardWrite] = field(default_factory=dict)
+    counters: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def copy(self) -> _Buffer:
+        # Shallow copies suffice: buffered values are immutable and the event list is only
+        # ever appended to, so its length marks the savepoint.
+        return _Buffer(
+            self.next_seq,
+            self.next_run_pk,
+            self.events,
+            dict(self.event_index),
+            list(self.new_runs),
+            dict(self.runs),
+            set(self.dirty_runs),
+            dict(self.shards),
+            dict(self.counters),
+        )
+
+
 class _SqliteWriteTx:
+    """The group's transaction: writes are buffered and sent at commit, one executemany each.
+
+    SQLite has one writer (this process holds the write lock), so sequences and run keys
+    are assigned here, and a savepoint is a copy of the buffer: a refused batch wrote
+    nothing to the database, and rolling it back costs no SQL.
+    """
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
-        self._savepoints = 0
+        top = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+        self._buf = _Buffer(next_seq=int(top) + 1)
 
     @contextmanager
     def savepoint(self) -> Iterator[None]:
-        self._savepoints += 1
-        name = f"sp{self._savepoints}"
-        self.conn.execute(f"SAVEPOINT {name}")
+        saved, mark = self._buf.copy(), len(self._buf.events)
         try:
             yield
         except BaseException:
-            self.conn.execute(f"ROLLBACK TO {name}")
-            self.conn.execute(f"RELEASE {name}")
+            del saved.events[mark:]
+            self._buf = saved
             raise
-        self.conn.execute(f"RELEASE {name}")
+
+    def flush(self) -> None:
+        """Sends every buffered write now (at commit, or to bound a long import's memory)."""
+        buf = self._buf
+        conn = self.conn
+        if buf.new_runs:
+            conn.executemany(
+                SQL_INSERT_RUN,
+                [
+                    (r.run_pk, r.namespace, r.run_id, 0, r.head_hash, r.created_us, r.updated_us)
+                    for r in buf.new_runs
+                ],
+            )
+        conn.executemany(SQL_INSERT_EVENT, buf.events)
+        saves, touches = [], []
+        for (run_pk, shard_id), w in buf.shards.items():
+            if w.record is None:
+                touches.append((w.deadline_us, w.beat_us, w.beat_step, run_pk, shard_id))
+            else:
+                saves.append(
+                    (
+                        *(run_pk, shard_id, w.plan_index, w.state, w.detail, w.deadline_us),
+                        *(w.plan_line, w.record, w.beat_us, w.beat_step),
+                    )
+                )
+        conn.executemany(SQL_SAVE_SHARD, saves)
+        conn.executemany(SQL_TOUCH_SHARD, touches)
+        conn.executemany(SQL_ADD_COUNTER, [(*k, n) for k, n in buf.counters.items() if n])
+        heads = [r for r in buf.runs.values() if r.run_pk in buf.dirty_runs]
+        conn.executemany(
+            SQL_UPDATE_RUN, [(r.event_count, r.head_hash, r.updated_us, r.run_pk) for r in heads]
+        )
+        # Run heads stay known to this transaction; only what was sent is dropped.
+        self._buf = _Buffer(next_seq=buf.next_seq, next_run_pk=buf.next_run_pk, runs=buf.runs)
 
     def get_run(self, namespace: str, run_id: str) -> RunRow | None:
-        row = self.conn.execute(SQL_GET_RUN, (namespace, run_id)).fetchone()
-        return _run(row) if row else None
+        key = (namespace, run_id)
+        run = self._buf.runs.get(key)
+        if run is None:
+            row = self.conn.execute(SQL_GET_RUN, key).fetchone()
+            if row is None:
+                return None
+            run = self._buf.runs[key] = _run(row)
+        return run
 
     def create_run(self, namespace: str, run_id: str, *, now_us: int, genesis: bytes) -> RunRow:
-        cur = self.conn.execute(SQL_CREATE_RUN, (namespace, run_id, genesis, now_us, now_us))
-        assert cur.lastrowid is not None
-        return RunRow(cur.lastrowid, namespace, run_id, 0, genesis, now_us, now_us)
+        buf = self._buf
+        if buf.next_run_pk is None:
+            top = self.conn.execute("SELECT COALESCE(MAX(run_pk), 0) FROM runs").fetchone()[0]
+            buf.next_run_pk = int(top) + 1
+        run = RunRow(buf.next_run_pk, namespace, run_id, 0, genesis, now_us, now_us)
+        buf.next_run_pk += 1
+        buf.new_runs.append(run)
+        buf.runs[(namespace, run_id)] = run
+        return run
 
     def find_events(self, event_ids: Sequence[str]) -> dict[str, StoredEvent]:
         found: dict[str, StoredEvent] = {}
-        ids = list(dict.fromkeys(event_ids))
+        ids = []
+        for event_id in dict.fromkeys(event_ids):
+            index = self._buf.event_index.get(event_id)
+            if index is None:
+                ids.append(event_id)
+            else:
+                seq, run_pk, run_seq, _, body, row_hash = self._buf.events[index]
+                found[event_id] = StoredEvent(seq, run_pk, run_seq, event_id, body, row_hash)
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
@@ -342,23 +466,38 @@ class _SqliteWriteTx:
                 found[ev.event_id] = ev
         return found
 
-    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, bytes]:
-        out: dict[str, bytes] = {}
+    def load_shards(self, run_pk: int, shard_ids: Sequence[str]) -> dict[str, StoredShard]:
+        out: dict[str, StoredShard] = {}
         ids = list(dict.fromkeys(shard_ids))
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
-            sql = f"SELECT shard_id, record FROM shards WHERE run_pk = ? AND shard_id IN ({marks})"
-            for shard_id, record in self.conn.execute(sql, [run_pk, *chunk]):
-                out[shard_id] = record
+            sql = (
+                "SELECT shard_id, record, beat_us, beat_step FROM shards"
+                f" WHERE run_pk = ? AND shard_id IN ({marks})"
+            )
+            for shard_id, record, beat_us, beat_step in self.conn.execute(sql, [run_pk, *chunk]):
+                out[shard_id] = StoredShard(record, beat_us, beat_step)
+        # Buffered writes of this transaction win over the database.
+        for shard_id in ids:
+            w = self._buf.shards.get((run_pk, shard_id))
+            if w is None:
+                continue
+            if w.record is not None:
+                out[shard_id] = StoredShard(w.record, w.beat_us, w.beat_step)
+            elif shard_id in out:
+                out[shard_id] = StoredShard(out[shard_id].record, w.beat_us, w.beat_step)
         return out
 
     def insert_event(
         self, *, run_pk: int, run_sequence: int, event_id: str, row: bytes, row_hash: bytes
     ) -> int:
-        cur = self.conn.execute(SQL_INSERT_EVENT, (run_pk, run_sequence, event_id, row, row_hash))
-        assert cur.lastrowid is not None
-        return cur.lastrowid
+        buf = self._buf
+        seq = buf.next_seq
+        buf.next_seq += 1
+        buf.event_index[event_id] = len(buf.events)
+        buf.events.append((seq, run_pk, run_sequence, event_id, row, row_hash))
+        return seq
 
     def save_shard(
         self,
@@ -372,16 +511,39 @@ class _SqliteWriteTx:
         plan_line: str,
         record: bytes,
     ) -> None:
-        self.conn.execute(
-            SQL_SAVE_SHARD,
-            (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record),
+        self._buf.shards[(run_pk, shard_id)] = _ShardWrite(
+            deadline_us, None, None, plan_index, state, detail, plan_line, record
         )
 
+    def touch_shard(
+        self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
+    ) -> None:
+        key = (run_pk, shard_id)
+        earlier = self._buf.shards.get(key)
+        if earlier is not None and earlier.record is not None:
+            # A full save is pending: it carries the heartbeat columns along.
+            self._buf.shards[key] = replace(
+                earlier, deadline_us=deadline_us, beat_us=beat_us, beat_step=beat_step
+            )
+        else:
+            self._buf.shards[key] = _ShardWrite(deadline_us, beat_us, beat_step)
+
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
-        self.conn.executemany(SQL_ADD_COUNTER, [(run_pk, key, n) for key, n in deltas.items() if n])
+        counters = self._buf.counters
+        for key, n in deltas.items():
+            if n:
+                counters[(run_pk, key)] = counters.get((run_pk, key), 0) + n
 
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
-        self.conn.execute(SQL_UPDATE_RUN, (event_count, head_hash, now_us, run_pk))
+        buf = self._buf
+        for key, run in buf.runs.items():
+            if run.run_pk == run_pk:
+                buf.runs[key] = replace(
+                    run, event_count=event_count, head_hash=head_hash, updated_us=now_us
+                )
+                buf.dirty_runs.add(run_pk)
+                return
+        raise StoreError(f"run_pk {run_pk} was not read in this transaction")
 
 
 class _SqliteReadView:
@@ -439,7 +601,7 @@ class _SqliteReadView:
             params.extend(states)
         cursor = self.conn.execute(
             "SELECT shard_id, plan_index, state, detail, deadline_us, plan_line,"
-            f" {'record' if with_record else 'NULL'} FROM shards"
+            f" {'record' if with_record else 'NULL'}, beat_us, beat_step FROM shards"
             f" WHERE {where} ORDER BY plan_index, shard_id",
             params,
         )
