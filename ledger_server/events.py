@@ -477,6 +477,11 @@ def validate(event: Event) -> Event:
     size = len(text) if text.isascii() else len(text.encode())
     if size > MAX_PAYLOAD_BYTES:
         raise LimitExceeded("event_bytes", size, MAX_PAYLOAD_BYTES)
+    if normalized is event:
+        # canonical is a cache of content_json (compare=False), so filling it in on the
+        # event just decoded changes no value; it spares building the event a second time.
+        object.__setattr__(event, "canonical", text)
+        return event
     n = normalized
     return Event(
         n.event_id,

@@ -84,6 +84,15 @@ class ResumeItem:
 
 
 @dataclass(slots=True)
+class _Head:
+    """A run's chain head as a batch moves it."""
+
+    run_pk: int
+    count: int
+    hash: bytes
+
+
+@dataclass(slots=True)
 class _BatchState:
     """What folding one batch reads and builds up."""
 
@@ -97,6 +106,8 @@ class _BatchState:
     full: set[tuple[int, str]] = field(default_factory=set)
     # A shard's counter contributions before this batch changed it (only when they may).
     before: dict[tuple[int, str], Counter[str]] = field(default_factory=dict)
+    # The chain heads of the runs this batch appended to.
+    heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -353,9 +364,9 @@ class Ledger:
                 delta = proj.contributions(record)
                 delta.subtract(state.before[shard_key])
                 tx.add_counters(run_pk, delta)
-        for run in runs.values():
+        for head in state.heads.values():
             tx.update_run(
-                run.run_pk, event_count=run.event_count, head_hash=run.head_hash, now_us=receive_us
+                head.run_pk, event_count=head.count, head_hash=head.hash, now_us=receive_us
             )
         return results
 
@@ -381,20 +392,23 @@ class Ledger:
                     existing_sequence=original.sequence,
                 )
             return AppendResult(event.event_id, original.sequence, DUPLICATE)
-        runs, records = state.runs, state.records
+        records = state.records
         run_key = (event.namespace, event.run_id)
-        run = runs.get(run_key)
+        head = state.heads.get(run_key)
         is_plan = isinstance(event.payload, ShardPlanned)
-        if run is None:
-            if not is_plan:
-                raise RunNotFound(
-                    f"run {event.run_id} in namespace {event.namespace} does not exist:"
-                    " plan its shards first",
-                    namespace=event.namespace,
-                    run_id=event.run_id,
-                )
-            run = tx.create_run(*run_key, now_us=receive_us, genesis=GENESIS_HASH)
-        shard_key = (run.run_pk, event.shard_id)
+        if head is None:
+            run = state.runs.get(run_key)
+            if run is None:
+                if not is_plan:
+                    raise RunNotFound(
+                        f"run {event.run_id} in namespace {event.namespace} does not exist:"
+                        " plan its shards first",
+                        namespace=event.namespace,
+                        run_id=event.run_id,
+                    )
+                run = tx.create_run(*run_key, now_us=receive_us, genesis=GENESIS_HASH)
+            head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
+        shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
         if is_plan:
             if not proj.check_plan(record, event):
@@ -402,25 +416,17 @@ class Ledger:
                 return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
         else:
             proj.check_lifecycle(record, event)
-        run_sequence = run.event_count + 1
+        run_sequence = head.count + 1
         row = row_bytes(event, run_sequence=run_sequence, receive_time_us=receive_us)
-        row_hash = chain_hash(run.head_hash, row)
+        row_hash = chain_hash(head.hash, row)
         sequence = tx.insert_event(
-            run_pk=run.run_pk,
+            run_pk=head.run_pk,
             run_sequence=run_sequence,
             event_id=event.event_id,
             row=row,
             row_hash=row_hash,
         )
-        runs[run_key] = RunRow(
-            run.run_pk,
-            run.namespace,
-            run.run_id,
-            run_sequence,
-            row_hash,
-            run.created_us,
-            receive_us,
-        )
+        head.count, head.hash = run_sequence, row_hash
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         if record is None:
             records[shard_key] = proj.new_record(rec)

@@ -77,6 +77,8 @@ class ShardRecord:
     # (path, blake3) -> (result, reason) of the latest verification.
     verdicts: dict[str, tuple[str, str]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    # base_state's answer, kept until apply() folds an event that may change it; not stored.
+    state_memo: tuple[str, str] | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> str:
         """Returns the record as canonical JSON for storage."""
@@ -263,6 +265,8 @@ def new_record(rec: RecordedEvent) -> ShardRecord:
 def apply(record: ShardRecord, rec: RecordedEvent) -> None:
     """Folds one accepted, non-plan event into the shard's record."""
     event, p, now = rec.event, rec.event.payload, rec.receive_time_us
+    if not isinstance(p, (Heartbeat, CheckpointSaved)):
+        record.state_memo = None  # only these two never change the base state
     if isinstance(p, AttemptStarted):
         record.attempts[event.attempt_id] = Attempt(
             attempt_id=event.attempt_id,
@@ -336,6 +340,12 @@ def confirmed_attempt(record: ShardRecord) -> Attempt | None:
 
 def base_state(record: ShardRecord) -> tuple[str, str]:
     """Returns the shard's time-independent state and a detail (tag or reason)."""
+    if record.state_memo is None:
+        record.state_memo = _base_state(record)
+    return record.state_memo
+
+
+def _base_state(record: ShardRecord) -> tuple[str, str]:
     if confirmed_attempt(record) is not None:
         return "verified", ""
     latest = record.attempts.get(record.latest_attempt)

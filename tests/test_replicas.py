@@ -209,7 +209,9 @@ def assert_stored_projections_equal_replay(url: str) -> None:
                     r.detail,
                     r.deadline_us,
                     r.plan_line,
-                    json.loads(r.record or b""),
+                    json.loads(
+                        proj.record_from_row(r.record or b"", r.beat_us, r.beat_step).to_json()
+                    ),
                 )
                 for r in view.iter_shards(run.run_pk)
             ]

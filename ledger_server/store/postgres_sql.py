@@ -78,8 +78,16 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
     ),
     (
         3,
-        "heartbeat columns: a heartbeat moves two numbers, not the whole record",
-        ["ALTER TABLE shards ADD COLUMN beat_us bigint, ADD COLUMN beat_step bigint"],
+        "shard heartbeats: a heartbeat writes a narrow row, not the whole record",
+        [
+            """CREATE TABLE shard_beats (
+                run_pk bigint NOT NULL,
+                shard_id text COLLATE "C" NOT NULL,
+                deadline_us bigint,
+                beat_us bigint NOT NULL,
+                beat_step bigint NOT NULL,
+                PRIMARY KEY (run_pk, shard_id))""",
+        ],
     ),
 ]
 
@@ -131,27 +139,37 @@ SQL_FIND_EVENTS: Final = (
     'SELECT e.seq, e.run_pk, e.run_seq, e.event_id, e."row", e.hash, r.namespace, r.run_id'
     " FROM events AS e JOIN runs AS r USING (run_pk) WHERE e.event_id = ANY(%s)"
 )
+# A shard's row as readers see it: the heartbeat row, when there is one, is the newer
+# deadline and liveness (see projections.record_from_row).
+SHARD_FROM: Final = (
+    " FROM shards AS s LEFT JOIN shard_beats AS b"
+    " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id"
+)
+DEADLINE: Final = "CASE WHEN b.run_pk IS NULL THEN s.deadline_us ELSE b.deadline_us END"
 SQL_LOAD_SHARDS: Final = (
-    "SELECT shard_id, record, beat_us, beat_step FROM shards"
-    " WHERE run_pk = %s AND shard_id = ANY(%s)"
+    f"SELECT s.shard_id, s.record, b.beat_us, b.beat_step{SHARD_FROM}"
+    " WHERE s.run_pk = %s AND s.shard_id = ANY(%s)"
 )
 # Each (run, shard) and (run, key) appears once per statement (the buffer keys them), as
 # ON CONFLICT DO UPDATE may touch a row only once per statement.
 SQL_SAVE_SHARDS: Final = (
-    "INSERT INTO shards (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line,"
-    " record, beat_us, beat_step)"
+    "INSERT INTO shards"
+    " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
     " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::bigint[], %b::text[], %b::text[],"
-    " %b::bigint[], %b::text[], %b::bytea[], %b::bigint[], %b::bigint[])"
+    " %b::bigint[], %b::text[], %b::bytea[])"
     " ON CONFLICT (run_pk, shard_id) DO UPDATE SET plan_index = excluded.plan_index,"
     " state = excluded.state, detail = excluded.detail, deadline_us = excluded.deadline_us,"
-    " plan_line = excluded.plan_line, record = excluded.record, beat_us = excluded.beat_us,"
-    " beat_step = excluded.beat_step"
+    " plan_line = excluded.plan_line, record = excluded.record"
 )
-SQL_TOUCH_SHARDS: Final = (
-    "UPDATE shards AS s SET deadline_us = t.deadline_us, beat_us = t.beat_us,"
-    " beat_step = t.beat_step FROM unnest(%b::bigint[], %b::bigint[], %b::bigint[],"
-    " %b::bigint[], %b::text[]) AS t (deadline_us, beat_us, beat_step, run_pk, shard_id)"
-    " WHERE s.run_pk = t.run_pk AND s.shard_id = t.shard_id"
+SQL_CLEAR_BEATS: Final = (
+    "DELETE FROM shard_beats AS b USING unnest(%b::bigint[], %b::text[]) AS t (run_pk, shard_id)"
+    " WHERE b.run_pk = t.run_pk AND b.shard_id = t.shard_id"
+)
+SQL_SAVE_BEATS: Final = (
+    "INSERT INTO shard_beats (run_pk, shard_id, deadline_us, beat_us, beat_step)"
+    " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::bigint[], %b::bigint[], %b::bigint[])"
+    " ON CONFLICT (run_pk, shard_id) DO UPDATE SET deadline_us = excluded.deadline_us,"
+    " beat_us = excluded.beat_us, beat_step = excluded.beat_step"
 )
 SQL_ADD_COUNTERS: Final = (
     "INSERT INTO run_counters (run_pk, key, n)"
@@ -171,17 +189,17 @@ SQL_ITER_EVENTS: Final = (
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = %s AND n != 0"
 SQL_COUNT_STALE: Final = (
-    "SELECT COUNT(*) FROM shards WHERE run_pk = %s AND state = 'running' AND deadline_us < %s"
+    f"SELECT COUNT(*){SHARD_FROM} WHERE s.run_pk = %s AND s.state = 'running' AND {DEADLINE} < %s"
 )
 SQL_ITER_SHARDS: Final = (
-    "SELECT shard_id, plan_index, state, detail, deadline_us, plan_line,"
-    " CASE WHEN %(with_record)s THEN record END, beat_us, beat_step FROM shards"
-    " WHERE run_pk = %(run)s AND (plan_index, shard_id) > (%(index)s, %(shard)s)"
-    " ORDER BY plan_index, shard_id"
+    f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {DEADLINE}, s.plan_line,"
+    f" CASE WHEN %(with_record)s THEN s.record END, b.beat_us, b.beat_step{SHARD_FROM}"
+    " WHERE s.run_pk = %(run)s AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)"
+    " ORDER BY s.plan_index, s.shard_id"
 )
 # A separate statement rather than "states IS NULL OR ...", which a generic plan handles badly.
 SQL_ITER_SHARDS_IN_STATES: Final = SQL_ITER_SHARDS.replace(
-    " ORDER BY", " AND state = ANY(%(states)s) ORDER BY"
+    " ORDER BY", " AND s.state = ANY(%(states)s) ORDER BY"
 )
 SQL_MAX_SEQUENCE: Final = "SELECT COALESCE(MAX(seq), 0) FROM events"
 SQL_TRIGGERS: Final = (
@@ -235,5 +253,7 @@ def server_role_grants(role: str) -> list[str]:
         f"REVOKE UPDATE, DELETE, TRUNCATE ON events FROM {quoted}",
         f"GRANT SELECT, INSERT, UPDATE ON runs, shards, run_counters TO {quoted}",
         f"REVOKE DELETE, TRUNCATE ON runs, shards, run_counters FROM {quoted}",
+        # A heartbeat row is deleted when the shard's full record is written again.
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON shard_beats TO {quoted}",
         f"GRANT USAGE, SELECT ON SEQUENCE runs_run_pk_seq, {EVENT_SEQUENCE} TO {quoted}",
     ]

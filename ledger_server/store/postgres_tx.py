@@ -68,8 +68,9 @@ class PgWriteTx:
         self._savepoints = 0
         self._events: list[tuple[Any, ...]] = []
         self._shards: dict[tuple[int, str], tuple[Any, ...]] = {}
-        # Heartbeat touches of shards with no full save pending: key -> (deadline, us, step).
-        self._touches: dict[tuple[int, str], tuple[Any, ...]] = {}
+        # Heartbeat rows to write, key -> (deadline, us, step), and those to delete.
+        self._beats: dict[tuple[int, str], tuple[Any, ...]] = {}
+        self._cleared: set[tuple[int, str]] = set()
         # Counter deltas are sums, so the deltas of many shards fold into one upsert per key.
         self._counters: dict[tuple[int, str], int] = {}
         self._heads: dict[int, tuple[Any, ...]] = {}
@@ -81,13 +82,14 @@ class PgWriteTx:
 
     def flush(self) -> None:
         """Sends the buffered writes in one pipeline: one round trip, one statement per table."""
-        if not (self._events or self._shards or self._touches or self._counters or self._heads):
+        if not (self._events or self._shards or self._beats or self._counters or self._heads):
             return
         counters = [(pk, key, n) for (pk, key), n in self._counters.items() if n]
         bulk = [
             (q.SQL_INSERT_EVENTS, self._events),
             (q.SQL_SAVE_SHARDS, list(self._shards.values())),
-            (q.SQL_TOUCH_SHARDS, [(*t, *k) for k, t in self._touches.items()]),
+            (q.SQL_CLEAR_BEATS, list(self._cleared)),
+            (q.SQL_SAVE_BEATS, [(*k, *t) for k, t in self._beats.items()]),
             (q.SQL_ADD_COUNTERS, counters),
         ]
         heads = list(self._heads.values())
@@ -106,7 +108,7 @@ class PgWriteTx:
     def discard(self) -> None:
         """Drops the buffered writes (their savepoint is being rolled back)."""
         self._events, self._shards, self._counters, self._heads = [], {}, {}, {}
-        self._touches = {}
+        self._beats, self._cleared = {}, set()
 
     def _query(self, sql: str, params: Any) -> list[TupleRow]:
         with edge():
@@ -205,22 +207,20 @@ class PgWriteTx:
         plan_line: str,
         record: bytes,
     ) -> None:
-        self._touches.pop((run_pk, shard_id), None)
-        self._shards[(run_pk, shard_id)] = (
+        key = (run_pk, shard_id)
+        self._shards[key] = (
             *(run_pk, shard_id, plan_index, state, detail),
-            *(deadline_us, plan_line, record, None, None),
+            *(deadline_us, plan_line, record),
         )
+        self._beats.pop(key, None)
+        self._cleared.add(key)
 
     def touch_shard(
         self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
     ) -> None:
         key = (run_pk, shard_id)
-        saved = self._shards.get(key)
-        if saved is not None:
-            # A full save is pending: it carries the heartbeat columns along.
-            self._shards[key] = (*saved[:5], deadline_us, saved[6], saved[7], beat_us, beat_step)
-        else:
-            self._touches[key] = (deadline_us, beat_us, beat_step)
+        self._beats[key] = (deadline_us, beat_us, beat_step)
+        self._cleared.discard(key)
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         for key, n in deltas.items():

@@ -87,10 +87,17 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
     ),
     (
         3,
-        "heartbeat columns: a heartbeat moves two numbers, not the whole record",
+        "shard heartbeats: a heartbeat writes a narrow row, not the whole record",
         [
-            "ALTER TABLE shards ADD COLUMN beat_us INTEGER",
-            "ALTER TABLE shards ADD COLUMN beat_step INTEGER",
+            # One row per shard whose latest write was a heartbeat; a full save of the
+            # shard's record deletes it. Narrow rows keep a busy fleet's commits small.
+            """CREATE TABLE shard_beats (
+                run_pk INTEGER NOT NULL,
+                shard_id TEXT NOT NULL,
+                deadline_us INTEGER,
+                beat_us INTEGER NOT NULL,
+                beat_step INTEGER NOT NULL,
+                PRIMARY KEY (run_pk, shard_id)) WITHOUT ROWID""",
         ],
     ),
 ]
@@ -115,34 +122,71 @@ SQL_INSERT_RUN: Final = (
     "INSERT INTO runs (run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us)"
     " VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
-SQL_INSERT_EVENT: Final = (
-    "INSERT INTO events (seq, run_pk, run_seq, event_id, row, hash) VALUES (?, ?, ?, ?, ?, ?)"
+# Buffered writes go out as multi-row statements ({values} is repeated "(?, ...)" groups):
+# Python's sqlite3 releases and retakes the GIL around every row of an executemany, and
+# with the server's request threads busy each retake can wait a whole switch interval,
+# so one statement per few hundred rows is many times faster under load.
+SQL_INSERT_EVENTS: Final = (
+    "INSERT INTO events (seq, run_pk, run_seq, event_id, row, hash) VALUES {values}"
 )
 SQL_EVENT_COLUMNS: Final = "seq, run_pk, run_seq, event_id, row, hash"
 SQL_LIST_EVENTS: Final = (
     f"SELECT {SQL_EVENT_COLUMNS} FROM events WHERE run_pk = ? AND seq > ? ORDER BY seq LIMIT ?"
 )
-# An upsert updates the row in place, touching only the indexes whose columns changed
-# (a heartbeat moves deadline_us); INSERT OR REPLACE would delete and re-insert the row
-# in every index.
-SQL_SAVE_SHARD: Final = (
-    "INSERT INTO shards (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line,"
-    " record, beat_us, beat_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+# An upsert updates the row in place, touching only the indexes whose columns changed;
+# INSERT OR REPLACE would delete and re-insert the row in every index.
+SQL_SAVE_SHARDS: Final = (
+    "INSERT INTO shards"
+    " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
+    " VALUES {values}"
     " ON CONFLICT (run_pk, shard_id) DO UPDATE SET plan_index = excluded.plan_index,"
     " state = excluded.state, detail = excluded.detail, deadline_us = excluded.deadline_us,"
-    " plan_line = excluded.plan_line, record = excluded.record, beat_us = excluded.beat_us,"
+    " plan_line = excluded.plan_line, record = excluded.record"
+)
+SQL_SAVE_BEATS: Final = (
+    "INSERT INTO shard_beats (run_pk, shard_id, deadline_us, beat_us, beat_step)"
+    " VALUES {values} ON CONFLICT (run_pk, shard_id) DO UPDATE SET"
+    " deadline_us = excluded.deadline_us, beat_us = excluded.beat_us,"
     " beat_step = excluded.beat_step"
 )
-SQL_TOUCH_SHARD: Final = "UPDATE shards SET deadline_us = ?, beat_us = ?, beat_step = ? WHERE run_pk = ? AND shard_id = ?"
-SQL_ADD_COUNTER: Final = (
-    "INSERT INTO run_counters (run_pk, key, n) VALUES (?, ?, ?)"
+SQL_CLEAR_BEATS: Final = "DELETE FROM shard_beats WHERE (run_pk, shard_id) IN (VALUES {values})"
+# A shard's row as readers see it: the heartbeat row, when there is one, is the newer
+# deadline and liveness (see projections.record_from_row).
+SQL_SHARD_FROM: Final = (
+    " FROM shards AS s LEFT JOIN shard_beats AS b"
+    " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id"
+)
+SQL_DEADLINE: Final = "CASE WHEN b.run_pk IS NULL THEN s.deadline_us ELSE b.deadline_us END"
+SQL_ADD_COUNTERS: Final = (
+    "INSERT INTO run_counters (run_pk, key, n) VALUES {values}"
     " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
 SQL_COUNT_STALE: Final = (
-    "SELECT COUNT(*) FROM shards WHERE run_pk = ? AND state = 'running' AND deadline_us < ?"
+    f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = 'running'"
+    f" AND {SQL_DEADLINE} < ?"
 )
 _CHUNK: Final = 500
+
+
+# Bound parameters per statement: SQLite's limit is 32766 since 3.32, 999 before.
+_MAX_PARAMS: Final = 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999
+_ROWS_PER_STATEMENT: Final = 500
+
+
+def _write_rows(
+    conn: sqlite3.Connection, template: str, rows: Sequence[tuple[object, ...]]
+) -> None:
+    """Runs template once per chunk of rows, its {values} filled with one group per row."""
+    if not rows:
+        return
+    width = len(rows[0])
+    group = "(" + ", ".join("?" * width) + ")"
+    step = max(1, min(_ROWS_PER_STATEMENT, _MAX_PARAMS // width))
+    for start in range(0, len(rows), step):
+        chunk = rows[start : start + step]
+        sql = template.format(values=", ".join([group] * len(chunk)))
+        conn.execute(sql, [value for row in chunk for value in row])
 
 
 def _run(row: tuple[object, ...]) -> RunRow:
@@ -325,20 +369,6 @@ class SqliteStore:
             self._writer.close()
 
 
-@dataclass(frozen=True, slots=True)
-class _ShardWrite:
-    """A buffered shard row: a full save (record set) or a heartbeat touch (record None)."""
-
-    deadline_us: int | None
-    beat_us: int | None
-    beat_step: int | None
-    plan_index: int = 0
-    state: str = ""
-    detail: str = ""
-    plan_line: str = ""
-    record: bytes | None = None
-
-
 @dataclass(slots=True)
 class _Buffer:
     """Everything one transaction will write; copied at a savepoint, restored on rollback."""
@@ -350,7 +380,11 @@ class _Buffer:
     new_runs: list[RunRow] = field(default_factory=list)
     runs: dict[tuple[str, str], RunRow] = field(default_factory=dict)
     dirty_runs: set[int] = field(default_factory=set)
-    shards: dict[tuple[int, str], _ShardWrite] = field(default_factory=dict)
+    # key -> the shards row's parameters, for full saves.
+    shards: dict[tuple[int, str], tuple[object, ...]] = field(default_factory=dict)
+    # key -> (deadline_us, beat_us, beat_step) of the heartbeat row; cleared: rows to delete.
+    beats: dict[tuple[int, str], tuple[int | None, int, int]] = field(default_factory=dict)
+    cleared: set[tuple[int, str]] = field(default_factory=set)
     counters: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def copy(self) -> _Buffer:
@@ -365,6 +399,8 @@ class _Buffer:
             dict(self.runs),
             set(self.dirty_runs),
             dict(self.shards),
+            dict(self.beats),
+            set(self.cleared),
             dict(self.counters),
         )
 
@@ -404,21 +440,11 @@ class _SqliteWriteTx:
                     for r in buf.new_runs
                 ],
             )
-        conn.executemany(SQL_INSERT_EVENT, buf.events)
-        saves, touches = [], []
-        for (run_pk, shard_id), w in buf.shards.items():
-            if w.record is None:
-                touches.append((w.deadline_us, w.beat_us, w.beat_step, run_pk, shard_id))
-            else:
-                saves.append(
-                    (
-                        *(run_pk, shard_id, w.plan_index, w.state, w.detail, w.deadline_us),
-                        *(w.plan_line, w.record, w.beat_us, w.beat_step),
-                    )
-                )
-        conn.executemany(SQL_SAVE_SHARD, saves)
-        conn.executemany(SQL_TOUCH_SHARD, touches)
-        conn.executemany(SQL_ADD_COUNTER, [(*k, n) for k, n in buf.counters.items() if n])
+        _write_rows(conn, SQL_INSERT_EVENTS, buf.events)
+        _write_rows(conn, SQL_SAVE_SHARDS, list(buf.shards.values()))
+        _write_rows(conn, SQL_CLEAR_BEATS, list(buf.cleared))
+        _write_rows(conn, SQL_SAVE_BEATS, [(*k, *v) for k, v in buf.beats.items()])
+        _write_rows(conn, SQL_ADD_COUNTERS, [(*k, n) for k, n in buf.counters.items() if n])
         heads = [r for r in buf.runs.values() if r.run_pk in buf.dirty_runs]
         conn.executemany(
             SQL_UPDATE_RUN, [(r.event_count, r.head_hash, r.updated_us, r.run_pk) for r in heads]
@@ -473,20 +499,24 @@ class _SqliteWriteTx:
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
             sql = (
-                "SELECT shard_id, record, beat_us, beat_step FROM shards"
-                f" WHERE run_pk = ? AND shard_id IN ({marks})"
+                f"SELECT s.shard_id, s.record, b.beat_us, b.beat_step{SQL_SHARD_FROM}"
+                f" WHERE s.run_pk = ? AND s.shard_id IN ({marks})"
             )
             for shard_id, record, beat_us, beat_step in self.conn.execute(sql, [run_pk, *chunk]):
                 out[shard_id] = StoredShard(record, beat_us, beat_step)
         # Buffered writes of this transaction win over the database.
+        buf = self._buf
         for shard_id in ids:
-            w = self._buf.shards.get((run_pk, shard_id))
-            if w is None:
-                continue
-            if w.record is not None:
-                out[shard_id] = StoredShard(w.record, w.beat_us, w.beat_step)
-            elif shard_id in out:
-                out[shard_id] = StoredShard(out[shard_id].record, w.beat_us, w.beat_step)
+            key = (run_pk, shard_id)
+            saved, beat = buf.shards.get(key), buf.beats.get(key)
+            if saved is not None:
+                record = saved[7]
+                assert isinstance(record, bytes)
+                out[shard_id] = StoredShard(record, None, None)
+            if beat is not None and shard_id in out:
+                out[shard_id] = StoredShard(out[shard_id].record, beat[1], beat[2])
+            elif key in buf.cleared and shard_id in out:
+                out[shard_id] = StoredShard(out[shard_id].record, None, None)
         return out
 
     def insert_event(
@@ -511,22 +541,28 @@ class _SqliteWriteTx:
         plan_line: str,
         record: bytes,
     ) -> None:
-        self._buf.shards[(run_pk, shard_id)] = _ShardWrite(
-            deadline_us, None, None, plan_index, state, detail, plan_line, record
+        key = (run_pk, shard_id)
+        buf = self._buf
+        buf.shards[key] = (
+            run_pk,
+            shard_id,
+            plan_index,
+            state,
+            detail,
+            deadline_us,
+            plan_line,
+            record,
         )
+        buf.beats.pop(key, None)
+        buf.cleared.add(key)
 
     def touch_shard(
         self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
     ) -> None:
         key = (run_pk, shard_id)
-        earlier = self._buf.shards.get(key)
-        if earlier is not None and earlier.record is not None:
-            # A full save is pending: it carries the heartbeat columns along.
-            self._buf.shards[key] = replace(
-                earlier, deadline_us=deadline_us, beat_us=beat_us, beat_step=beat_step
-            )
-        else:
-            self._buf.shards[key] = _ShardWrite(deadline_us, beat_us, beat_step)
+        buf = self._buf
+        buf.beats[key] = (deadline_us, beat_us, beat_step)
+        buf.cleared.discard(key)
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         counters = self._buf.counters
@@ -594,15 +630,15 @@ class _SqliteReadView:
         with_record: bool = True,
     ) -> Iterator[ShardRow]:
         idx, sid = after_index if after_index else (-1, "")
-        where = "run_pk = ? AND (plan_index, shard_id) > (?, ?)"
+        where = "s.run_pk = ? AND (s.plan_index, s.shard_id) > (?, ?)"
         params: list[object] = [run_pk, idx, sid]
         if states is not None:
-            where += f" AND state IN ({','.join('?' * len(states))})"
+            where += f" AND s.state IN ({','.join('?' * len(states))})"
             params.extend(states)
         cursor = self.conn.execute(
-            "SELECT shard_id, plan_index, state, detail, deadline_us, plan_line,"
-            f" {'record' if with_record else 'NULL'}, beat_us, beat_step FROM shards"
-            f" WHERE {where} ORDER BY plan_index, shard_id",
+            f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {SQL_DEADLINE}, s.plan_line,"
+            f" {'s.record' if with_record else 'NULL'}, b.beat_us, b.beat_step{SQL_SHARD_FROM}"
+            f" WHERE {where} ORDER BY s.plan_index, s.shard_id",
             params,
         )
         while True:
