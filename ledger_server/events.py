@@ -284,9 +284,23 @@ def chain_hash(prev_hash: bytes, row: bytes) -> bytes:
     return blake3.blake3(prev_hash + row).digest()
 
 
+_RAW_DECODE: Final = json.JSONDecoder().raw_decode
+
+
+def _parse_row(row: bytes) -> Any:
+    # json.loads(bytes) sniffs the encoding and strips whitespace with regexes on every call;
+    # a row is UTF-8 with no whitespace around it, so the scanner is called directly. Any
+    # text after the value is refused, as json.loads would.
+    text = row.decode("utf-8")
+    value, end = _RAW_DECODE(text)
+    if end != len(text):
+        raise ValueError(f"extra data after the row's JSON value at {end}")
+    return value
+
+
 def event_from_row(row: bytes) -> tuple[Event, int, int]:
     """Parses canonical row bytes back into (event, run_sequence, receive_time_us)."""
-    outer = json.loads(row)
+    outer = _parse_row(row)
     data = outer["event"]
     kind = data["kind"]
     payload_data = dict(data["payload"])
