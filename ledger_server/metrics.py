@@ -129,17 +129,18 @@ class LedgerMetrics:
         for reason in REJECT_REASONS:
             self.events_rejected.labels(reason)
             self.calls_rejected.labels(reason)
-        for result in ("ok", "rejected"):
-            self.append_seconds.labels(result)
+        # Bound once: labels() takes a lock and builds a key on every call of the hot path.
+        self._append_ok = self.append_seconds.labels("ok")
+        self._append_rejected = self.append_seconds.labels("rejected")
 
     def observe_append(self, duration_s: float, events: int, reason: str | None) -> None:
         """Records one AppendEvents call: accepted when reason is None, else refused."""
         self.batch_events.observe(events)
         if reason is None:
-            self.append_seconds.labels("ok").observe(duration_s)
+            self._append_ok.observe(duration_s)
             self.events_appended.inc(events)
             return
-        self.append_seconds.labels("rejected").observe(duration_s)
+        self._append_rejected.observe(duration_s)
         self.events_rejected.labels(reason_label(reason)).inc(events)
 
     @contextmanager

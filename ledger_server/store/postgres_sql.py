@@ -78,7 +78,7 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
     ),
     (
         3,
-        "shard heartbeats: a heartbeat writes a narrow row, not the whole record",
+        "shard heartbeats in a narrow table; a plan-order index that holds the state",
         [
             """CREATE TABLE shard_beats (
                 run_pk bigint NOT NULL,
@@ -87,6 +87,10 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                 beat_us bigint NOT NULL,
                 beat_step bigint NOT NULL,
                 PRIMARY KEY (run_pk, shard_id))""",
+            # Plan order with the state in the index: a resume list or a state filter
+            # skips the shards it does not want without reading their (wide) rows.
+            "CREATE INDEX shards_by_plan_state ON shards (run_pk, plan_index, shard_id, state)",
+            "DROP INDEX shards_by_plan",
         ],
     ),
 ]
@@ -193,14 +197,22 @@ SQL_COUNT_STALE: Final = (
 )
 SQL_ITER_SHARDS: Final = (
     f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {DEADLINE}, s.plan_line,"
-    f" CASE WHEN %(with_record)s THEN s.record END, b.beat_us, b.beat_step{SHARD_FROM}"
+    f" s.record, b.beat_us, b.beat_step{SHARD_FROM}"
+    " WHERE s.run_pk = %(run)s AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)"
+    " ORDER BY s.plan_index, s.shard_id"
+)
+# The same deadline without the join, for lists that need no record (resume): only a
+# running shard has a deadline, and a running shard's heartbeat row always holds one.
+SQL_ITER_SHARDS_BARE: Final = (
+    "SELECT s.shard_id, s.plan_index, s.state, s.detail, CASE WHEN s.state = 'running' THEN"
+    " COALESCE((SELECT b.deadline_us FROM shard_beats AS b WHERE b.run_pk = s.run_pk"
+    " AND b.shard_id = s.shard_id), s.deadline_us) ELSE s.deadline_us END, s.plan_line,"
+    " NULL::bytea, NULL::bigint, NULL::bigint FROM shards AS s"
     " WHERE s.run_pk = %(run)s AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)"
     " ORDER BY s.plan_index, s.shard_id"
 )
 # A separate statement rather than "states IS NULL OR ...", which a generic plan handles badly.
-SQL_ITER_SHARDS_IN_STATES: Final = SQL_ITER_SHARDS.replace(
-    " ORDER BY", " AND s.state = ANY(%(states)s) ORDER BY"
-)
+IN_STATES: Final = " AND s.state = ANY(%(states)s) ORDER BY"
 SQL_MAX_SEQUENCE: Final = "SELECT COALESCE(MAX(seq), 0) FROM events"
 SQL_TRIGGERS: Final = (
     "SELECT tgname, tgenabled FROM pg_trigger"

@@ -296,10 +296,10 @@ class PgReadView:
         with_record: bool = True,
     ) -> Iterator[ShardRow]:
         idx, sid = after_index if after_index else (-1, "")
-        params = {"run": run_pk, "index": idx, "shard": sid, "with_record": with_record}
-        sql = q.SQL_ITER_SHARDS
+        params: dict[str, object] = {"run": run_pk, "index": idx, "shard": sid}
+        sql = q.SQL_ITER_SHARDS if with_record else q.SQL_ITER_SHARDS_BARE
         if states is not None:
-            sql, params["states"] = q.SQL_ITER_SHARDS_IN_STATES, list(states)
+            sql, params["states"] = sql.replace(" ORDER BY", q.IN_STATES), list(states)
         for row in self._stream(sql, params):
             yield ShardRow(*row)
 

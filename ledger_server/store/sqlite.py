@@ -87,7 +87,7 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
     ),
     (
         3,
-        "shard heartbeats: a heartbeat writes a narrow row, not the whole record",
+        "shard heartbeats in a narrow table; a plan-order index that holds the state",
         [
             # One row per shard whose latest write was a heartbeat; a full save of the
             # shard's record deletes it. Narrow rows keep a busy fleet's commits small.
@@ -98,6 +98,10 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                 beat_us INTEGER NOT NULL,
                 beat_step INTEGER NOT NULL,
                 PRIMARY KEY (run_pk, shard_id)) WITHOUT ROWID""",
+            # Plan order with the state in the index: a resume list or a state filter
+            # skips the shards it does not want without reading their (wide) rows.
+            "CREATE INDEX shards_by_plan_state ON shards (run_pk, plan_index, shard_id, state)",
+            "DROP INDEX shards_by_plan",
         ],
     ),
 ]
@@ -157,6 +161,13 @@ SQL_SHARD_FROM: Final = (
     " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id"
 )
 SQL_DEADLINE: Final = "CASE WHEN b.run_pk IS NULL THEN s.deadline_us ELSE b.deadline_us END"
+# The same deadline without the join, for lists that need no record (resume): only a
+# running shard has a deadline, and a running shard's heartbeat row always holds one.
+SQL_RUNNING_DEADLINE: Final = (
+    "CASE WHEN s.state = 'running' THEN COALESCE((SELECT b.deadline_us FROM shard_beats AS b"
+    " WHERE b.run_pk = s.run_pk AND b.shard_id = s.shard_id), s.deadline_us)"
+    " ELSE s.deadline_us END"
+)
 SQL_ADD_COUNTERS: Final = (
     "INSERT INTO run_counters (run_pk, key, n) VALUES {values}"
     " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
@@ -635,9 +646,14 @@ class _SqliteReadView:
         if states is not None:
             where += f" AND s.state IN ({','.join('?' * len(states))})"
             params.extend(states)
+        if with_record:
+            columns = (
+                f"{SQL_DEADLINE}, s.plan_line, s.record, b.beat_us, b.beat_step{SQL_SHARD_FROM}"
+            )
+        else:
+            columns = f"{SQL_RUNNING_DEADLINE}, s.plan_line, NULL, NULL, NULL FROM shards AS s"
         cursor = self.conn.execute(
-            f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {SQL_DEADLINE}, s.plan_line,"
-            f" {'s.record' if with_record else 'NULL'}, b.beat_us, b.beat_step{SQL_SHARD_FROM}"
+            f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {columns}"
             f" WHERE {where} ORDER BY s.plan_index, s.shard_id",
             params,
         )
