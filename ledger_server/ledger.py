@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import structlog
 
@@ -73,9 +73,8 @@ class AppendResult:
     outcome: str
 
 
-@dataclass(frozen=True, slots=True)
-class ResumeItem:
-    """One shard that must run again."""
+class ResumeItem(NamedTuple):
+    """One shard that must run again (a tuple: a resume list has a million of them)."""
 
     shard_id: str
     plan_index: int
@@ -547,9 +546,15 @@ class Ledger:
 
     def _resume(self, run: RunRow, at: int) -> Iterator[ResumeItem]:
         states = [s for s in proj.BASE_STATES if s != "verified"]
-        for row in self.store.read().iter_shards(run.run_pk, states=states, with_record=False):
-            reason = _reason(row.state, row.detail, row.deadline_us, at)
-            yield ResumeItem(row.shard_id, row.plan_index, row.plan_line, reason)
+        reasons = proj.RESUME_REASONS
+        for shard_id, index, state, detail, deadline, line in self.store.read().iter_resume(
+            run.run_pk, states
+        ):
+            if state == "running" or state == "failed" or state == "verify_failed":
+                reason = _reason(state, detail, deadline, at)
+            else:
+                reason = reasons[state]
+            yield ResumeItem(shard_id, index, line, reason)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the writer after the queued batches commit."""

@@ -175,6 +175,14 @@ class ReadView(Protocol):
     ) -> Iterator[ShardRow]:
         """Yields shard rows in plan order, optionally only some base states."""
 
+    def iter_resume(
+        self, run_pk: int, states: Sequence[str]
+    ) -> Iterator[tuple[str, int, str, str, int | None, str]]:
+        """Yields (shard_id, plan_index, state, detail, deadline_us, plan_line) in plan order.
+
+        Plain tuples of the shards in these base states, for lists of a million lines.
+        """
+
     def max_sequence(self) -> int:
         """Returns the highest stored sequence (0 when empty)."""
 

@@ -211,6 +211,11 @@ SQL_ITER_SHARDS_BARE: Final = (
     " WHERE s.run_pk = %(run)s AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)"
     " ORDER BY s.plan_index, s.shard_id"
 )
+SQL_ITER_RESUME: Final = (
+    SQL_ITER_SHARDS_BARE.replace(", NULL::bytea, NULL::bigint, NULL::bigint", "")
+    .replace(" AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)", "")
+    .replace(" ORDER BY", " AND s.state = ANY(%(states)s) ORDER BY")
+)
 # A separate statement rather than "states IS NULL OR ...", which a generic plan handles badly.
 IN_STATES: Final = " AND s.state = ANY(%(states)s) ORDER BY"
 SQL_MAX_SEQUENCE: Final = "SELECT COALESCE(MAX(seq), 0) FROM events"

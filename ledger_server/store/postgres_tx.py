@@ -303,5 +303,11 @@ class PgReadView:
         for row in self._stream(sql, params):
             yield ShardRow(*row)
 
+    def iter_resume(
+        self, run_pk: int, states: Sequence[str]
+    ) -> Iterator[tuple[str, int, str, str, int | None, str]]:
+        for row in self._stream(q.SQL_ITER_RESUME, {"run": run_pk, "states": list(states)}):
+            yield (str(row[0]), int(row[1]), str(row[2]), str(row[3]), row[4], str(row[5]))
+
     def max_sequence(self) -> int:
         return int(self.rows(q.SQL_MAX_SEQUENCE, ())[0][0])

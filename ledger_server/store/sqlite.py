@@ -664,5 +664,17 @@ class _SqliteReadView:
             for row in rows:
                 yield ShardRow(*row)
 
+    def iter_resume(
+        self, run_pk: int, states: Sequence[str]
+    ) -> Iterator[tuple[str, int, str, str, int | None, str]]:
+        cursor = self.conn.execute(
+            f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {SQL_RUNNING_DEADLINE},"
+            f" s.plan_line FROM shards AS s WHERE s.run_pk = ?"
+            f" AND s.state IN ({','.join('?' * len(states))}) ORDER BY s.plan_index, s.shard_id",
+            [run_pk, *states],
+        )
+        while rows := cursor.fetchmany(2000):
+            yield from rows
+
     def max_sequence(self) -> int:
         return int(self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
