@@ -386,10 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     print(report(result))
     for name, text in result["profiles"].items():
         print(f"\n--- profile: {name} ---\n{text}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(f"saved {args.out}", file=sys.stderr)
+    save_result(args.out, result)
     return 0
+
+
+def save_result(out: str, result: dict[str, Any]) -> None:
+    """Writes a benchmark's JSON result (sorted keys) and says where."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"saved {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from ledger_server.events import (
 from ledger_server.ledger import recorded
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
-from tools.bench_projections import shard_id
+from tools.bench_projections import save_result, shard_id
 
 RUN: Final = "night"
 NAMESPACE: Final = check_namespace("")  # the default namespace, as the server stores it
@@ -265,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "status_ms": 200,
     }
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(f"saved {args.out}", file=sys.stderr)
+    save_result(args.out, result)
     return 0
 
 

@@ -1,0 +1,68 @@
+"""The big-night benchmark runs end to end at a small size and its counts are exact.
+
+No timing is asserted: only that the night it writes, rebuilds and serves is
+the night it describes (the running tenth of the shards is exactly the resume
+list), so the published figures come from a working benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_replay_writes_rebuilds_and_serves_the_night_it_describes(tmp_path: Path) -> None:
+    out = tmp_path / "replay.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench_replay",
+            "--shards",
+            "50",
+            "--events",
+            "500",
+            "--dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    # 50 plans + 50 starts + 6 heartbeats each, and commit + verify for 45 of them.
+    assert result["events"] == 50 * 8 + 45 * 2 == result["rebuild"]["events"]
+    assert result["rebuild"]["shards"] == 50
+    serve = result["serve"]
+    assert serve["status_running"] == serve["resume_lines"] == serve["late_heartbeats"] == 5
+    assert 0 < serve["server_rss_mb"] <= serve["server_peak_rss_mb"]
+    assert result["db_bytes"] > 0
+
+
+def test_bench_replay_refuses_too_few_events(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench_replay",
+            "--shards",
+            "10",
+            "--events",
+            "20",
+            "--dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "x.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--events must be at least 4 per shard" in done.stderr
+    assert not (tmp_path / "x.json").exists()
