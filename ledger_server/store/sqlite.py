@@ -115,10 +115,6 @@ SQL_LIST_RUNS: Final = (
     "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
     " FROM runs WHERE (? IS NULL OR namespace = ?) ORDER BY updated_us DESC, run_pk DESC LIMIT ?"
 )
-SQL_CREATE_RUN: Final = (
-    "INSERT INTO runs (namespace, run_id, event_count, head_hash, created_us, updated_us)"
-    " VALUES (?, ?, 0, ?, ?, ?)"
-)
 SQL_UPDATE_RUN: Final = (
     "UPDATE runs SET event_count = ?, head_hash = ?, updated_us = ? WHERE run_pk = ?"
 )
