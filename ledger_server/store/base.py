@@ -171,7 +171,6 @@ class ReadView(Protocol):
         *,
         states: Sequence[str] | None = None,
         after_index: tuple[int, str] | None = None,
-        with_record: bool = True,
     ) -> Iterator[ShardRow]:
         """Yields shard rows in plan order, optionally only some base states."""
 

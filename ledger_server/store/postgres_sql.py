@@ -201,20 +201,14 @@ SQL_ITER_SHARDS: Final = (
     " WHERE s.run_pk = %(run)s AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)"
     " ORDER BY s.plan_index, s.shard_id"
 )
-# The same deadline without the join, for lists that need no record (resume): only a
+# The same deadline without the join, for the resume list (it needs no record): only a
 # running shard has a deadline, and a running shard's heartbeat row always holds one.
-SQL_ITER_SHARDS_BARE: Final = (
+SQL_ITER_RESUME: Final = (
     "SELECT s.shard_id, s.plan_index, s.state, s.detail, CASE WHEN s.state = 'running' THEN"
     " COALESCE((SELECT b.deadline_us FROM shard_beats AS b WHERE b.run_pk = s.run_pk"
-    " AND b.shard_id = s.shard_id), s.deadline_us) ELSE s.deadline_us END, s.plan_line,"
-    " NULL::bytea, NULL::bigint, NULL::bigint FROM shards AS s"
-    " WHERE s.run_pk = %(run)s AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)"
+    " AND b.shard_id = s.shard_id), s.deadline_us) ELSE s.deadline_us END, s.plan_line"
+    " FROM shards AS s WHERE s.run_pk = %(run)s AND s.state = ANY(%(states)s)"
     " ORDER BY s.plan_index, s.shard_id"
-)
-SQL_ITER_RESUME: Final = (
-    SQL_ITER_SHARDS_BARE.replace(", NULL::bytea, NULL::bigint, NULL::bigint", "")
-    .replace(" AND (s.plan_index, s.shard_id) > (%(index)s, %(shard)s)", "")
-    .replace(" ORDER BY", " AND s.state = ANY(%(states)s) ORDER BY")
 )
 # A separate statement rather than "states IS NULL OR ...", which a generic plan handles badly.
 IN_STATES: Final = " AND s.state = ANY(%(states)s) ORDER BY"

@@ -293,11 +293,10 @@ class PgReadView:
         *,
         states: Sequence[str] | None = None,
         after_index: tuple[int, str] | None = None,
-        with_record: bool = True,
     ) -> Iterator[ShardRow]:
         idx, sid = after_index if after_index else (-1, "")
         params: dict[str, object] = {"run": run_pk, "index": idx, "shard": sid}
-        sql = q.SQL_ITER_SHARDS if with_record else q.SQL_ITER_SHARDS_BARE
+        sql = q.SQL_ITER_SHARDS
         if states is not None:
             sql, params["states"] = sql.replace(" ORDER BY", q.IN_STATES), list(states)
         for row in self._stream(sql, params):

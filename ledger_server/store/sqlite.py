@@ -157,7 +157,7 @@ SQL_SHARD_FROM: Final = (
     " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id"
 )
 SQL_DEADLINE: Final = "CASE WHEN b.run_pk IS NULL THEN s.deadline_us ELSE b.deadline_us END"
-# The same deadline without the join, for lists that need no record (resume): only a
+# The same deadline without the join, for the resume list (it needs no record): only a
 # running shard has a deadline, and a running shard's heartbeat row always holds one.
 SQL_RUNNING_DEADLINE: Final = (
     "CASE WHEN s.state = 'running' THEN COALESCE((SELECT b.deadline_us FROM shard_beats AS b"
@@ -634,7 +634,6 @@ class _SqliteReadView:
         *,
         states: Sequence[str] | None = None,
         after_index: tuple[int, str] | None = None,
-        with_record: bool = True,
     ) -> Iterator[ShardRow]:
         idx, sid = after_index if after_index else (-1, "")
         where = "s.run_pk = ? AND (s.plan_index, s.shard_id) > (?, ?)"
@@ -642,14 +641,9 @@ class _SqliteReadView:
         if states is not None:
             where += f" AND s.state IN ({','.join('?' * len(states))})"
             params.extend(states)
-        if with_record:
-            columns = (
-                f"{SQL_DEADLINE}, s.plan_line, s.record, b.beat_us, b.beat_step{SQL_SHARD_FROM}"
-            )
-        else:
-            columns = f"{SQL_RUNNING_DEADLINE}, s.plan_line, NULL, NULL, NULL FROM shards AS s"
         cursor = self.conn.execute(
-            f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {columns}"
+            f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {SQL_DEADLINE}, s.plan_line,"
+            f" s.record, b.beat_us, b.beat_step{SQL_SHARD_FROM}"
             f" WHERE {where} ORDER BY s.plan_index, s.shard_id",
             params,
         )
