@@ -27,8 +27,9 @@ import mmap
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -64,6 +65,8 @@ _READ_CHUNK = 1024 * 1024
 _WRITE_BUFFER = 1024 * 1024
 # Writes at least this large hash on a second thread while the kernel copies them.
 _OVERLAP_BYTES = 256 * 1024
+# Immutable chunks that may still be hashing while later ones are written.
+_MAX_HASH_LAG = 8
 # Leaves room for the prefix and mkstemp's random part within NAME_MAX (255).
 _MAX_STEM_IN_TEMP_NAME = 100
 FAILPOINTS = ("after_write", "after_fsync", "after_rename", "after_dir_fsync")
@@ -83,7 +86,14 @@ Failpoint = Callable[[str], None]
 
 
 class _HashingSink(io.RawIOBase):
-    """Writes to a borrowed file descriptor and hashes exactly the bytes written."""
+    """Writes to a borrowed file descriptor and hashes exactly the bytes written.
+
+    Large chunks hash on a second thread while the kernel copies the same bytes
+    (both release the GIL). A mutable buffer is hashed before its write returns,
+    because the caller may refill it; an immutable ``bytes`` chunk may be hashed
+    later, so the hash of a file's tail overlaps the next writes and the fsync.
+    The hashing thread takes chunks in the order they were written.
+    """
 
     def __init__(self, fd: int) -> None:
         super().__init__()
@@ -92,6 +102,7 @@ class _HashingSink(io.RawIOBase):
         self._size = 0
         # Created on the first large write, per file: an executor never crosses a fork.
         self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[Future[object]] = deque()
 
     def writable(self) -> bool:
         """Returns True: the sink only writes."""
@@ -104,30 +115,52 @@ class _HashingSink(io.RawIOBase):
             raise ValueError("write to a closed atomic file")
         view = memoryview(data).cast("B")
         if len(view) < _OVERLAP_BYTES:
+            self.settle()
             written = os.write(self._fd, view)
             self._hasher.update(view[:written])
             self._size += written
             return written
-        # Large chunks: hash on a second thread while the kernel copies the same bytes
-        # (both release the GIL), so the digest costs max(write, hash), not their sum.
-        # The whole chunk is written before returning, so the digest covers exactly the
-        # bytes in the file; if a write fails the atomic write fails and nothing commits.
+        # The whole chunk is written before returning, so the digest covers exactly
+        # the bytes in the file; if a write fails the atomic write fails and nothing
+        # commits.
+        self._hash_later(view)
+        try:
+            self._write_all(view)
+        finally:
+            self.settle()
+        return len(view)
+
+    def write_immutable(self, data: bytes | memoryview) -> int:
+        """Writes a chunk nobody can change; its hash may finish after this returns."""
+        if self.closed:
+            raise ValueError("write to a closed atomic file")
+        view = memoryview(data).cast("B")
+        self._hash_later(view)
+        self._write_all(view)
+        # Bounds the chunks held for hashing when the disk outruns the hash.
+        self.settle(keep=_MAX_HASH_LAG)
+        return len(view)
+
+    def _hash_later(self, view: memoryview) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomic-hash")
-        hashed = self._pool.submit(self._hasher.update, view)
-        try:
-            done = 0
-            while done < len(view):
-                done += os.write(self._fd, view[done:])
-        finally:
-            hashed.result()
+        self._pending.append(self._pool.submit(self._hasher.update, view))
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
         self._size += done
-        return done
+
+    def settle(self, keep: int = 0) -> None:
+        """Waits until at most ``keep`` chunks are still being hashed."""
+        while len(self._pending) > keep:
+            self._pending.popleft().result()
 
     def close(self) -> None:
-        """Stops the hashing thread, if any, and closes the sink."""
+        """Closes the sink; chunks still queued keep hashing until :meth:`digest`."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)
             self._pool = None
         super().close()
 
@@ -137,6 +170,7 @@ class _HashingSink(io.RawIOBase):
 
     def digest(self) -> tuple[int, str]:
         """Returns the size and BLAKE3 hex digest of everything written."""
+        self.settle()
         return self._size, self._hasher.hexdigest()
 
 
@@ -149,7 +183,22 @@ class AtomicFile(io.BufferedWriter):
 
     def __init__(self, sink: _HashingSink) -> None:
         super().__init__(sink, buffer_size=_WRITE_BUFFER)
+        self._sink = sink
         self._commit_info: CommitInfo | None = None
+
+    def write(self, data: ReadableBuffer, /) -> int:
+        """Writes ``data``; a large ``bytes`` chunk goes straight to the hashing sink."""
+        # BufferedWriter hands the sink a view without its owner, so only here can we
+        # tell that a chunk is immutable and need not be hashed before returning.
+        if type(data) is memoryview:
+            owner = data.obj
+            size = data.nbytes
+        else:
+            owner, size = data, len(data) if type(data) is bytes else 0
+        if type(owner) is bytes and size >= _OVERLAP_BYTES:
+            self.flush()
+            return self._sink.write_immutable(data)  # type: ignore[arg-type]
+        return super().write(data)
 
     @property
     def commit_info(self) -> CommitInfo:
@@ -312,6 +361,8 @@ def atomic_write(
         handle.close()
         fire("after_write")
         os.fsync(fd)
+        # The hash of the last chunks ran during the fsync; the rename waits for it.
+        size, digest = sink.digest()
         fire("after_fsync")
         os.close(fd)
         fd = -1
@@ -332,7 +383,6 @@ def atomic_write(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise
-    size, digest = sink.digest()
     binary._commit_info = CommitInfo(path=final, size_bytes=size, blake3_hex=digest)
     if on_commit is not None:
         on_commit(binary._commit_info)

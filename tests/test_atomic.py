@@ -56,6 +56,41 @@ def test_atomic_write_commits_bytes_and_reports_size_and_digest(tmp_path: Path) 
     assert temp_files(tmp_path) == []
 
 
+def test_digest_follows_the_file_whatever_mix_of_chunks_is_written(tmp_path: Path) -> None:
+    # Large bytes chunks may hash after their write returns; a reused bytearray must
+    # be hashed before it is refilled; small writes go through the buffer. The digest
+    # must be the file's in every interleaving.
+    target = tmp_path / "mixed.bin"
+    chunks = [os.urandom(n) for n in (10, 300_000, 5, 1 << 20, 700_000, 3)]
+    reused = bytearray(400_000)
+    expected = bytearray()
+    with atomic_write(target) as f:
+        for round_ in range(12):
+            for chunk in chunks:
+                f.write(chunk)
+                expected += chunk
+            reused[:] = bytes([round_]) * len(reused)
+            f.write(reused)
+            expected += reused
+            wide = memoryview(chunks[3]).cast("I")  # nbytes, not len, decides the path
+            f.write(wide)
+            expected += chunks[3]
+    assert target.read_bytes() == expected
+    assert f.commit_info.size_bytes == len(expected)
+    assert f.commit_info.blake3_hex == digest(bytes(expected))
+
+
+def test_large_text_writes_hash_the_encoded_bytes(tmp_path: Path) -> None:
+    target = tmp_path / "big.txt"
+    text = "ledger-\u00e9\u4e2d " * 200_000
+    with atomic_write(target, mode="w") as f:
+        f.write(text)
+        f.write(text)
+    data = (text + text).encode("utf-8")
+    assert target.read_bytes() == data
+    assert f.commit_info.blake3_hex == digest(data)
+
+
 def test_atomic_write_reports_absolute_normalized_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -301,7 +301,7 @@ def _timed(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(samples)
 
 
-def bench_artifact(big_mib: int = 256, repeat: int = 7) -> dict[str, Any]:
+def bench_artifact(big_mib: int = 256, repeat: int = 11) -> dict[str, Any]:
     """SDK atomic_write (streaming blake3) vs raw write+fsync+rename of the same bytes."""
     from shard_client.atomic import atomic_write
 
