@@ -287,7 +287,8 @@ def chain_hash(prev_hash: bytes, row: bytes) -> bytes:
 _RAW_DECODE: Final = json.JSONDecoder().raw_decode
 
 
-def _parse_row(row: bytes) -> Any:
+def parse_row(row: bytes) -> Any:
+    """Parses a stored row's canonical JSON into plain dicts and lists."""
     # json.loads(bytes) sniffs the encoding and strips whitespace with regexes on every call;
     # a row is UTF-8 with no whitespace around it, so the scanner is called directly. Any
     # text after the value is refused, as json.loads would.
@@ -300,7 +301,11 @@ def _parse_row(row: bytes) -> Any:
 
 def event_from_row(row: bytes) -> tuple[Event, int, int]:
     """Parses canonical row bytes back into (event, run_sequence, receive_time_us)."""
-    outer = _parse_row(row)
+    return event_from_parsed(parse_row(row))
+
+
+def event_from_parsed(outer: Any) -> tuple[Event, int, int]:
+    """Builds (event, run_sequence, receive_time_us) from a row parse_row() returned."""
     data = outer["event"]
     kind = data["kind"]
     payload_data = dict(data["payload"])

@@ -7,9 +7,10 @@
    every shard is planned and started, gets heartbeats, and nine in ten commit
    and pass verification; the rest stay running.
 2. Full replay rebuild: reads every event back, folds it into the projections
-   (projections.RunReplay, the same fold the server runs) and writes the shard
-   rows and counters into empty projection tables. Reported in events/s, with
-   the read+parse share measured alone as the baseline (the floor of any rebuild).
+   (ledger_server.rebuild, the replay `db copy` runs, over the server's fold) and
+   writes the shard rows and counters into empty projection tables. Reported in
+   events/s, with reading the rows and parsing their JSON measured alone as the
+   baseline (the floor of any rebuild).
 3. Serves the file with `shardledger serve` in its own process, fills its shard
    cache with heartbeats of every running shard, asks for the status and the
    resume list, and reads the server's peak RSS (VmHWM) from /proc.
@@ -37,6 +38,7 @@ from typing import Any, Final
 import grpc
 
 from ledger_server import projections as proj
+from ledger_server import rebuild as rebuild_
 from ledger_server.events import (
     GENESIS_HASH,
     ArtifactCommitted,
@@ -48,10 +50,10 @@ from ledger_server.events import (
     ShardPlanned,
     chain_hash,
     check_namespace,
+    parse_row,
     row_bytes,
     validate,
 )
-from ledger_server.ledger import recorded
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from tools.bench_projections import save_result, shard_id
@@ -137,22 +139,33 @@ def rebuild(store: SqliteStore) -> dict[str, Any]:
     run = view.get_run(NAMESPACE, RUN)
     assert run is not None
     start = time.perf_counter()
-    parsed = sum(1 for _ in (recorded(s) for s in view.iter_events(run.run_pk)))
+    parsed = sum(1 for s in view.iter_events(run.run_pk) if parse_row(s.row))
     parse_s = time.perf_counter() - start
-    start = time.perf_counter()
-    replay = proj.RunReplay()
-    for stored in view.iter_events(run.run_pk):
-        replay.feed(recorded(stored))
-    fold_s = time.perf_counter() - start
-    start = time.perf_counter()
-    with store.write() as tx:
-        tx.get_run(NAMESPACE, RUN)
-        for n, record in enumerate(replay.ordered(), 1):
-            tx.save_shard(run_pk=run.run_pk, shard_id=record.shard_id, **proj.row_columns(record))
-            if n % FLUSH == 0:
-                tx.flush()
-        tx.add_counters(run.run_pk, {k: v for k, v in replay.counters().items() if v})
-    write_s = time.perf_counter() - start
+    with rebuild_.gc_paused():
+        start = time.perf_counter()
+        replay = proj.RunReplay()
+        for _ in rebuild_.fold_rows(replay, view.iter_events(run.run_pk)):
+            pass
+        fold_s = time.perf_counter() - start
+        start = time.perf_counter()
+        with store.write() as tx:
+            tx.get_run(NAMESPACE, RUN)
+            for n, row in enumerate(rebuild_.shard_rows(replay), 1):
+                assert row.record is not None  # a rebuilt row always carries its record
+                tx.save_shard(
+                    run_pk=run.run_pk,
+                    shard_id=row.shard_id,
+                    plan_index=row.plan_index,
+                    state=row.state,
+                    detail=row.detail,
+                    deadline_us=row.deadline_us,
+                    plan_line=row.plan_line,
+                    record=row.record,
+                )
+                if n % FLUSH == 0:
+                    tx.flush()
+            tx.add_counters(run.run_pk, rebuild_.counters(replay))
+        write_s = time.perf_counter() - start
     total_s = fold_s + write_s
     return {
         "events": parsed,

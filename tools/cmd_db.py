@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from ledger_server import projections as proj
+from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
-from ledger_server.ledger import recorded
 from ledger_server.store import Store, open_store, redact_url
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
 from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json
@@ -165,24 +165,14 @@ class _Fold:
         self._built: tuple[list[ShardRow], dict[str, int]] | None = None
 
     def feed(self, rows: Iterable[StoredEvent]) -> Iterator[StoredEvent]:
-        for stored in rows:
-            self.replay.feed(recorded(stored))
+        for stored in rebuild.fold_rows(self.replay, rows, self._advance):
             self.events += 1
-            if self.events % 1000 == 0:
-                self._advance(1000)
             yield stored
-        self._advance(self.events % 1000)
 
     def projections(self) -> tuple[list[ShardRow], dict[str, int]]:
         if self._built is None:
-            self._built = self._build()
+            self._built = list(rebuild.shard_rows(self.replay)), rebuild.counters(self.replay)
         return self._built
-
-    def _build(self) -> tuple[list[ShardRow], dict[str, int]]:
-        shards = []
-        for record in self.replay.ordered():
-            shards.append(ShardRow(shard_id=record.shard_id, **proj.row_columns(record)))
-        return shards, {k: n for k, n in self.replay.counters().items() if n}
 
 
 def copy_ledger(
@@ -215,7 +205,8 @@ def copy_ledger(
             advance(run.event_count)
             continue
         fold = _Fold(advance)
-        target.import_run(run, fold.feed(src.iter_events(run.run_pk)), fold.projections)
+        with rebuild.gc_paused():
+            target.import_run(run, fold.feed(src.iter_events(run.run_pk)), fold.projections)
         report.copied_runs += 1
         report.events += fold.events
         if src.counters(run.run_pk) != fold.projections()[1]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class StoreError(Exception):
@@ -37,9 +37,8 @@ class RunRow:
     updated_us: int
 
 
-@dataclass(frozen=True, slots=True)
-class StoredEvent:
-    """One stored event row."""
+class StoredEvent(NamedTuple):
+    """One stored event row (a tuple: replays build millions of them)."""
 
     sequence: int
     run_pk: int

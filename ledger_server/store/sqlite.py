@@ -201,9 +201,12 @@ def _run(row: tuple[object, ...]) -> RunRow:
 
 
 def _event(row: tuple[object, ...]) -> StoredEvent:
-    seq, run_pk, run_seq, event_id, body, row_hash = row
+    body = row[4]
+    if type(body) is bytes:
+        return StoredEvent._make(row)
     # A row edited outside the server may come back as TEXT; the audit must still read it.
     data = body.encode() if isinstance(body, str) else bytes(body)  # type: ignore[call-overload]
+    seq, run_pk, run_seq, event_id, _, row_hash = row
     return StoredEvent(seq, run_pk, run_seq, event_id, data, row_hash)  # type: ignore[arg-type]
 
 
