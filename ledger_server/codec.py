@@ -80,7 +80,10 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         )
     if case == "heartbeat":
         h = msg.heartbeat
-        return Heartbeat(step=h.step, progress=h.progress, metrics=dict(sorted(h.metrics.items())))
+        # Canonical JSON sorts the keys; reading a protobuf map is slow, an empty one is not.
+        return Heartbeat(
+            step=h.step, progress=h.progress, metrics=dict(h.metrics) if h.metrics else {}
+        )
     if case == "checkpoint":
         c = msg.checkpoint
         return CheckpointSaved(

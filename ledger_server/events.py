@@ -11,8 +11,8 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Final
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Final, NamedTuple
 
 import blake3
 
@@ -249,15 +249,18 @@ class Event:
         return self.canonical or canonical_json(self.content())
 
 
-@dataclass(frozen=True, slots=True)
-class RecordedEvent:
-    """An event as stored: the client content plus the server-assigned fields."""
+class RecordedEvent(NamedTuple):
+    """An event as stored: the client content plus the server-assigned fields.
+
+    A tuple rather than a frozen dataclass: the writer builds one per appended event
+    and a replay one per stored event, and a tuple is built in a third of the time.
+    """
 
     event: Event
     sequence: int
     run_sequence: int
     receive_time_us: int
-    row_hash: bytes = field(repr=False)
+    row_hash: bytes
 
     def row_bytes(self) -> bytes:
         """Returns the canonical bytes the chain and the Merkle tree commit to."""
@@ -484,31 +487,30 @@ def validate(event: Event) -> Event:
         raise InvalidEvent("client_time", "must not be before 1970")
     payload = _check_payload(event)
     # Only a plan or a namespace is ever normalized; every other event is encoded as sent.
-    normalized = (
-        event
-        if namespace == event.namespace and payload is event.payload
-        else replace(event, namespace=namespace, payload=payload)
-    )
+    content = event.content()
+    if namespace != event.namespace:
+        content["namespace"] = namespace
+    if payload is not event.payload:
+        content["payload"] = _payload_dict(payload)
     try:
-        text = canonical_json(normalized.content())
+        text = canonical_json(content)
     except (TypeError, ValueError) as exc:
         raise InvalidEvent("payload", f"is not representable: {exc}") from None
     size = len(text) if text.isascii() else len(text.encode())
     if size > MAX_PAYLOAD_BYTES:
         raise LimitExceeded("event_bytes", size, MAX_PAYLOAD_BYTES)
-    if normalized is event:
+    if namespace == event.namespace and payload is event.payload:
         # canonical is a cache of content_json (compare=False), so filling it in on the
         # event just decoded changes no value; it spares building the event a second time.
         object.__setattr__(event, "canonical", text)
         return event
-    n = normalized
     return Event(
-        n.event_id,
-        n.namespace,
-        n.run_id,
-        n.shard_id,
-        n.attempt_id,
-        n.client_time_us,
-        n.payload,
+        event.event_id,
+        namespace,
+        event.run_id,
+        event.shard_id,
+        event.attempt_id,
+        event.client_time_us,
+        payload,
         text,
     )

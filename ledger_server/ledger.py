@@ -64,9 +64,8 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-@dataclass(frozen=True, slots=True)
-class AppendResult:
-    """The acknowledgement of one event."""
+class AppendResult(NamedTuple):
+    """The acknowledgement of one event (a tuple: one per appended event)."""
 
     event_id: str
     sequence: int
