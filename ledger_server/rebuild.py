@@ -1,7 +1,8 @@
 """Rebuilds a run's projections from its stored events alone.
 
-The replay behind `shardledger db copy` (the target's shard rows and counters)
-and the rebuild benchmark. It folds the same way the server does
+`shardledger db rebuild` (check or repair a run's shard rows and counters in
+place), `shardledger db copy` (the target's projections) and the rebuild
+benchmark all replay through here. It folds the same way the server does
 (projections.RunReplay); what it adds is speed at the size of a big night:
 
 - rows are folded straight from the stored bytes (``RunReplay.feed_row``), so a
@@ -13,13 +14,42 @@ and the rebuild benchmark. It folds the same way the server does
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ledger_server import projections as proj
-from ledger_server.store.base import ShardRow, StoredEvent
+from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.store.base import RunRow, ShardRow, Store, StoredEvent
 
 PROGRESS_EVERY = 1000
+# Rows sent per flush while a rebuild writes, so its buffer stays bounded.
+WRITE_CHUNK = 20_000
+
+
+class RebuildRefused(Exception):
+    """The run cannot be rebuilt as asked; nothing was written."""
+
+
+@dataclass(slots=True)
+class RunRebuild:
+    """What replaying one run found, and whether its projections were rewritten."""
+
+    namespace: str
+    run_id: str
+    events: int
+    shards: int
+    # Shard rows the replay disagrees with: different, missing from the store, or extra.
+    differing_shards: int
+    counters_differ: bool
+    written: bool
+    seconds: float
+
+    @property
+    def consistent(self) -> bool:
+        """True when the stored projections already equalled the replay."""
+        return not self.differing_shards and not self.counters_differ
 
 
 @contextmanager
@@ -61,3 +91,126 @@ def shard_rows(replay: proj.RunReplay) -> Iterator[ShardRow]:
 def counters(replay: proj.RunReplay) -> dict[str, int]:
     """Returns the rebuilt summary counters, without the zeros a store does not keep."""
     return {k: n for k, n in replay.counters().items() if n}
+
+
+def rebuild_run(
+    store: Store,
+    run: RunRow,
+    *,
+    write: bool,
+    advance: Callable[[int], None] = lambda n: None,
+) -> RunRebuild:
+    """Replays a run, compares its stored projections and, if asked and they differ, rewrites them.
+
+    Every row's hash is checked against the chain before it is folded: projections are
+    never rebuilt from rows the chain does not vouch for (RebuildRefused). The rewrite is
+    one transaction that first checks the run has not moved since it was read; stop the
+    server writing to the run first (its cache would not see the rewrite).
+    """
+    started = time.monotonic()
+    replay = proj.RunReplay()
+    head, count, pending = GENESIS_HASH, 0, 0
+    view = store.read()
+    with gc_paused():
+        for stored in view.iter_events(run.run_pk):
+            head = chain_hash(head, stored.row)
+            if head != stored.row_hash:
+                raise RebuildRefused(
+                    f"run {run.namespace}/{run.run_id}: the hash chain breaks at sequence"
+                    f" {stored.sequence}; `shardledger audit verify --db` tells what changed"
+                )
+            replay.feed_row(stored.sequence, stored.row, stored.row_hash)
+            count += 1
+            pending += 1
+            if pending == PROGRESS_EVERY:
+                advance(pending)
+                pending = 0
+        advance(pending)
+        rows = list(shard_rows(replay))
+        rebuilt_counters = counters(replay)
+        replay.records.clear()
+        differing = _differing(rows, view.iter_shards(run.run_pk))
+        counters_differ = view.counters(run.run_pk) != rebuilt_counters
+        written = False
+        if write and (differing or counters_differ):
+            _rewrite(store, run, (count, head), rows, rebuilt_counters)
+            written = True
+    return RunRebuild(
+        namespace=run.namespace,
+        run_id=run.run_id,
+        events=count,
+        shards=len(rows),
+        differing_shards=differing,
+        counters_differ=counters_differ,
+        written=written,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _differing(rebuilt: list[ShardRow], stored: Iterable[ShardRow]) -> int:
+    """Counts shard rows that differ, merging both lists in plan order."""
+    differing = 0
+    wanted = iter(rebuilt)
+    ahead = next(wanted, None)
+    for have in stored:
+        # Rebuilt rows that sort before this stored one are missing from the store.
+        while ahead is not None and (ahead.plan_index, ahead.shard_id) < (
+            have.plan_index,
+            have.shard_id,
+        ):
+            differing += 1
+            ahead = next(wanted, None)
+        if ahead is None or ahead.shard_id != have.shard_id:
+            differing += 1  # a stored row the events do not explain
+            continue
+        if not _same(ahead, have):
+            differing += 1
+        ahead = next(wanted, None)
+    while ahead is not None:
+        differing += 1
+        ahead = next(wanted, None)
+    return differing
+
+
+def _same(rebuilt: ShardRow, have: ShardRow) -> bool:
+    columns = ("plan_index", "state", "detail", "deadline_us", "plan_line")
+    if any(getattr(rebuilt, c) != getattr(have, c) for c in columns):
+        return False
+    if have.record is None:
+        return False
+    if have.beat_us is None:
+        return have.record == rebuilt.record  # canonical JSON: equal records, equal bytes
+    merged = proj.record_from_row(have.record, have.beat_us, have.beat_step)
+    return merged.to_json().encode() == rebuilt.record
+
+
+def _rewrite(
+    store: Store,
+    run: RunRow,
+    replayed: tuple[int, bytes],
+    rows: list[ShardRow],
+    rebuilt_counters: dict[str, int],
+) -> None:
+    with store.write() as tx:
+        now = tx.get_run(run.namespace, run.run_id)
+        if now is None or (now.event_count, now.head_hash) != replayed:
+            raise RebuildRefused(
+                f"run {run.namespace}/{run.run_id} changed while it was replayed: stop the"
+                " server writing to it, then rebuild again"
+            )
+        tx.clear_projections(run.run_pk)
+        for n, row in enumerate(rows, 1):
+            assert row.record is not None  # a rebuilt row always carries its record
+            tx.save_shard(
+                run_pk=run.run_pk,
+                shard_id=row.shard_id,
+                plan_index=row.plan_index,
+                state=row.state,
+                detail=row.detail,
+                deadline_us=row.deadline_us,
+                plan_line=row.plan_line,
+                record=row.record,
+            )
+            if n % WRITE_CHUNK == 0:
+                tx.flush()
+        tx.add_counters(run.run_pk, rebuilt_counters)

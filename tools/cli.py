@@ -15,7 +15,8 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Final
 
 from shard_client.errors import LedgerRejected, LedgerUnavailable
@@ -122,6 +123,23 @@ def client_from(args: argparse.Namespace) -> Any:
         )
     except (OSError, ValueError) as exc:
         raise CommandError(f"bad TLS options: {exc}") from None
+
+
+def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
+    """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
+    if not sys.stderr.isatty() or total < 2:
+        return nullcontext(lambda n: None)
+
+    @contextmanager
+    def bar() -> Iterator[Callable[[int], None]]:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), transient=True) as shown:
+            task = shown.add_task(label, total=total)
+            yield lambda n: shown.advance(task, n)
+
+    return bar()
 
 
 def print_json(value: Any) -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +16,8 @@ from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
 from ledger_server.store import Store, open_store, redact_url
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json
+from tools import cmd_rebuild
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json, progress
 
 if TYPE_CHECKING:
     from ledger_server.store.postgres import PostgresStore
@@ -49,7 +48,7 @@ def register(
     """Adds the db command group."""
     p = sub.add_parser(
         "db",
-        help="database maintenance: migrate, copy SQLite to PostgreSQL, server-role grants",
+        help="database maintenance: migrate, copy SQLite to PostgreSQL, grants, rebuild projections",
         description="Database maintenance for either backend.",
     )
     dbsub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True)
@@ -89,6 +88,7 @@ def register(
     )
     g.add_argument("--role", required=True, help="the role the replicas connect as")
     g.set_defaults(func=run_grants)
+    cmd_rebuild.register(dbsub, default_url)
 
 
 def _applied(store: Store) -> list[tuple[int, str, int]]:
@@ -224,23 +224,6 @@ def copy_ledger(
     return report
 
 
-def _progress(total: int) -> AbstractContextManager[Callable[[int], None]]:
-    """Returns a context yielding advance(n): a progress bar when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return nullcontext(lambda n: None)
-
-    @contextmanager
-    def bar() -> Iterator[Callable[[int], None]]:
-        from rich.console import Console
-        from rich.progress import Progress
-
-        with Progress(console=Console(stderr=True), transient=True) as progress:
-            task = progress.add_task("copying events", total=total)
-            yield lambda n: progress.advance(task, n)
-
-    return bar()
-
-
 def run_copy(args: argparse.Namespace) -> int:
     """Copies a ledger into PostgreSQL and verifies it."""
     from ledger_server.store.postgres import PostgresStore
@@ -256,7 +239,7 @@ def run_copy(args: argparse.Namespace) -> int:
         assert isinstance(target, PostgresStore)
         try:
             total = sum(r.event_count for r in source.read().list_runs(None, 1 << 62))
-            with _progress(total) as advance:
+            with progress("copying events", total) as advance:
                 report = copy_ledger(source, target, resume=args.resume, advance=advance)
         finally:
             target.close()

@@ -7,9 +7,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -36,6 +35,7 @@ from tools.cli import (
     CommandError,
     client_from,
     print_json,
+    progress,
 )
 
 BATCH: Final = 1000
@@ -266,7 +266,7 @@ def _hash_all(paths: Sequence[str], *, workers: int) -> dict[str, tuple[int, str
     unique = sorted(set(paths))
     out: dict[str, tuple[int, str]] = {}
     with (
-        _progress("hashing inputs", len(unique)) as advance,
+        progress("hashing inputs", len(unique)) as advance,
         ThreadPoolExecutor(max(1, workers)) as pool,
     ):
         for path, digest in zip(unique, pool.map(hash_input, unique), strict=True):
@@ -284,7 +284,7 @@ def send_plan(
     """Sends the planned events in batches; refused shards are isolated, the rest still go."""
     events = plan_events(run_id, entries, namespace=namespace)
     outcome = Outcome()
-    with _progress("registering shards", len(events)) as advance:
+    with progress("registering shards", len(events)) as advance:
         for start in range(0, len(events), BATCH):
             batch = events[start : start + BATCH]
             for entry, result in zip(entries[start:], _deliver_all(client, batch), strict=False):
@@ -322,28 +322,6 @@ def _count(outcome: Outcome, entry: PlanEntry, result: pb.AppendResult | LedgerR
 
 
 # --- output ------------------------------------------------------------------------
-
-
-def _progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
-    """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
-    if not sys.stderr.isatty() or total < 2:
-        return nullcontext(lambda n: None)
-    return _rich_progress(label, total)
-
-
-def _rich_progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
-    from contextlib import contextmanager
-
-    from rich.console import Console
-    from rich.progress import Progress
-
-    @contextmanager
-    def bar() -> Iterator[Callable[[int], None]]:
-        with Progress(console=Console(stderr=True), transient=True) as progress:
-            task = progress.add_task(label, total=total)
-            yield lambda n: progress.advance(task, n)
-
-    return bar()
 
 
 def _print_dry_run(entries: Sequence[PlanEntry], *, as_json: bool) -> int:

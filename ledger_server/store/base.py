@@ -137,6 +137,9 @@ class WriteTx(Protocol):
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         """Adds the deltas to the run's summary counters."""
 
+    def clear_projections(self, run_pk: int) -> None:
+        """Deletes the run's shard rows, heartbeat rows and counters (a rebuild rewrites them)."""
+
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
         """Moves the run's chain head."""
 

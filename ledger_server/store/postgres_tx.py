@@ -227,6 +227,12 @@ class PgWriteTx:
             if n:
                 self._counters[(run_pk, key)] = self._counters.get((run_pk, key), 0) + n
 
+    def clear_projections(self, run_pk: int) -> None:
+        with edge():
+            self.flush()  # writes buffered before this call land first, and are cleared too
+            for table in ("shards", "shard_beats", "run_counters"):
+                self.conn.execute(f"DELETE FROM {table} WHERE run_pk = %s", (run_pk,))
+
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
         self._heads[run_pk] = (event_count, head_hash, now_us, run_pk)
 

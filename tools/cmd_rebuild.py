@@ -1,0 +1,154 @@
+"""`shardledger db rebuild`: check or repair a run's projections by replaying its events."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Final
+
+from ledger_server.errors import LedgerError
+from ledger_server.events import check_namespace
+from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
+from ledger_server.store import open_store, redact_url
+from ledger_server.store.base import RunRow, Store, StoreError
+from tools.cli import (
+    EXIT_LOCAL,
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    CommandError,
+    print_json,
+    progress,
+)
+
+DESCRIPTION: Final = """\
+Replay each run's events and compare the result with its stored projections
+(shard rows, heartbeat columns, summary counters): what `status`, `shards` and
+`resume` answer from. Without --check, a run whose projections differ gets them
+rewritten from the replay in one transaction; a consistent run is left alone.
+
+Every row is checked against the run's hash chain before it is folded, so
+projections are never rebuilt from rows the chain does not vouch for (run
+`shardledger audit verify --db` to see what changed). Stop the server writing to the
+database first: a rebuild refuses a run that moves while it is replayed, and a
+running server keeps shard records in memory that would not see the rewrite.
+
+examples:
+  shardledger db rebuild --database-url sqlite:///ledger.db --check
+  shardledger db rebuild --database-url sqlite:///ledger.db --run night-42 --json
+
+exit codes: 0 consistent (or rewritten), 1 --check found projections that differ,
+2 a bad argument, 5 refused: a broken chain, a run that moved, no such run or
+ledger, or a database error
+"""
+
+
+def register(
+    dbsub: argparse._SubParsersAction[argparse.ArgumentParser], default_url: str | None
+) -> None:
+    """Adds `db rebuild`."""
+    r = dbsub.add_parser(
+        "rebuild",
+        help="replay runs to check (or repair) their shard rows and counters",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument(
+        "--database-url",
+        default=default_url,
+        required=default_url is None,
+        help="sqlite:///PATH or postgresql://USER@HOST/DB (default $SHARDLEDGER_DATABASE_URL)",
+    )
+    r.add_argument("--run", dest="run_id", help="only this run (default: every run)")
+    r.add_argument("--namespace", default="", help="the run's namespace (default: default)")
+    r.add_argument(
+        "--check", action="store_true", help="compare only; exit 1 if any run's projections differ"
+    )
+    r.add_argument("--json", action="store_true", help="print JSON")
+    r.set_defaults(func=run_rebuild)
+
+
+def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:
+    view = store.read()
+    if args.run_id is None:
+        return sorted(view.list_runs(None, 1 << 62), key=lambda r: r.run_pk)
+    try:
+        namespace = check_namespace(args.namespace)
+    except LedgerError as exc:
+        raise CommandError(f"--namespace: {exc}", code=EXIT_USAGE) from None
+    run = view.get_run(namespace, args.run_id)
+    if run is None:
+        raise CommandError(
+            f"no run {args.run_id} in namespace {namespace} at {redact_url(args.database_url)}",
+            code=EXIT_LOCAL,
+        )
+    return [run]
+
+
+def run_rebuild(args: argparse.Namespace) -> int:
+    """Replays the selected runs; rewrites differing projections unless --check."""
+    url = args.database_url
+    path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else url
+    if "://" not in path and not Path(path).is_file():
+        # Opening would create an empty ledger: a typo must not look like one.
+        raise CommandError(f"no ledger at {url}", code=EXIT_LOCAL)
+    try:
+        store = open_store(url)
+    except (StoreError, ValueError) as exc:
+        raise CommandError(f"cannot open {redact_url(args.database_url)}: {exc}") from None
+    reports: list[RunRebuild] = []
+    try:
+        runs = _runs(store, args)
+        with progress("replaying events", sum(r.event_count for r in runs)) as advance:
+            for run in runs:
+                reports.append(rebuild_run(store, run, write=not args.check, advance=advance))
+    except RebuildRefused as exc:
+        raise CommandError(f"refused: {exc}; nothing was written", code=EXIT_LOCAL) from None
+    except StoreError as exc:
+        raise CommandError(f"database error: {exc}", code=EXIT_LOCAL) from None
+    finally:
+        store.close()
+    return _report(args, reports)
+
+
+def _report(args: argparse.Namespace, reports: list[RunRebuild]) -> int:
+    differing = [r for r in reports if not r.consistent]
+    if args.json:
+        print_json(
+            {
+                "database": redact_url(args.database_url),
+                "check_only": args.check,
+                "runs": [
+                    {
+                        "namespace": r.namespace,
+                        "run_id": r.run_id,
+                        "events": r.events,
+                        "shards": r.shards,
+                        "differing_shards": r.differing_shards,
+                        "counters_differ": r.counters_differ,
+                        "rewritten": r.written,
+                        "seconds": round(r.seconds, 3),
+                    }
+                    for r in reports
+                ],
+            }
+        )
+    else:
+        for r in reports:
+            rate = r.events / r.seconds if r.seconds else 0.0
+            verdict = (
+                "consistent"
+                if r.consistent
+                else (
+                    f"{r.differing_shards} shard rows differ"
+                    + (", counters differ" if r.counters_differ else "")
+                )
+            )
+            action = " -> rewritten" if r.written else ""
+            print(
+                f"{r.namespace}/{r.run_id}: {r.events} events, {r.shards} shards"
+                f" ({rate:,.0f} events/s): {verdict}{action}"
+            )
+        if not reports:
+            print("no runs")
+    return EXIT_PROBLEMS if args.check and differing else EXIT_OK
