@@ -45,6 +45,9 @@ class RunRebuild:
     counters_differ: bool
     written: bool
     seconds: float
+    # Of which: reading, checking and folding the events; rewriting the projections.
+    replay_seconds: float = 0.0
+    write_seconds: float = 0.0
 
     @property
     def consistent(self) -> bool:
@@ -126,15 +129,18 @@ def rebuild_run(
                 advance(pending)
                 pending = 0
         advance(pending)
+        replayed_at = time.monotonic()
         rows = list(shard_rows(replay))
         rebuilt_counters = counters(replay)
         replay.records.clear()
         differing = _differing(rows, view.iter_shards(run.run_pk))
         counters_differ = view.counters(run.run_pk) != rebuilt_counters
         written = False
+        compared_at = time.monotonic()
         if write and (differing or counters_differ):
             _rewrite(store, run, (count, head), rows, rebuilt_counters)
             written = True
+    finished = time.monotonic()
     return RunRebuild(
         namespace=run.namespace,
         run_id=run.run_id,
@@ -143,7 +149,9 @@ def rebuild_run(
         differing_shards=differing,
         counters_differ=counters_differ,
         written=written,
-        seconds=time.monotonic() - started,
+        seconds=finished - started,
+        replay_seconds=replayed_at - started,
+        write_seconds=finished - compared_at,
     )
 
 

@@ -6,11 +6,11 @@
    store's own write path (validated events, canonical rows, the hash chain):
    every shard is planned and started, gets heartbeats, and nine in ten commit
    and pass verification; the rest stay running.
-2. Full replay rebuild: reads every event back, folds it into the projections
-   (ledger_server.rebuild, the replay `db copy` runs, over the server's fold) and
-   writes the shard rows and counters into empty projection tables. Reported in
-   events/s, with reading the rows and parsing their JSON measured alone as the
-   baseline (the floor of any rebuild).
+2. Full replay rebuild: `shardledger db rebuild`'s replay (ledger_server.rebuild)
+   reads every event back, checks it against the hash chain, folds it into the
+   projections (the server's own fold), and writes the shard rows and counters
+   into the empty projection tables. Reported in events/s, with reading the rows
+   and parsing their JSON measured alone as the baseline (the floor of any rebuild).
 3. Serves the file with `shardledger serve` in its own process, fills its shard
    cache with heartbeats of every running shard, asks for the status and the
    resume list, and reads the server's peak RSS (VmHWM) from /proc.
@@ -37,8 +37,6 @@ from typing import Any, Final
 
 import grpc
 
-from ledger_server import projections as proj
-from ledger_server import rebuild as rebuild_
 from ledger_server.events import (
     GENESIS_HASH,
     ArtifactCommitted,
@@ -54,6 +52,7 @@ from ledger_server.events import (
     row_bytes,
     validate,
 )
+from ledger_server.rebuild import rebuild_run
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from tools.bench_projections import save_result, shard_id
@@ -134,48 +133,24 @@ def write_night(store: SqliteStore, shards: int, total: int) -> int:
 
 
 def rebuild(store: SqliteStore) -> dict[str, Any]:
-    """Replays every event into fresh projections and writes them; returns the timings."""
+    """Runs `db rebuild`'s replay on the run (its projections are empty); returns the timings."""
     view = store.read()
     run = view.get_run(NAMESPACE, RUN)
     assert run is not None
     start = time.perf_counter()
     parsed = sum(1 for s in view.iter_events(run.run_pk) if parse_row(s.row))
     parse_s = time.perf_counter() - start
-    with rebuild_.gc_paused():
-        start = time.perf_counter()
-        replay = proj.RunReplay()
-        for _ in rebuild_.fold_rows(replay, view.iter_events(run.run_pk)):
-            pass
-        fold_s = time.perf_counter() - start
-        start = time.perf_counter()
-        with store.write() as tx:
-            tx.get_run(NAMESPACE, RUN)
-            for n, row in enumerate(rebuild_.shard_rows(replay), 1):
-                assert row.record is not None  # a rebuilt row always carries its record
-                tx.save_shard(
-                    run_pk=run.run_pk,
-                    shard_id=row.shard_id,
-                    plan_index=row.plan_index,
-                    state=row.state,
-                    detail=row.detail,
-                    deadline_us=row.deadline_us,
-                    plan_line=row.plan_line,
-                    record=row.record,
-                )
-                if n % FLUSH == 0:
-                    tx.flush()
-            tx.add_counters(run.run_pk, rebuild_.counters(replay))
-        write_s = time.perf_counter() - start
-    total_s = fold_s + write_s
+    report = rebuild_run(store, run, write=True)
+    assert report.written and report.events == parsed
     return {
-        "events": parsed,
-        "shards": len(replay.records),
+        "events": report.events,
+        "shards": report.shards,
         "read_parse_only_events_per_s": round(parsed / parse_s),
-        "fold_events_per_s": round(parsed / fold_s),
-        "write_projections_s": round(write_s, 2),
-        "rebuild_s": round(total_s, 2),
-        "rebuild_events_per_s": round(parsed / total_s),
-        "ratio_to_read_parse": round(parse_s / total_s, 3),
+        "replay_events_per_s": round(parsed / report.replay_seconds),
+        "write_projections_s": round(report.write_seconds, 2),
+        "rebuild_s": round(report.seconds, 2),
+        "rebuild_events_per_s": round(parsed / report.seconds),
+        "ratio_to_read_parse": round(parse_s / report.seconds, 3),
         "rebuild_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 

@@ -128,6 +128,8 @@ def _report(args: argparse.Namespace, reports: list[RunRebuild]) -> int:
                         "counters_differ": r.counters_differ,
                         "rewritten": r.written,
                         "seconds": round(r.seconds, 3),
+                        "replay_seconds": round(r.replay_seconds, 3),
+                        "write_seconds": round(r.write_seconds, 3),
                     }
                     for r in reports
                 ],
