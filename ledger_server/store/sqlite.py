@@ -126,7 +126,9 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
             " plan_line, record FROM shards ORDER BY run_pk, plan_index, shard_id",
             "DROP TABLE shards",
             "ALTER TABLE shards_v4 RENAME TO shards",
-            "CREATE INDEX shards_by_state ON shards (run_pk, state, deadline_us)",
+            # The shard id rides along (a WITHOUT ROWID index had it as the key): the
+            # stale count joins the heartbeat rows on it without reading the wide rows.
+            "CREATE INDEX shards_by_state ON shards (run_pk, state, deadline_us, shard_id)",
             "CREATE INDEX shards_by_plan_state ON shards (run_pk, plan_index, shard_id, state)",
         ],
     ),
