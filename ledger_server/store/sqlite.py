@@ -609,9 +609,12 @@ class _SqliteWriteTx:
                 counters[(run_pk, key)] = counters.get((run_pk, key), 0) + n
 
     def clear_projections(self, run_pk: int) -> None:
-        self.flush()  # writes buffered before this call land first, and are cleared too
-        for table in ("shards", "shard_beats", "run_counters"):
-            self.conn.execute(f"DELETE FROM {table} WHERE run_pk = ?", (run_pk,))
+        try:
+            self.flush()  # writes buffered before this call land first, and are cleared too
+            for table in ("shards", "shard_beats", "run_counters"):
+                self.conn.execute(f"DELETE FROM {table} WHERE run_pk = ?", (run_pk,))
+        except sqlite3.Error as exc:
+            raise _translate(exc) from exc
 
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
         buf = self._buf
