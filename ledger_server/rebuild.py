@@ -112,23 +112,12 @@ def rebuild_run(
     """
     started = time.monotonic()
     replay = proj.RunReplay()
-    head, count, pending = GENESIS_HASH, 0, 0
     view = store.read()
+    chain = _ChainCheck(run)
     with gc_paused():
-        for stored in view.iter_events(run.run_pk):
-            head = chain_hash(head, stored.row)
-            if head != stored.row_hash:
-                raise RebuildRefused(
-                    f"run {run.namespace}/{run.run_id}: the hash chain breaks at sequence"
-                    f" {stored.sequence}; `shardledger audit verify --db` tells what changed"
-                )
-            replay.feed_row(stored.sequence, stored.row, stored.row_hash)
-            count += 1
-            pending += 1
-            if pending == PROGRESS_EVERY:
-                advance(pending)
-                pending = 0
-        advance(pending)
+        for _ in fold_rows(replay, chain.checked(view.iter_events(run.run_pk)), advance):
+            pass
+        count, head = chain.count, chain.head
         replayed_at = time.monotonic()
         rows = list(shard_rows(replay))
         rebuilt_counters = counters(replay)
@@ -153,6 +142,27 @@ def rebuild_run(
         replay_seconds=replayed_at - started,
         write_seconds=finished - compared_at,
     )
+
+
+class _ChainCheck:
+    """Passes rows on only after checking each against the run's hash chain."""
+
+    def __init__(self, run: RunRow) -> None:
+        self.run = run
+        self.head = GENESIS_HASH
+        self.count = 0
+
+    def checked(self, rows: Iterable[StoredEvent]) -> Iterator[StoredEvent]:
+        for stored in rows:
+            self.head = chain_hash(self.head, stored.row)
+            if self.head != stored.row_hash:
+                raise RebuildRefused(
+                    f"run {self.run.namespace}/{self.run.run_id}: the hash chain breaks at"
+                    f" sequence {stored.sequence}; `shardledger audit verify --db` tells what"
+                    " changed"
+                )
+            self.count += 1
+            yield stored
 
 
 def _differing(rebuilt: list[ShardRow], stored: Iterable[ShardRow]) -> int:

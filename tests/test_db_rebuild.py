@@ -53,6 +53,17 @@ def _history(client: LedgerClient) -> None:
             client.append([event(run, "s1", "a1", heartbeat=pb.Heartbeat(step=step, progress=0.1))])
 
 
+def _write_history(url: str) -> None:
+    """Writes the two runs through a real server on the database."""
+    running = create_server(ServerConfig(database=url, listen="127.0.0.1:0"))
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        _history(client)
+    finally:
+        client.close()
+        running.stop(0.5)
+
+
 def _answers(url: str) -> dict[str, Any]:
     """What a user reads from a server on this database: status and resume of each run."""
     running = create_server(ServerConfig(database=url, listen="127.0.0.1:0"))
@@ -78,13 +89,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         database = f"sqlite:///{tmp_path / 'ledger.db'}"
     else:
         database = str(request.getfixturevalue("pg_url"))
-    running = create_server(ServerConfig(database=database, listen="127.0.0.1:0"))
-    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
-    try:
-        _history(client)
-    finally:
-        client.close()
-        running.stop(0.5)
+    _write_history(database)
     yield database
 
 
@@ -157,14 +162,8 @@ def test_a_broken_chain_is_refused_and_nothing_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "ledger.db"
-    running = create_server(ServerConfig(database=str(path), listen="127.0.0.1:0"))
-    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
-    try:
-        _history(client)
-    finally:
-        client.close()
-        running.stop(0.5)
     url = f"sqlite:///{path}"
+    _write_history(url)
     _tamper(url)
     with sqlite3.connect(path) as conn:
         # A hand-edit of an event row: the append-only trigger has to go first.
