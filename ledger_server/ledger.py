@@ -540,20 +540,14 @@ class Ledger:
         self, namespace: str, run_id: str, *, now: int | None = None
     ) -> Iterator[ResumeItem]:
         """Returns an iterator over exactly the planned shards without a confirmed artifact."""
-        run = self.run(namespace, run_id)  # eagerly, so a bad run fails before streaming
-        return self._resume(run, self.clock() if now is None else now)
+        return map(ResumeItem._make, self.resume_rows(namespace, run_id, now=now))
 
-    def _resume(self, run: RunRow, at: int) -> Iterator[ResumeItem]:
-        states = [s for s in proj.BASE_STATES if s != "verified"]
-        reasons = proj.RESUME_REASONS
-        for shard_id, index, state, detail, deadline, line in self.store.read().iter_resume(
-            run.run_pk, states
-        ):
-            if state == "running" or state == "failed" or state == "verify_failed":
-                reason = _reason(state, detail, deadline, at)
-            else:
-                reason = reasons[state]
-            yield ResumeItem(shard_id, index, line, reason)
+    def resume_rows(
+        self, namespace: str, run_id: str, *, now: int | None = None
+    ) -> Iterator[tuple[str, int, str, str]]:
+        """resume() as plain (shard_id, plan_index, plan_line, reason) tuples, for streaming."""
+        run = self.run(namespace, run_id)  # eagerly, so a bad run fails before streaming
+        return self.store.read().iter_resume(run.run_pk, self.clock() if now is None else now)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the writer after the queued batches commit."""
@@ -562,16 +556,6 @@ class Ledger:
         self._writer.join(timeout)
         with self._commit_cond:
             self._commit_cond.notify_all()
-
-
-def _reason(state: str, detail: str, deadline: int | None, now: int) -> str:
-    if state == "running" and deadline is not None and deadline < now:
-        return "stale"
-    if state == "failed":
-        return f"failed:{detail}"
-    if state == "verify_failed":
-        return f"verify-failed:{detail}"
-    return proj.RESUME_REASONS[state]
 
 
 def _sql_states(state: str) -> list[str] | None:

@@ -459,6 +459,9 @@ RESUME_REASONS: Final = {
     "stale": "stale",
     "committed": "unverified",
 }
+# These two carry the shard's detail (the failure tag, the verification reason) after them.
+RESUME_DETAIL_PREFIXES: Final = {"failed": "failed:", "verify_failed": "verify-failed:"}
+RESUME_STATES: Final = tuple(s for s in BASE_STATES if s != "verified")
 
 
 def resume_reason(record: ShardRecord, now_us: int) -> str | None:
@@ -466,11 +469,26 @@ def resume_reason(record: ShardRecord, now_us: int) -> str | None:
     state, detail = live_state(record, now_us)
     if state == "verified":
         return None
-    if state == "failed":
-        return f"failed:{detail}"
-    if state == "verify_failed":
-        return f"verify-failed:{detail}"
-    return RESUME_REASONS[state]
+    prefix = RESUME_DETAIL_PREFIXES.get(state)
+    return prefix + detail if prefix is not None else RESUME_REASONS[state]
+
+
+def resume_reason_sql(deadline: str, now: str) -> str:
+    """Returns a SQL CASE over a shard row `s` that gives resume_reason's answer.
+
+    The stores compute the reason in the query so a million-line resume list is
+    plain tuples from the cursor to the wire; `deadline` is the SQL expression of
+    the running attempt's deadline and `now` the parameter holding the instant.
+    The property tests check both paths give the same reasons.
+    """
+    r, p = RESUME_REASONS, RESUME_DETAIL_PREFIXES
+    return (
+        f"CASE s.state WHEN 'planned' THEN '{r['planned']}' WHEN 'committed' THEN '{r['committed']}'"
+        f" WHEN 'failed' THEN '{p['failed']}' || s.detail"
+        f" WHEN 'verify_failed' THEN '{p['verify_failed']}' || s.detail"
+        f" WHEN 'running' THEN CASE WHEN {deadline} < {now} THEN '{r['stale']}'"
+        f" ELSE '{r['running']}' END END"
+    )
 
 
 def summary(counters: Counter[str], *, stale: int, run_id: str, namespace: str) -> dict[str, Any]:

@@ -305,19 +305,14 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self, request: pb.StreamResumeListRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.StreamResumeListResponse]:
         ns = _guard(context, lambda: self._scope(context, READ, request.namespace, request.run_id))
-        items = _guard(context, lambda: self.ledger.resume(ns, request.run_id))
+        rows = _guard(context, lambda: self.ledger.resume_rows(ns, request.run_id))
         # Entries are added in place: building them separately and passing a list would
         # copy every message once more (a third of the cost per line at a million shards).
         response = pb.StreamResumeListResponse()
         add = response.entries.add
         count = 0
-        for item in items:
-            add(
-                shard_id=item.shard_id,
-                plan_line=item.plan_line,
-                reason=item.reason,
-                plan_index=item.plan_index,
-            )
+        for shard_id, plan_index, plan_line, reason in rows:
+            add(shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index)
             count += 1
             if count >= RESUME_CHUNK:
                 yield response

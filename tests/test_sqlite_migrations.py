@@ -2,7 +2,8 @@
 
 The file is written at schema version 3 (shard rows in a WITHOUT ROWID table) by a
 real server, then opened by the current code, which applies migration 4 (shard rows
-in a rowid table, so a 1-2 KB record no longer spills into an overflow page).
+in a rowid table, so a 1-2 KB record no longer spills into an overflow page) and
+migration 5 (the plan-order index covers the resume list).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_a_version_3_file_migrates_to_rowid_shard_rows_with_the_same_answers(
         versions = [v for (v,) in conn.execute("SELECT version FROM schema_migrations")]
         indexes = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    assert versions == [1, 2, 3, 4]
+    assert versions == [1, 2, 3, 4, 5]
     assert {"shards_by_state", "shards_by_plan_state"} <= indexes
     # The migrated table takes the writes that follow: a full save and a heartbeat row.
     running = create_server(ServerConfig(database=str(path), listen="127.0.0.1:0"))

@@ -176,12 +176,11 @@ class ReadView(Protocol):
     ) -> Iterator[ShardRow]:
         """Yields shard rows in plan order, optionally only some base states."""
 
-    def iter_resume(
-        self, run_pk: int, states: Sequence[str]
-    ) -> Iterator[tuple[str, int, str, str, int | None, str]]:
-        """Yields (shard_id, plan_index, state, detail, deadline_us, plan_line) in plan order.
+    def iter_resume(self, run_pk: int, now_us: int) -> Iterator[tuple[str, int, str, str]]:
+        """Yields (shard_id, plan_index, plan_line, reason) of the resume list in plan order.
 
-        Plain tuples of the shards in these base states, for lists of a million lines.
+        Plain tuples, the reason computed in the query (projections.resume_reason_sql)
+        as of now_us, for lists of a million lines.
         """
 
     def max_sequence(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from ledger_server.projections import resume_reason_sql
+
 # Every text column that is compared or sorted uses the "C" collation, so plan order and
 # keyset cursors are byte order exactly as in SQLite, whatever the database's locale.
 MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
@@ -204,10 +206,13 @@ SQL_ITER_SHARDS: Final = (
 # The same deadline without the join, for the resume list (it needs no record): only a
 # running shard has a deadline, and a running shard's heartbeat row always holds one.
 SQL_ITER_RESUME: Final = (
-    "SELECT s.shard_id, s.plan_index, s.state, s.detail, CASE WHEN s.state = 'running' THEN"
-    " COALESCE((SELECT b.deadline_us FROM shard_beats AS b WHERE b.run_pk = s.run_pk"
-    " AND b.shard_id = s.shard_id), s.deadline_us) ELSE s.deadline_us END, s.plan_line"
-    " FROM shards AS s WHERE s.run_pk = %(run)s AND s.state = ANY(%(states)s)"
+    "SELECT s.shard_id, s.plan_index, s.plan_line, "
+    + resume_reason_sql(
+        "COALESCE((SELECT b.deadline_us FROM shard_beats AS b WHERE b.run_pk = s.run_pk"
+        " AND b.shard_id = s.shard_id), s.deadline_us)",
+        "%(now)s",
+    )
+    + " FROM shards AS s WHERE s.run_pk = %(run)s AND s.state = ANY(%(states)s)"
     " ORDER BY s.plan_index, s.shard_id"
 )
 # A separate statement rather than "states IS NULL OR ...", which a generic plan handles badly.

@@ -11,6 +11,7 @@ from psycopg import errors as pg_errors
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
+from ledger_server.projections import RESUME_STATES
 from ledger_server.store import postgres_sql as q
 from ledger_server.store.base import (
     ConcurrentWriteError,
@@ -308,11 +309,10 @@ class PgReadView:
         for row in self._stream(sql, params):
             yield ShardRow(*row)
 
-    def iter_resume(
-        self, run_pk: int, states: Sequence[str]
-    ) -> Iterator[tuple[str, int, str, str, int | None, str]]:
-        for row in self._stream(q.SQL_ITER_RESUME, {"run": run_pk, "states": list(states)}):
-            yield (str(row[0]), int(row[1]), str(row[2]), str(row[3]), row[4], str(row[5]))
+    def iter_resume(self, run_pk: int, now_us: int) -> Iterator[tuple[str, int, str, str]]:
+        params = {"run": run_pk, "now": now_us, "states": list(RESUME_STATES)}
+        for row in self._stream(q.SQL_ITER_RESUME, params):
+            yield (str(row[0]), int(row[1]), str(row[2]), str(row[3]))
 
     def max_sequence(self) -> int:
         return int(self.rows(q.SQL_MAX_SEQUENCE, ())[0][0])
