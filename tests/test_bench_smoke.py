@@ -1,8 +1,9 @@
-"""The big-night benchmark runs end to end at a small size and its counts are exact.
+"""The benchmarks run end to end at a small size and their counts are exact.
 
-No timing is asserted: only that the night it writes, rebuilds and serves is
-the night it describes (the running tenth of the shards is exactly the resume
-list), so the published figures come from a working benchmark.
+No timing is asserted: only that the night the big-night benchmark writes,
+rebuilds and serves is the night it describes (the running tenth of the shards
+is exactly the resume list), and that the unary benchmark's calls all landed,
+so the published figures come from working benchmarks.
 """
 
 from __future__ import annotations
@@ -66,3 +67,31 @@ def test_bench_replay_refuses_too_few_events(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "--events must be at least 4 per shard" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_unary_drives_both_servers_without_errors(tmp_path: Path) -> None:
+    out = tmp_path / "ingest.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.bench", "unary", "--seconds", "0.5", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    unary = json.loads(out.read_text())["unary"]
+    assert unary["errors"] == 0
+    assert unary["echo_calls_per_s"] > 0 and unary["durable_appends_per_s"] > 0
+    assert unary["events_per_group_commit"] >= 1
+    assert unary["server_cpu_us_per_call"] > 0 and unary["echo_server_cpu_us_per_call"] > 0
+
+
+def test_bench_refuses_a_non_positive_duration(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.bench", "unary", "--seconds", "0", "-o", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--seconds must be positive" in done.stderr
+    assert not (tmp_path / "x").exists()

@@ -119,9 +119,13 @@ def _drive(
         for i in range(procs)
     ]
     start = time.monotonic()
+    # The server under test runs in this process: its CPU time (every thread, user and
+    # system) over the drive, per call, is what one call costs the server.
+    cpu_before = _process_cpu_s()
     for w in workers:
         w.start()
     results = [queue.get() for _ in workers]
+    cpu_s = _process_cpu_s() - cpu_before
     for w in workers:
         w.join()
     elapsed = time.monotonic() - start
@@ -132,7 +136,13 @@ def _drive(
         "seconds": seconds,
         "calls_per_s": calls / seconds,
         "wall_s": elapsed,
+        "server_cpu_us_per_call": round(1e6 * cpu_s / max(calls, 1), 1),
     }
+
+
+def _process_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def _heartbeat_payloads(
@@ -209,6 +219,10 @@ def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict
         "echo_calls_per_s": round(echo["calls_per_s"]),
         "durable_appends_per_s": round(ours["calls_per_s"]),
         "ratio_to_echo": round(ours["calls_per_s"] / echo["calls_per_s"], 3),
+        # CPU time of the server's process (all threads, user + system) per call: the
+        # echo server's is gRPC's own cost; the difference is what the ledger adds.
+        "echo_server_cpu_us_per_call": echo["server_cpu_us_per_call"],
+        "server_cpu_us_per_call": ours["server_cpu_us_per_call"],
         "errors": ours["errors"],
         "events_per_group_commit": round(events / max(groups, 1), 1),
         "target": ">= 0.70 x echo",
@@ -268,6 +282,7 @@ def bench_batched(seconds: float = 5.0, procs: int = 2, threads: int = 4) -> dic
         "events_per_s": round(events_per_s),
         "raw_sqlite_rows_per_s": round(raw),
         "ratio_to_raw_sqlite": round(events_per_s / raw, 3),
+        "server_cpu_us_per_event": round(ours["server_cpu_us_per_call"] / 100, 1),
         "row_bytes": row_bytes,
         "errors": ours["errors"],
         "target": ">= 50,000 events/s and >= 0.60 x raw SQLite",
@@ -482,7 +497,15 @@ def main(argv: list[str] | None = None) -> int:
         default="sdk",
         help="event ids as the SDK makes them (default) or random uuid4 (foreign clients)",
     )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=5.0,
+        help="how long unary and batched drive their clients (default: 5)",
+    )
     args = parser.parse_args(argv)
+    if args.seconds <= 0:
+        parser.error("--seconds must be positive")
     global id_style
     id_style = args.ids
     names = list(BENCHES) if args.which == "all" else [args.which]
@@ -492,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         key = (
             name if id_style == "sdk" or name not in ("unary", "batched") else f"{name}_{id_style}"
         )
-        report[key] = BENCHES[name]()
+        driven = name in ("unary", "batched")
+        report[key] = BENCHES[name](seconds=args.seconds) if driven else BENCHES[name]()
         print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
