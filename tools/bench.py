@@ -470,7 +470,7 @@ def bench_sdk(seconds: float = 10.0, events: int = 20_000) -> dict[str, Any]:
     return out
 
 
-BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
+BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "unary": bench_unary,
     "batched": bench_batched,
     "artifact": bench_artifact,
