@@ -14,25 +14,18 @@ import sys
 from pathlib import Path
 
 
+def _bench(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Runs one benchmark module as a user would, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
 def test_bench_replay_writes_rebuilds_and_serves_the_night_it_describes(tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.bench_replay",
-            "--shards",
-            "50",
-            "--events",
-            "500",
-            "--dir",
-            str(tmp_path),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = _bench(
+        "tools.bench_replay",
+        *("--shards", "50", "--events", "500", "--dir", str(tmp_path), "--out", str(out)),
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
@@ -46,37 +39,20 @@ def test_bench_replay_writes_rebuilds_and_serves_the_night_it_describes(tmp_path
 
 
 def test_bench_replay_refuses_too_few_events(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.bench_replay",
-            "--shards",
-            "10",
-            "--events",
-            "20",
-            "--dir",
-            str(tmp_path),
-            "--out",
-            str(tmp_path / "x.json"),
-        ],
-        capture_output=True,
-        text=True,
+    out = tmp_path / "x.json"
+    done = _bench(
+        "tools.bench_replay",
+        *("--shards", "10", "--events", "20", "--dir", str(tmp_path), "--out", str(out)),
         timeout=60,
     )
     assert done.returncode == 2
     assert "--events must be at least 4 per shard" in done.stderr
-    assert not (tmp_path / "x.json").exists()
+    assert not out.exists()
 
 
 def test_bench_unary_drives_both_servers_without_errors(tmp_path: Path) -> None:
     out = tmp_path / "ingest.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "unary", "--seconds", "0.5", "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _bench("tools.bench", "unary", "--seconds", "0.5", "-o", str(out))
     assert done.returncode == 0, done.stderr
     unary = json.loads(out.read_text())["unary"]
     assert unary["errors"] == 0
@@ -86,12 +62,8 @@ def test_bench_unary_drives_both_servers_without_errors(tmp_path: Path) -> None:
 
 
 def test_bench_refuses_a_non_positive_duration(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "unary", "--seconds", "0", "-o", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = tmp_path / "x.json"
+    done = _bench("tools.bench", "unary", "--seconds", "0", "-o", str(out), timeout=60)
     assert done.returncode == 2
     assert "--seconds must be positive" in done.stderr
-    assert not (tmp_path / "x").exists()
+    assert not out.exists()
