@@ -85,15 +85,21 @@ def fold_rows(
         advance(pending)
 
 
-def shard_rows(replay: proj.RunReplay) -> Iterator[ShardRow]:
-    """Yields the rebuilt projection rows in plan order."""
-    for record in replay.ordered():
-        yield ShardRow(shard_id=record.shard_id, **proj.row_columns(record))
+def take_projections(replay: proj.RunReplay) -> tuple[list[ShardRow], dict[str, int]]:
+    """Returns the rebuilt shard rows in plan order and the summary counters.
 
-
-def counters(replay: proj.RunReplay) -> dict[str, int]:
-    """Returns the rebuilt summary counters, without the zeros a store does not keep."""
-    return {k: n for k, n in replay.counters().items() if n}
+    It empties the replay: each record is dropped as soon as its row is built, so
+    a run's records and its rows (each ~1 GB or more at a million shards) are not
+    both held at their full size. The counters are summed first, from the records.
+    """
+    rebuilt_counters = {k: n for k, n in replay.counters().items() if n}
+    records = replay.records
+    order = sorted((r.plan_index, shard_id) for shard_id, r in records.items())
+    rows = []
+    for _, shard_id in order:
+        record = records.pop(shard_id)
+        rows.append(ShardRow(shard_id=shard_id, **proj.row_columns(record)))
+    return rows, rebuilt_counters
 
 
 def rebuild_run(
@@ -119,9 +125,7 @@ def rebuild_run(
             pass
         count, head = chain.count, chain.head
         replayed_at = time.monotonic()
-        rows = list(shard_rows(replay))
-        rebuilt_counters = counters(replay)
-        replay.records.clear()
+        rows, rebuilt_counters = take_projections(replay)
         differing = _differing(rows, view.iter_shards(run.run_pk))
         counters_differ = view.counters(run.run_pk) != rebuilt_counters
         written = False

@@ -171,7 +171,7 @@ class _Fold:
 
     def projections(self) -> tuple[list[ShardRow], dict[str, int]]:
         if self._built is None:
-            self._built = list(rebuild.shard_rows(self.replay)), rebuild.counters(self.replay)
+            self._built = rebuild.take_projections(self.replay)
         return self._built
 
 
