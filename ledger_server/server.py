@@ -23,6 +23,7 @@ from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metr
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
 from ledger_server.store import open_store, redact_url
+from ledger_server.store.base import StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
@@ -122,6 +123,11 @@ def create_server(config: ServerConfig) -> RunningServer:
         raise SystemExit(f"--auth must be auto, tokens or off, not {config.auth!r}")
     credentials = _server_credentials(config) if tls else None
     store = open_store(config.database)
+    try:
+        store.claim_writer()  # a second server on one SQLite file refuses to start
+    except StoreError as exc:
+        store.close()
+        raise SystemExit(f"cannot serve {redact_url(config.database)}: {exc}") from None
     metrics = LedgerMetrics()
     ledger = Ledger(store, on_group=metrics.observe_group)
     require_tokens = config.auth == "tokens" or (

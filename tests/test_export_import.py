@@ -217,6 +217,23 @@ def test_importing_a_run_that_exists_is_refused_and_changes_nothing(
     assert rows_of(target) == before
 
 
+def test_importing_into_a_file_a_server_is_writing_is_refused_and_changes_nothing(
+    client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fill(client)
+    export(capsys, client, tmp_path / "run.jsonl")
+    target = tmp_path / "target.db"
+    live = create_server(ServerConfig(database=str(target), listen="127.0.0.1:0"))
+    try:
+        code, _, err = cli(capsys, "import", str(tmp_path / "run.jsonl"), "--db", str(target))
+        assert code == 5
+        assert "is being written by another process" in err and "nothing was written" in err
+        assert rows_of(target) == []
+    finally:
+        live.stop(0.5)
+    assert cli(capsys, "import", str(tmp_path / "run.jsonl"), "--db", str(target))[0] == 0
+
+
 def test_import_with_a_pinned_key_refuses_a_file_signed_by_another(
     client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

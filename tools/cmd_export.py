@@ -20,6 +20,7 @@ from ledger_server.errors import ConflictError, LedgerError
 from ledger_server.events import canonical_json, check_namespace
 from ledger_server.importer import ImportRow, import_run
 from ledger_server.signing import TreeHead, load_public_key, public_key_id
+from ledger_server.store.base import WriterBusy
 from tools.audit_checks import (
     ChainWalk,
     event_row,
@@ -30,6 +31,7 @@ from tools.audit_checks import (
     rpc_tree_head,
 )
 from tools.cli import (
+    EXIT_LOCAL,
     EXIT_OK,
     EXIT_PROBLEMS,
     EXIT_REJECTED,
@@ -281,6 +283,8 @@ def run_import(args: argparse.Namespace) -> int:
     except LedgerError as exc:
         print(f"shardledger: refusing {args.file}: {exc}; nothing was written", file=sys.stderr)
         return EXIT_PROBLEMS
+    except WriterBusy as exc:
+        raise CommandError(f"refused: {exc}; nothing was written", code=EXIT_LOCAL) from None
     finally:
         store.close()
     summary = {

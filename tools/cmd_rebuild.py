@@ -10,7 +10,7 @@ from ledger_server.errors import LedgerError
 from ledger_server.events import check_namespace
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.store import open_store, redact_url
-from ledger_server.store.base import RunRow, Store, StoreError
+from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from tools.cli import (
     EXIT_LOCAL,
     EXIT_OK,
@@ -102,7 +102,7 @@ def run_rebuild(args: argparse.Namespace) -> int:
         with progress("replaying events", sum(r.event_count for r in runs)) as advance:
             for run in runs:
                 reports.append(rebuild_run(store, run, write=not args.check, advance=advance))
-    except RebuildRefused as exc:
+    except (RebuildRefused, WriterBusy) as exc:
         raise CommandError(f"refused: {exc}; nothing was written", code=EXIT_LOCAL) from None
     except StoreError as exc:
         raise CommandError(f"database error: {exc}", code=EXIT_LOCAL) from None

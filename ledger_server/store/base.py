@@ -24,6 +24,10 @@ class ImmutableRowError(StoreError):
     """An UPDATE or DELETE on the events table was refused by the database."""
 
 
+class WriterBusy(StoreError):
+    """Another process is the writer of this single-writer store (a SQLite file)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunRow:
     """One run's chain head."""
@@ -193,6 +197,14 @@ class Store(Protocol):
     # True when this process is the store's only writer, so the writer may keep shard
     # records in memory between transactions (SQLite); False for shared databases.
     exclusive_writer: bool
+
+    def claim_writer(self) -> None:
+        """Makes this process the store's writer; WriterBusy if another process is.
+
+        A single-writer store (SQLite) holds the claim until close() or the process
+        ends (a crash included); write() claims on first use. Shared stores
+        (PostgreSQL) have many writers and claim nothing.
+        """
 
     def write(self) -> AbstractContextManager[WriteTx]:
         """Opens the write transaction; it commits durably when the context exits cleanly."""

@@ -136,6 +136,9 @@ class PostgresStore:
         """Returns the highest applied migration."""
         return max((v for v, _, _ in self.applied_migrations()), default=0)
 
+    def claim_writer(self) -> None:
+        """Replicas share the database: there is no single writer to claim."""
+
     @contextmanager
     def write(self) -> Iterator[PgWriteTx]:
         """Opens the write transaction; it commits durably when the context exits cleanly."""

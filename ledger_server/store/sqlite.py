@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
 import threading
 import time
@@ -21,6 +23,7 @@ from ledger_server.store.base import (
     StoredShard,
     StoreError,
     TokenRow,
+    WriterBusy,
 )
 
 # Each migration is a list of statements applied in one transaction together
@@ -279,6 +282,7 @@ class SqliteStore:
         self._readers_lock = threading.Lock()
         self._writer = self._connect()
         self._write_lock = threading.Lock()
+        self._claim: int | None = None
         self._migrate()
 
     def _connect(self) -> sqlite3.Connection:
@@ -323,10 +327,45 @@ class SqliteStore:
         row = self._writer.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
         return int(row[0] or 0)
 
+    def claim_writer(self) -> None:
+        """Takes the file's writer lock (flock on `<file>-lock`), or raises WriterBusy.
+
+        The writer keeps shard records in memory between transactions, which is only
+        right while no other process writes the file: a second server on the same
+        file would fold onto records the first one has since changed. SQLite's own
+        locks serialize transactions but cannot tell that. The kernel drops the lock
+        when the process ends, a kill -9 included.
+        """
+        if self._claim is not None or self.path == ":memory:":
+            return
+        lock_path = self.path + "-lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StoreError(f"cannot open the writer lock {lock_path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise WriterBusy(
+                f"{self.path} is being written by another process"
+                f"{f' (pid {holder})' if holder.isdigit() else ''}: a SQLite ledger has one"
+                " writer at a time (one server; `db rebuild` and `import` with it stopped)"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"cannot lock {lock_path}: {exc}") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._claim = fd
+
     @contextmanager
     def write(self) -> Iterator[_SqliteWriteTx]:
         """Opens the write transaction; it commits durably when the context exits cleanly."""
         with self._write_lock:
+            if self._claim is None:
+                self.claim_writer()
             conn = self._writer
             try:
                 conn.execute("BEGIN IMMEDIATE")
@@ -423,6 +462,9 @@ class SqliteStore:
             self._readers.clear()
         with self._write_lock:
             self._writer.close()
+            if self._claim is not None:
+                os.close(self._claim)  # releases the writer lock
+                self._claim = None
 
 
 @dataclass(slots=True)
