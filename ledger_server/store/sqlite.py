@@ -336,6 +336,10 @@ class SqliteStore:
         locks serialize transactions but cannot tell that. The kernel drops the lock
         when the process ends, a kill -9 included.
         """
+        with self._write_lock:
+            self._claim_locked()
+
+    def _claim_locked(self) -> None:
         if self._claim is not None or self.path == ":memory:":
             return
         lock_path = self.path + "-lock"
@@ -365,7 +369,7 @@ class SqliteStore:
         """Opens the write transaction; it commits durably when the context exits cleanly."""
         with self._write_lock:
             if self._claim is None:
-                self.claim_writer()
+                self._claim_locked()
             conn = self._writer
             try:
                 conn.execute("BEGIN IMMEDIATE")
