@@ -31,7 +31,8 @@ Every row is checked against the run's hash chain before it is folded, so
 projections are never rebuilt from rows the chain does not vouch for (run
 `shardledger audit verify --db` to see what changed). Stop the server writing to the
 database first: a rebuild refuses a run that moves while it is replayed, and a
-running server keeps shard records in memory that would not see the rewrite.
+running server keeps shard records in memory that would not see the rewrite (on
+SQLite a rewrite beside a live server is refused; --check only reads).
 
 examples:
   shardledger db rebuild --database-url sqlite:///ledger.db --check
