@@ -22,7 +22,11 @@ def register(
         "calls and closes the database cleanly.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--db", default=DEFAULT_DB, help="SQLite file (or sqlite:///PATH)")
+    p.add_argument(
+        "--db",
+        default=DEFAULT_DB,
+        help="SQLite file (or sqlite:///PATH); one server per file, a second refuses to start",
+    )
     p.add_argument(
         "--database-url",
         metavar="URL",
