@@ -204,15 +204,25 @@ def test_a_broken_file_is_refused_naming_the_line_and_nothing_is_written(
     assert not target.exists()
 
 
+def _exported_run(capsys: pytest.CaptureFixture[str], client: LedgerClient, tmp_path: Path) -> Path:
+    """Fills the run through the server and exports it; returns the export file."""
+    fill(client)
+    path = tmp_path / "run.jsonl"
+    export(capsys, client, path)
+    return path
+
+
+def _import(capsys: pytest.CaptureFixture[str], path: Path, target: Path) -> tuple[int, str, str]:
+    return cli(capsys, "import", str(path), "--db", str(target))
+
+
 def test_importing_a_run_that_exists_is_refused_and_changes_nothing(
     client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fill(client)
-    export(capsys, client, tmp_path / "run.jsonl")
-    target = tmp_path / "target.db"
-    assert cli(capsys, "import", str(tmp_path / "run.jsonl"), "--db", str(target))[0] == 0
+    exported, target = _exported_run(capsys, client, tmp_path), tmp_path / "target.db"
+    assert _import(capsys, exported, target)[0] == 0
     before = rows_of(target)
-    code, _, err = cli(capsys, "import", str(tmp_path / "run.jsonl"), "--db", str(target))
+    code, _, err = _import(capsys, exported, target)
     assert code == 4 and "RUN_EXISTS" in err
     assert rows_of(target) == before
 
@@ -220,18 +230,16 @@ def test_importing_a_run_that_exists_is_refused_and_changes_nothing(
 def test_importing_into_a_file_a_server_is_writing_is_refused_and_changes_nothing(
     client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fill(client)
-    export(capsys, client, tmp_path / "run.jsonl")
-    target = tmp_path / "target.db"
+    exported, target = _exported_run(capsys, client, tmp_path), tmp_path / "target.db"
     live = create_server(ServerConfig(database=str(target), listen="127.0.0.1:0"))
     try:
-        code, _, err = cli(capsys, "import", str(tmp_path / "run.jsonl"), "--db", str(target))
+        code, _, err = _import(capsys, exported, target)
         assert code == 5
         assert "is being written by another process" in err and "nothing was written" in err
         assert rows_of(target) == []
     finally:
         live.stop(0.5)
-    assert cli(capsys, "import", str(tmp_path / "run.jsonl"), "--db", str(target))[0] == 0
+    assert _import(capsys, exported, target)[0] == 0
 
 
 def test_import_with_a_pinned_key_refuses_a_file_signed_by_another(
