@@ -360,8 +360,12 @@ class SqliteStore:
         except OSError as exc:
             os.close(fd)
             raise StoreError(f"cannot lock {lock_path}: {exc}") from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:  # who holds it, for the message a second writer gets
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"cannot write the writer lock {lock_path}: {exc}") from exc
         self._claim = fd
 
     @contextmanager
