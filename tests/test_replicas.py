@@ -21,7 +21,7 @@ from ledger_server import projections as proj
 from ledger_server.audit import verify_store
 from ledger_server.ledger import recorded
 from ledger_server.store import open_store
-from ledger_server.store.postgres import PostgresStore
+from ledger_server.store.postgres import POOL_OPTIONS, PostgresStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import LedgerClient
@@ -293,7 +293,10 @@ def test_database_crash_under_load_is_unavailable_then_loses_nothing(
     with Load((a, b), workers=4, retry_s=60, acked=_seed(a.target)) as load:
         time.sleep(0.7)
         pg_cluster.stop("immediate")  # no checkpoint, no clean shutdown: crash recovery follows
-        time.sleep(1.5)
+        # Down for longer than the pool waits for a connection: a call that only waits for a
+        # checkout (not one whose transaction the crash cut) must fail UNAVAILABLE too, so
+        # the clients see the outage however the crash fell between their transactions.
+        time.sleep(POOL_OPTIONS["pool_timeout"] + 1.0)
         pg_cluster.start()
         pg_cluster.wait_ready()
         before = len(load.acked)
