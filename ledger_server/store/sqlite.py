@@ -201,12 +201,11 @@ SQL_SHARD_FROM: Final = (
     " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id"
 )
 SQL_DEADLINE: Final = "CASE WHEN b.run_pk IS NULL THEN s.deadline_us ELSE b.deadline_us END"
-# The same deadline without the join, for the resume list (it needs no record): only a
-# running shard has a deadline, and a running shard's heartbeat row always holds one.
+# The same deadline without the join, for the resume list (it needs no record), which
+# asks only for a running shard's: its heartbeat row's when there is one.
 SQL_RUNNING_DEADLINE: Final = (
-    "CASE WHEN s.state = 'running' THEN COALESCE((SELECT b.deadline_us FROM shard_beats AS b"
+    "COALESCE((SELECT b.deadline_us FROM shard_beats AS b"
     " WHERE b.run_pk = s.run_pk AND b.shard_id = s.shard_id), s.deadline_us)"
-    " ELSE s.deadline_us END"
 )
 SQL_ITER_RESUME: Final = (
     f"SELECT s.shard_id, s.plan_index, s.plan_line, {resume_reason_sql(SQL_RUNNING_DEADLINE, '?1')}"
