@@ -391,9 +391,13 @@ def _check_json_object(field_name: str, text: str) -> str:
     if not isinstance(value, dict):
         raise InvalidEvent(field_name, "must be a JSON object")
     try:
-        return canonical_json(value)
-    except ValueError as exc:
+        text = canonical_json(value)
+        # A JSON escape may name a lone surrogate ("\\ud800"): valid JSON, but no UTF-8
+        # text can carry it, and the row must be stored as UTF-8.
+        text.encode("utf-8")
+    except ValueError as exc:  # UnicodeEncodeError is a ValueError
         raise InvalidEvent(field_name, f"is not canonicalizable: {exc}") from None
+    return text
 
 
 def normalize_plan(p: ShardPlanned) -> ShardPlanned:
@@ -496,7 +500,10 @@ def validate(event: Event) -> Event:
         text = canonical_json(content)
     except (TypeError, ValueError) as exc:
         raise InvalidEvent("payload", f"is not representable: {exc}") from None
-    size = len(text) if text.isascii() else len(text.encode())
+    try:
+        size = len(text) if text.isascii() else len(text.encode())
+    except UnicodeEncodeError as exc:  # a lone surrogate from a caller that is not protobuf
+        raise InvalidEvent("payload", f"is not UTF-8 text: {exc.reason}") from None
     if size > MAX_PAYLOAD_BYTES:
         raise LimitExceeded("event_bytes", size, MAX_PAYLOAD_BYTES)
     if namespace == event.namespace and payload is event.payload:

@@ -174,6 +174,26 @@ def append_a_forged_event(lines: list[str]) -> int:
     return len(lines)
 
 
+def forge_a_lone_surrogate(lines: list[str]) -> int:
+    # Valid JSON, a chain the forger extended, but text no UTF-8 row can carry.
+    last = json.loads(lines[-2])
+    row = dict(last["row"])
+    row["run_sequence"] += 1
+    payload = {"tag": "oom", "message": "x\ud800"}
+    row["event"] = {**row["event"], "event_id": "forged", "kind": "failed", "payload": payload}
+    body = json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    forged = {
+        **last,
+        "run_sequence": row["run_sequence"],
+        "row": row,
+        "row_hash": chain_hash(
+            bytes.fromhex(last["row_hash"]), body.encode("utf-8", "surrogatepass")
+        ).hex(),
+    }
+    lines.insert(len(lines) - 1, json.dumps(forged) + "\n")
+    return len(lines) - 1
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -184,6 +204,7 @@ def append_a_forged_event(lines: list[str]) -> int:
         break_the_signature,
         swap_the_header_key,
         append_a_forged_event,
+        forge_a_lone_surrogate,
     ],
 )
 def test_a_broken_file_is_refused_naming_the_line_and_nothing_is_written(

@@ -414,6 +414,9 @@ MUTATIONS: list[Mutation] = [
     _set("planned.params_json", '{"x":"' + "y" * 70_000 + '"}', True),  # over 64 KiB
     _set("planned.params_json", "[" * 100_000 + "]" * 100_000, True),
     _set("planned.plan_line", "not json", True),
+    _set("planned.params_json", '{"a":"\\ud800"}', True),  # a lone surrogate: no UTF-8 form
+    _set("planned.plan_line", '{"a":"\\udc00"}', True),
+    _set("planned.params_json", '{"a":"\\ud83d\\ude00"}', False),  # a pair is one character
     _set("planned.plan_line", '{"line":"\\u0000"}', False),
     _set("planned.plan_index", -1, True),
     _drawn("planned.plan_index", int64s),

@@ -16,7 +16,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from ledger_server import codec
-from ledger_server.events import MAX_PAYLOAD_BYTES, validate
+from ledger_server.errors import InvalidEvent
+from ledger_server.events import MAX_PAYLOAD_BYTES, AttemptFailed, Event, validate
 from ledger_server.ledger import MAX_EVENTS_PER_BATCH
 from ledger_server.server import MAX_MESSAGE_BYTES, RunningServer, ServerConfig, create_server
 from ledger_server.servicer import MAX_PAGE_SIZE
@@ -138,6 +139,16 @@ def test_event_of_exactly_64_kib_is_stored(stub: pb_grpc.LedgerServiceStub) -> N
     assert _event_bytes(ev) == MAX_PAYLOAD_BYTES
     response = _append(stub, ev)
     assert response.results[0].outcome == pb.APPEND_OUTCOME_APPENDED
+
+
+def test_text_no_utf8_can_carry_is_refused_from_python_callers_too() -> None:
+    # Protobuf strings are UTF-8 by construction; a Python caller's str may hold a lone
+    # surrogate, which no stored row could encode.
+    lone = Event("e-1", "default", "run-1", "s1", "a1", 0, AttemptFailed("oom", "x\ud800"))
+    with pytest.raises(InvalidEvent) as refused:
+        validate(lone)
+    assert refused.value.field == "payload"
+    assert "not UTF-8 text" in str(refused.value)
 
 
 def test_event_over_64_kib_is_refused_naming_the_limit(
