@@ -178,15 +178,12 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     events.append(codec.decode_event(msg))
                 except LedgerError as exc:
                     raise EventRejected(index, exc) from None
-            results = self.ledger.append(events)
-            return pb.AppendEventsResponse(
-                results=[
-                    pb.AppendResult(
-                        event_id=r.event_id, sequence=r.sequence, outcome=codec.OUTCOMES[r.outcome]
-                    )
-                    for r in results
-                ]
-            )
+            response = pb.AppendEventsResponse()
+            add, outcomes = response.results.add, codec.OUTCOMES
+            # add() fills the repeated field in place: no message built and then copied in.
+            for event_id, sequence, outcome in self.ledger.append(events):
+                add(event_id=event_id, sequence=sequence, outcome=outcomes[outcome])
+            return response
 
         def timed() -> pb.AppendEventsResponse:
             with self.metrics.timed_append(len(request.events)):
