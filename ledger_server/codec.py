@@ -83,9 +83,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         # dict(map) goes through the Mapping ABC's Python-level keys view; iterating the map
         # and indexing it stays in C (half the time). An empty map costs nothing.
         metrics = h.metrics
-        return Heartbeat(
-            step=h.step, progress=h.progress, metrics={k: metrics[k] for k in metrics}
-        )
+        return Heartbeat(step=h.step, progress=h.progress, metrics={k: metrics[k] for k in metrics})
     if case == "checkpoint":
         c = msg.checkpoint
         return CheckpointSaved(

@@ -238,12 +238,16 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
 
 
 def _was_committed(record: ShardRecord, p: ArtifactVerified) -> bool:
-    # commit_digests is keyed by "name\x00fingerprint", so an earlier (overwritten)
-    # commit of the name is found by scanning that name's fingerprint groups.
-    return any(
-        a.artifacts.get(p.name, ("", 0, ""))[0::2] == (p.path, p.blake3_hex)
-        for a in record.attempts.values()
-    ) or any(
+    # A verdict names a commit of the shard: what an attempt holds now as its commit of
+    # the name (name, path, digest), or an earlier commit of the name overwritten in
+    # place (the digest was committed for the name, and the path is where an attempt
+    # holds the name now: a verifier that read the file after it was replaced). A path
+    # no attempt holds is refused: verdicts are keyed by (path, digest), so one on such
+    # a path would confirm a later commit of it that nobody verified.
+    current = [a.artifacts[p.name] for a in record.attempts.values() if p.name in a.artifacts]
+    if any((path, digest) == (p.path, p.blake3_hex) for path, _, digest in current):
+        return True
+    return any(path == p.path for path, _, _ in current) and any(
         p.blake3_hex in digests
         for group, digests in record.commit_digests.items()
         if group.partition("\x00")[0] == p.name

@@ -221,9 +221,14 @@ class Model:
                 p.host, p.pid, p.heartbeat_timeout_us, p.fingerprint_digest, at
             )
         elif isinstance(p, ArtifactVerified):
-            # A verdict names a committed artifact: the name and digest of some commit
-            # (an earlier, overwritten commit of the name counts too).
-            if not any((c[1], c[3]) == (p.name, p.blake3_hex) for c in shard.commits):
+            # A verdict names an attempt's latest commit of the name (name, path, digest),
+            # or an earlier commit of the name overwritten at a path an attempt holds now.
+            held = [a.outputs()[p.name] for a in shard.attempts.values() if p.name in a.outputs()]
+            latest = any((h[0], h[2]) == (p.path, p.blake3_hex) for h in held)
+            overwritten = any(h[0] == p.path for h in held) and any(
+                (c[1], c[3]) == (p.name, p.blake3_hex) for c in shard.commits
+            )
+            if not (latest or overwritten):
                 raise Refused("verdict on an artifact never committed")
             shard.verdicts.append((p.path, p.blake3_hex, p.result, p.reason))
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -108,6 +109,51 @@ def test_identical_replan_is_acknowledged_without_a_new_row(
     assert replan[0].outcome == pb.APPEND_OUTCOME_ALREADY_PLANNED
     assert replan[0].sequence == first[0].sequence
     assert _event_count(db_path) == 1
+
+
+def test_replan_with_another_line_or_index_keeps_the_first(client: LedgerClient) -> None:
+    first = planned()
+    first.planned.plan_line = '{"cmd": "first"}'
+    client.append([first])
+    moved = planned()  # the same definition, a new event id, another line and place
+    moved.planned.plan_line = '{"cmd": "second"}'
+    moved.planned.plan_index = 7
+    assert client.append([moved])[0].outcome == pb.APPEND_OUTCOME_ALREADY_PLANNED
+    [entry] = client.resume("run-1")
+    assert (entry.plan_index, json.loads(entry.plan_line)["cmd"]) == (0, "first")
+
+
+def _verdict(path: str, digest: str) -> pb.ShardEvent:
+    return event(
+        verified=pb.ArtifactVerified(
+            name="out", path=path, blake3_hex=digest, result=pb.VERIFICATION_RESULT_PASSED
+        )
+    )
+
+
+def test_a_verdict_names_a_path_an_attempt_committed(client: LedgerClient, db_path: Path) -> None:
+    client.append([planned(), started(), committed(path="/out/x", digest=DIGEST_A)])
+    before = _event_count(db_path)
+    # The committed digest, but at a path no attempt committed: refused, nothing stored.
+    with pytest.raises(grpc.RpcError) as caught:
+        client.stub.AppendEvents(
+            pb.AppendEventsRequest(events=[_verdict("/tmp/never-committed", DIGEST_A)]), timeout=5
+        )
+    code, reason, _ = _details(caught.value)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "ARTIFACT_NOT_COMMITTED")
+    assert _event_count(db_path) == before
+    # So a later commit of that very path is not confirmed by anybody's earlier word.
+    client.append(
+        [
+            started(attempt_id="att-2"),
+            committed(attempt_id="att-2", path="/tmp/never-committed", digest=DIGEST_A),
+        ]
+    )
+    assert [(e.shard_id, e.reason) for e in client.resume("run-1")] == [("shard-0", "unverified")]
+    # A commit overwritten in place may still be judged: the verifier read the path late.
+    client.append([committed(path="/out/x", digest=DIGEST_B)])
+    stale = client.append([_verdict("/out/x", DIGEST_A)])
+    assert stale[0].outcome == pb.APPEND_OUTCOME_APPENDED
 
 
 def _details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:

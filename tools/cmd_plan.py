@@ -60,8 +60,9 @@ sorted order, all with the same --params and --expected-outputs.
 
 Every line is checked before anything is sent: a bad line is reported with its
 number and nothing is registered. Planning again is idempotent: an identical
-shard is counted as already planned; a shard id planned before with a different
-definition is a conflict, listed on stderr.
+shard (same input, params and expected outputs) is counted as already planned
+and keeps its first plan index and plan line; a shard id planned before with a
+different definition is a conflict, listed on stderr.
 
 exit codes: 0 all shards new or already planned identically; 1 some conflict;
 3 unreachable; 4 refused by the server; 5 bad manifest or inputs (nothing sent)
