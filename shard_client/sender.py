@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+import grpc
+
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerClientError, LedgerRejected, LedgerUnavailable
@@ -50,7 +52,7 @@ from shard_client.spooldir import (
     record_rejection,
 )
 
-__all__ = ["Ack", "Policy", "Sender", "new_event_id"]
+__all__ = ["MAX_EVENT_BYTES", "Ack", "Policy", "Sender", "new_event_id"]
 
 Policy = Literal["spool", "block", "raise"]
 log = logging.getLogger("shard_client")
@@ -59,6 +61,12 @@ _OUTCOMES: Final = {
     pb.APPEND_OUTCOME_DUPLICATE: "duplicate",
     pb.APPEND_OUTCOME_ALREADY_PLANNED: "already_planned",
 }
+# An event this large can never be stored: the ledger takes at most 64 KiB of canonical
+# JSON per event, and a protobuf event is never that much bigger than its JSON (the
+# largest difference, a map entry's framing, is a few bytes per entry and at most 256
+# entries are allowed). Sent, it would wait in the queue and the spool forever, holding
+# up every event behind it; it is refused at emit instead.
+MAX_EVENT_BYTES: Final = 1024 * 1024
 
 
 _ids: tuple[int, str, itertools.count[int]] = (-1, "", itertools.count())
@@ -173,14 +181,18 @@ class Sender:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # settled events; flush and acks wait here
         self._wakeup = threading.Condition(self._lock)  # only the sender thread waits here
-        self._gate = threading.Lock()  # held around every RPC and spool operation
+        # Held around every RPC (a fork waits for it) and never around spool writes: an
+        # emit that overflows to the spool must not wait for an append in flight.
+        self._gate = threading.Lock()
         self._buffer: deque[_Item] = deque()
         self._inflight: list[_Item] = []
         self._inflight_spooled = False
         self._spool: Spool | None = None
         self.spool_dir = process_spool_dir(self.spool_root)
         self._spooled: dict[str, Ack] = {}
-        self._dirty = False  # the spool holds records that go before anything queued
+        # The spool holds records that go before anything queued. Set and cleared only
+        # under the lock, as spills happen, so no spill can land unseen.
+        self._dirty = False
         self._retry_at = 0.0
         self._backoff = 0.05
         self._down: LedgerClientError | None = None
@@ -189,10 +201,19 @@ class Sender:
         self._thread: threading.Thread | None = None
 
     def emit(self, event: pb.ShardEvent) -> Ack:
-        """Queues an event and returns its Ack; never waits for the network."""
+        """Queues a copy of the event and returns its Ack; never waits for the network.
+
+        The event is copied, so the caller may reuse the message. One over
+        MAX_EVENT_BYTES is refused at once (its Ack says "rejected"; it is logged and
+        written to rejected.jsonl): no ledger could store it.
+        """
         if self._pid != os.getpid():
             self._reset()
-        item = _Item(event, Ack(event.event_id, self), event.ByteSize())
+        copy = pb.ShardEvent()
+        copy.CopyFrom(event)
+        item = _Item(copy, Ack(event.event_id, self), copy.ByteSize())
+        if item.size > MAX_EVENT_BYTES:
+            return self._refuse_oversized(item)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the sender is closed")
@@ -212,6 +233,30 @@ class Sender:
                 )
                 self._thread.start()
             self._wakeup.notify()
+        return item.ack
+
+    def _refuse_oversized(self, item: _Item) -> Ack:
+        refusal = LedgerRejected(
+            f"event {item.ack.event_id} is {item.size} bytes; the SDK sends at most"
+            f" {MAX_EVENT_BYTES} (the ledger stores at most 64 KiB of canonical JSON per event)",
+            code=grpc.StatusCode.INVALID_ARGUMENT,
+            reason="LIMIT_EXCEEDED",
+            metadata={"limit": "event_bytes", "value": str(item.size)},
+        )
+        event = item.event
+        # The refusal is on record (log, rejected.jsonl) with what identifies the event;
+        # its megabytes are not copied into the file.
+        header = pb.ShardEvent(
+            event_id=event.event_id,
+            namespace=event.namespace,
+            run_id=event.run_id,
+            shard_id=event.shard_id,
+            attempt_id=event.attempt_id,
+        )
+        record_rejection(self.spool_dir, header, refusal)
+        with self._cond:
+            _resolve(item.ack, refusal)
+            self._cond.notify_all()
         return item.ack
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -254,9 +299,13 @@ class Sender:
             thread.join(self.exit_timeout_s if timeout is None else timeout)
         with self._cond:
             self._closed = True
-            if self._buffer and self.policy == "spool":
+            if (self._buffer or self._inflight) and self.policy == "spool":
                 self._spill_locked()
             lost, spool = len(self._buffer), self._spool
+            if not self._inflight_spooled:
+                # The thread is still inside its append (block policy, or a short timeout):
+                # nothing vouches for that batch once the process exits.
+                lost += sum(not item.ack.acknowledged for item in self._inflight)
         if lost:
             log.error("events_lost count=%d reason=ledger unreachable at exit", lost)
         if spool is not None:
@@ -275,11 +324,12 @@ class Sender:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                work = self._next_work_locked()
-            if work is None:
-                return
+            work: list[_Item] | None = []
             try:
+                with self._cond:
+                    work = self._next_work_locked()
+                if work is None:
+                    return
                 if work:
                     self._send(work)
                 else:
@@ -290,6 +340,7 @@ class Sender:
                     self._fail_locked(work or [], LedgerClientError("internal sender error"))
                     self._inflight = []
                     self._retry_at = time.monotonic() + self.max_backoff_s
+                    self._wakeup.wait(self.max_backoff_s)  # a bug that repeats must not spin
 
     def _linger_locked(self) -> None:
         deadline = time.monotonic() + self.linger_s
@@ -377,9 +428,9 @@ class Sender:
             on_result=self._on_drained,
             max_batches=1,
         )
-        with self._gate:
-            empty = spool.pending_count() == 0
         with self._cond:
+            # Spills happen under this lock too, so the count and the flag agree.
+            empty = spool.pending_count() == 0
             if stop is None:
                 self._backoff = 0.05
             else:
@@ -425,10 +476,10 @@ class Sender:
         if not chosen:
             return
         try:
-            with self._gate:
-                if self._spool is None:
-                    self._spool = open_process_spool(self.spool_dir, target=self.client.target)
-                self._spool.append([item.event.SerializeToString() for item in chosen])
+            # The Spool serializes its own writers; the RPC gate is not taken here.
+            if self._spool is None:
+                self._spool = open_process_spool(self.spool_dir, target=self.client.target)
+            self._spool.append([item.event.SerializeToString() for item in chosen])
         except OSError as exc:  # the events stay in memory and a later attempt retries them
             log.error("spool_write_failed directory=%s error=%s", self.spool_dir, exc)
             self._buffer.extendleft(reversed(items))
@@ -471,6 +522,10 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     _HELD.clear()
     for sender in list(_SENDERS):
+        if sender._spool is not None:
+            # Our copies of the parent's descriptors would hold its spool's lock for as
+            # long as this child lives; closing them leaves the parent's lock in place.
+            sender._spool.forget_inherited()
         sender._reset()  # the parent's queue, thread, locks and spool are not ours
 
 

@@ -173,6 +173,19 @@ class Spool:
             self._close_fd()
             self._release_lock()
 
+    def forget_inherited(self) -> None:
+        """In a forked child: closes the descriptors inherited from the parent's open spool.
+
+        The parent's flock stays held (it belongs to the parent's descriptor); without
+        this the child's copy would keep the directory locked after the parent exits.
+        The mutex is not taken: another thread of the parent may have held it at fork.
+        """
+        for fd in (self._fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = None
+        self._closed = True
+
     def append(self, records: Sequence[bytes]) -> None:
         """Durably appends records as one batch (one fsync); all of it survives a crash, or none."""
         for record in records:

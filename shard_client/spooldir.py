@@ -213,12 +213,15 @@ def drain_spool(
     max_batches: int | None = None,
     retry: bool = False,
 ) -> tuple[int, int, LedgerClientError | None]:
-    """Sends a spool's records in order and acks them; returns (sent, rejected, why it stopped)."""
+    """Sends a spool's records in order and acks them; returns (sent, rejected, why it stopped).
+
+    ``gate`` is held around each append RPC only; the Spool serializes its own readers
+    and writers, so a writer spilling to it meanwhile never waits for the network.
+    """
     sent = rejected = batches = 0
     while max_batches is None or batches < max_batches:
         batches += 1
-        with _guarded(gate):
-            records = _head(spool.pending(limit=MAX_BATCH_EVENTS))
+        records = _head(spool.pending(limit=MAX_BATCH_EVENTS))
         if not records:
             break
         decoded = [_decode(r) for r in records]
@@ -243,8 +246,7 @@ def drain_spool(
             )
             record_rejection(directory, records[bad], error)
             rejected, count = rejected + 1, count + 1
-        with _guarded(gate):
-            spool.ack(count)
+        spool.ack(count)
         if stop is not None:
             return sent, rejected, stop
     return sent, rejected, None
