@@ -382,7 +382,15 @@ class Ledger:
             return AppendResult(event.event_id, earlier.sequence, DUPLICATE)
         if event.event_id in state.stored:
             original = state.stored[event.event_id]
-            if recorded(original).event.content_json() != content:
+            first = recorded(original).event
+            if first.namespace != event.namespace:
+                # Ids are unique across the ledger, but another tenant's row is not ours to
+                # describe: no sequence, no content, only that the id is taken.
+                raise EventIdReused(
+                    f"event_id {event.event_id} is already used: choose another",
+                    event_id=event.event_id,
+                )
+            if first.content_json() != content:
                 raise EventIdReused(
                     f"event_id {event.event_id} was stored at sequence {original.sequence}"
                     " with different content",

@@ -391,6 +391,29 @@ def test_batch_with_one_event_for_another_tenant_writes_nothing(world: World) ->
     assert _tenant_rows(world.db) == before
 
 
+def test_an_event_id_another_tenant_used_is_refused_without_describing_its_row(
+    world: World,
+) -> None:
+    before = _tenant_rows(world.db)
+    taken = _in(OTHER_NS, planned(OTHER_RUN, f"s-{uuid.uuid4().hex[:12]}"))
+    world.stubs["other_tenant"].AppendEvents(pb.AppendEventsRequest(events=[taken]), timeout=10)
+    mine = _in(NS, planned("team-ids", f"s-{uuid.uuid4().hex[:12]}"))
+    mine.event_id = taken.event_id
+    with pytest.raises(grpc.RpcError) as caught:
+        world.stubs["writer"].AppendEvents(pb.AppendEventsRequest(events=[mine]), timeout=10)
+    assert (caught.value.code(), _reason(caught.value)) == (
+        grpc.StatusCode.ALREADY_EXISTS,
+        "EVENT_ID_REUSED",
+    )
+    status = rpc_status.from_call(caught.value)  # type: ignore[arg-type]
+    assert status is not None and "sequence" not in status.message
+    [info] = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    error = error_details_pb2.ErrorInfo()
+    info.Unpack(error)
+    assert "existing_sequence" not in error.metadata
+    assert _tenant_rows(world.db)[NS] == before[NS]
+
+
 def test_auditor_reads_every_tenant(world: World) -> None:
     got, body = _answer(
         world.stubs["auditor"],
