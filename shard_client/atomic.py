@@ -54,6 +54,7 @@ __all__ = [
     "fsync_directory",
     "hash_fd",
     "hash_file",
+    "makedirs_durable",
     "reserve_temp_path",
 ]
 
@@ -247,6 +248,29 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def makedirs_durable(directory: str | os.PathLike[str]) -> None:
+    """Creates a directory and any missing parents, each new entry fsynced into its parent.
+
+    A file fsynced into a directory created a moment ago is lost with the directory
+    itself after a power cut unless the directory's own entry was made durable too.
+    """
+    path = os.path.abspath(os.fspath(directory))
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for created in reversed(missing):
+        try:
+            os.mkdir(created)
+        except FileExistsError:
+            if not os.path.isdir(created):
+                raise
+        fsync_directory(os.path.dirname(created))
 
 
 def hash_fd(fd: int) -> tuple[int, str]:

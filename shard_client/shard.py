@@ -224,7 +224,7 @@ class Shard:
             raise RuntimeError("a Shard context can be entered once")
         output_dir = self.options.output_dir
         if output_dir is not None:
-            os.makedirs(output_dir, exist_ok=True)
+            atomic.makedirs_durable(output_dir)
             atomic.cleanup_orphans(output_dir, older_than_s=self.options.orphan_age_s)
         fp = self._read_fingerprint()
         timeout = Duration()
@@ -422,7 +422,7 @@ class Shard:
             directory = os.path.join(self.options.output_dir, "checkpoints")
         else:
             raise ValueError("pass checkpoint_dir= (or output_dir=) to ledger.shard(), or path=")
-        os.makedirs(directory, exist_ok=True)
+        atomic.makedirs_durable(directory)
         return os.path.join(directory, checkpoint.checkpoint_name(step))
 
     def _record_checkpoint(self, step: int, info: atomic.CommitInfo) -> None:

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Sequence
 from types import TracebackType
 
-from shard_client.atomic import atomic_write, fsync_directory
+from shard_client.atomic import atomic_write, fsync_directory, makedirs_durable
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "MAX_RECORD_BYTES", "Spool", "SpoolLockedError"]
 
@@ -139,7 +139,7 @@ class Spool:
         self._fd: int | None = None  # append descriptor of the last segment
         self._sealed = False  # the last segment takes no more appends
         self._closed = False
-        os.makedirs(self._dir, exist_ok=True)
+        makedirs_durable(self._dir)
         self._lock_fd = self._acquire_lock()
         try:
             self._acked = self._read_acked()
@@ -179,7 +179,10 @@ class Spool:
         The parent's flock stays held (it belongs to the parent's descriptor); without
         this the child's copy would keep the directory locked after the parent exits.
         The mutex is not taken: another thread of the parent may have held it at fork.
+        A spool the parent had closed holds no descriptors (its numbers may be reused).
         """
+        if self._closed:
+            return
         for fd in (self._fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)

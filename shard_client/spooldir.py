@@ -28,6 +28,7 @@ from typing import Final
 import grpc
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.atomic import fsync_directory, makedirs_durable
 from shard_client.client import LedgerClient, default_target
 from shard_client.errors import (
     LedgerClientError,
@@ -119,6 +120,9 @@ def open_process_spool(directory: str, *, target: str) -> Spool:
     spool = Spool(directory)
     with open(os.path.join(directory, TARGET_FILE), "w", encoding="utf-8") as f:
         f.write(target + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_directory(directory)  # `spool drain` finds the target after a power cut too
     return spool
 
 
@@ -180,11 +184,15 @@ def record_rejection(directory: str, event: pb.ShardEvent | bytes, exc: LedgerRe
         "event_b64": base64.b64encode(raw).decode(),
     }
     log.warning("event_rejected reason=%s event=%s directory=%s", exc.reason, about, directory)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, REJECTED_FILE), "a", encoding="utf-8") as f:
+    makedirs_durable(directory)
+    path = os.path.join(directory, REJECTED_FILE)
+    created = not os.path.exists(path)
+    with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    if created:
+        fsync_directory(directory)
 
 
 def _decode(record: bytes) -> pb.ShardEvent | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import blake3
 import pytest
 
+from shard_client import atomic
 from shard_client.atomic import (
     FAILPOINTS,
     MMAP_HASH_THRESHOLD,
@@ -353,3 +354,27 @@ def test_cleanup_orphans_spares_recent_temp_files_when_asked(tmp_path: Path) -> 
 
     assert cleanup_orphans(tmp_path, older_than_s=60) == [str(old)]
     assert fresh.exists()
+
+
+def test_makedirs_durable_fsyncs_each_new_directory_into_its_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real = atomic.fsync_directory
+
+    def recording(directory: str | os.PathLike[str]) -> None:
+        synced.append(os.fspath(directory))
+        real(directory)
+
+    monkeypatch.setattr(atomic, "fsync_directory", recording)
+    target = tmp_path / "a" / "b" / "c"
+    atomic.makedirs_durable(target)
+    assert target.is_dir()
+    # Outermost first, so each entry is durable before anything is made inside it.
+    assert synced == [str(tmp_path), str(tmp_path / "a"), str(tmp_path / "a" / "b")]
+    synced.clear()
+    atomic.makedirs_durable(target)  # already there: nothing to make durable again
+    assert synced == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        atomic.makedirs_durable(tmp_path / "file")

@@ -65,11 +65,8 @@ def test_a_spill_while_the_drain_finds_the_spool_empty_is_still_drained(
     assert spool is not None
     count = spool.pending_count
     late = [beat("r", "att", 100 + i) for i in range(4)]
-    late_acks: list[object] = []
+    emitter = threading.Thread(target=lambda: [sender.emit(e) for e in late])
     fired = threading.Event()
-
-    def emit_late() -> None:
-        late_acks.extend(sender.emit(e) for e in late)  # the 4th overflows and spills
 
     def failpoint() -> int:
         # The drain just emptied the spool: another thread emits (and spills) right then.
@@ -80,12 +77,13 @@ def test_a_spill_while_the_drain_finds_the_spool_empty_is_still_drained(
             and not fired.is_set()
         ):
             fired.set()
-            threading.Thread(target=emit_late).start()
+            emitter.start()  # its 4th emit overflows the queue and spills
             time.sleep(0.3)
         return n
 
     spool.pending_count = failpoint  # type: ignore[method-assign]
     assert sender.drain(10) and fired.wait(10)
+    emitter.join(10)  # the late events were emitted before the newer ones below
     newer = [beat("r", "att", 200 + i) for i in range(2)]
     assert all(sender.emit(e).wait(10) for e in newer)
     assert sender.drain(10)
@@ -119,6 +117,13 @@ def test_an_event_no_ledger_could_store_is_refused_at_emit_and_the_rest_flows(
 
 
 def test_a_forked_child_does_not_keep_the_parents_spool_locked(tmp_path: Path) -> None:
+    # A sender whose spool the parent already closed: its old descriptor numbers are
+    # reused by the next spool, and the child must not close those a second time.
+    done = Sender(
+        LedgerClient("127.0.0.1:1"), spool_root=str(tmp_path / "done"), unavailable_after_s=0.1
+    )
+    assert done.emit(beat("f", "att", 0)).wait(10)
+    done.close(2)
     sender = Sender(LedgerClient("127.0.0.1:1"), spool_root=str(tmp_path), unavailable_after_s=0.1)
     ack = sender.emit(beat("f", "att", 1))
     assert ack.wait(10) and ack.spooled  # the parent's spool is open and locked
@@ -131,7 +136,7 @@ def test_a_forked_child_does_not_keep_the_parents_spool_locked(tmp_path: Path) -
     os.close(read)
     try:
         sender.close(2)  # the parent is done: its event waits for `shardledger spool drain`
-        [result] = drain_spool_dirs(str(tmp_path), target="127.0.0.1:1", connect_timeout_s=0.2)
+        [result] = drain_spool_dirs(sender.spool_dir, target="127.0.0.1:1", connect_timeout_s=0.2)
         assert result.status != "locked"
     finally:
         os.close(write)
