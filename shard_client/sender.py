@@ -21,7 +21,6 @@ when one is safe.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import logging
 import os
@@ -43,13 +42,13 @@ from shard_client.spool import Spool
 from shard_client.spooldir import (
     MAX_BATCH_BYTES,
     MAX_BATCH_EVENTS,
-    REJECTED_FILE,
     default_spool_root,
     deliver,
     drain_spool,
     open_process_spool,
     process_spool_dir,
     record_rejection,
+    remove_finished_spool,
 )
 
 __all__ = ["MAX_EVENT_BYTES", "Ack", "Policy", "Sender", "new_event_id"]
@@ -314,11 +313,8 @@ class Sender:
                 spool.close()
             if left:
                 log.warning("events_spooled count=%d directory=%s", left, self.spool_dir)
-            elif not os.path.exists(os.path.join(self.spool_dir, REJECTED_FILE)):
-                with contextlib.suppress(OSError):
-                    for name in os.listdir(self.spool_dir):
-                        os.unlink(os.path.join(self.spool_dir, name))
-                    os.rmdir(self.spool_dir)
+            else:
+                remove_finished_spool(self.spool_dir)
 
     # --- the thread -------------------------------------------------------------
 

@@ -12,7 +12,12 @@ is caught as surely as a torn payload. The last record of each ``append()``
 carries the end-of-batch flag and a batch counts only once that record is
 intact: a crash mid-append loses the whole unfinished batch and nothing else.
 Reading stops at the first bad record of a segment and, on open, the last
-segment is truncated there so that new batches follow intact data.
+segment is truncated there so that new batches follow intact data. A crash
+leaves nothing intact after its unfinished batch (a warning says how many
+bytes were trimmed); if intact records do follow the bad bytes, the segment
+was damaged, not torn: it is copied whole to ``seg-<base>.log.damaged-<ns>``
+first and an error is logged, and a directory holding such a copy is never
+removed as drained.
 
 Global record numbers come from segment names, never from counting across
 files, so a damaged segment cannot shift the numbering of the ones after it.
@@ -22,17 +27,27 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from types import TracebackType
 
 from shard_client.atomic import atomic_write, fsync_directory, makedirs_durable
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "MAX_RECORD_BYTES", "Spool", "SpoolLockedError"]
+__all__ = [
+    "DAMAGED_SUFFIX",
+    "DEFAULT_SEGMENT_BYTES",
+    "MAX_RECORD_BYTES",
+    "Spool",
+    "SpoolLockedError",
+]
+
+log = logging.getLogger("shard_client")
 
 DEFAULT_SEGMENT_BYTES = 16 * 1024 * 1024
 MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -41,6 +56,8 @@ _CRC = struct.Struct("<I")
 _HEADER = struct.Struct("<IBI")
 _END_OF_BATCH = 0x01
 _SEGMENT_NAME = re.compile(r"^seg-(\d{20})\.log$")
+# A copy of a segment whose intact batches followed a corrupt record, kept for an operator.
+DAMAGED_SUFFIX = ".damaged"
 _ACKED = "acked"
 _LOCK = "lock"
 
@@ -106,6 +123,22 @@ def _decode(data: bytes) -> tuple[list[bytes], int]:
             batch = []
             intact_end = offset
     return records, intact_end
+
+
+def _intact_record_after(data: bytes, offset: int) -> int | None:
+    """Returns the offset of the first record after ``offset`` whose CRC holds, if any.
+
+    A crash leaves at most an unfinished batch at a segment's end, with nothing intact
+    after it; an intact record further on means the bytes in between were damaged.
+    """
+    for start in range(offset + 1, len(data) - _HEADER.size + 1):
+        length, _, crc = _HEADER.unpack_from(data, start)
+        end = start + _HEADER.size + length
+        if end <= len(data) and crc == _checksum(
+            data[start : start + _PREFIX.size], data[start + _HEADER.size : end]
+        ):
+            return start
+    return None
 
 
 def _read(path: str) -> bytes:
@@ -314,10 +347,29 @@ class Spool:
                 # Records past the next segment's base were abandoned by a failed append.
                 count = min(count, found[position + 1][0] - base)
             elif intact_end < size:
+                self._keep_damage(path, data, intact_end)
                 self._truncate(path, intact_end)
                 size = intact_end
             segments.append(_Segment(path=path, base=base, count=count, size=size))
         return segments
+
+    def _keep_damage(self, path: str, data: bytes, intact_end: int) -> None:
+        """Says what a trim cuts; keeps a copy when intact data follows the bad bytes."""
+        later = _intact_record_after(data, intact_end)
+        if later is None:  # an append a crash interrupted: its batch never counted
+            log.warning("spool_torn_tail_trimmed segment=%s bytes=%d", path, len(data) - intact_end)
+            return
+        copy = f"{path}{DAMAGED_SUFFIX}-{time.time_ns()}"
+        with atomic_write(copy) as f:
+            f.write(data)
+        log.error(
+            "spool_segment_damaged segment=%s offset=%d intact_record_at=%d copy=%s: the"
+            " batches after the damage cannot be drained; the whole segment is kept in the copy",
+            path,
+            intact_end,
+            later,
+            copy,
+        )
 
     def _truncate(self, path: str, length: int) -> None:
         """Cuts a torn tail off a segment, durably."""

@@ -37,7 +37,7 @@ from shard_client.errors import (
     Overloaded,
     PermissionDenied,
 )
-from shard_client.spool import Spool, SpoolLockedError
+from shard_client.spool import DAMAGED_SUFFIX, Spool, SpoolLockedError
 
 __all__ = [
     "ENV_SPOOL_DIR",
@@ -48,6 +48,7 @@ __all__ = [
     "drain_spool",
     "drain_spool_dirs",
     "find_spool_dirs",
+    "remove_finished_spool",
     "spool_base",
     "spool_status",
 ]
@@ -369,6 +370,23 @@ def drain_spool_dirs(
             )
         status = "drained" if stop is None else "unavailable"
         results.append(DrainResult(directory, sent, rejected, remaining, status))
-        if stop is None and not os.path.exists(os.path.join(directory, REJECTED_FILE)):
-            shutil.rmtree(directory, ignore_errors=True)
+        if stop is None:
+            remove_finished_spool(directory)
     return results
+
+
+def remove_finished_spool(directory: str) -> bool:
+    """Removes a drained spool directory unless it holds evidence; returns whether it did.
+
+    Evidence is ``rejected.jsonl`` (events the ledger refused) or a damaged segment's
+    copy: both are for an operator to read, so the directory stays.
+    """
+    names = os.listdir(directory)
+    if REJECTED_FILE in names or any(DAMAGED_SUFFIX in name for name in names):
+        return False
+    try:
+        shutil.rmtree(directory)
+    except OSError as exc:  # e.g. another process writes a file into it meanwhile
+        log.warning("spool_not_removed directory=%s error=%s", directory, exc)
+        return False
+    return True

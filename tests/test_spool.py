@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_client.spool import Spool, SpoolLockedError
+from shard_client.spool import DAMAGED_SUFFIX, Spool, SpoolLockedError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +151,37 @@ def test_flipped_byte_in_last_batch_drops_that_batch_only(tmp_path: Path) -> Non
 
     with Spool(tmp_path) as reopened:
         assert reopened.pending() == [b"good"]
+
+
+def test_damage_before_intact_batches_is_kept_in_a_copy_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Spool(tmp_path) as spool:
+        for batch in range(5):
+            spool.append([f"batch{batch}-{i}".encode() for i in range(3)])
+    last = segments(tmp_path)[-1]
+    data = bytearray(last.read_bytes())
+    data[len(data) // 5 + 12] ^= 0xFF  # inside batch 1; batches 2-4 stay intact
+    last.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="shard_client"), Spool(tmp_path) as reopened:
+        assert reopened.pending() == [f"batch0-{i}".encode() for i in range(3)]
+    [copy] = tmp_path.glob(f"seg-*.log{DAMAGED_SUFFIX}-*")
+    assert copy.read_bytes() == bytes(data)  # every byte, for an operator to recover from
+    assert "spool_segment_damaged" in caplog.text and str(copy) in caplog.text
+
+
+def test_a_torn_tail_is_trimmed_with_a_warning_and_no_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Spool(tmp_path) as spool:
+        spool.append([b"first"])
+        spool.append([b"torn-payload"])
+    last = segments(tmp_path)[-1]
+    os.truncate(last, last.stat().st_size - 4)
+    with caplog.at_level(logging.WARNING, logger="shard_client"), Spool(tmp_path) as reopened:
+        assert reopened.pending() == [b"first"]
+    assert "spool_torn_tail_trimmed" in caplog.text
+    assert not list(tmp_path.glob(f"*{DAMAGED_SUFFIX}*"))
 
 
 def test_batch_cut_after_its_first_record_is_dropped_whole(tmp_path: Path) -> None:
