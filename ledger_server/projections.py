@@ -79,6 +79,10 @@ class ShardRecord:
     # (path, blake3) -> (result, reason) of the latest verification.
     verdicts: dict[str, tuple[str, str]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    # path -> blake3 of the latest commit there, kept only for paths that two commits
+    # (of any attempts or names) gave different bytes: on every other path each holder's
+    # digest is the latest. An artifact is intact only while it is still its path's bytes.
+    path_heads: dict[str, str] = field(default_factory=dict)
     # base_state's answer, kept until apply() folds an event that may change it; not stored.
     state_memo: tuple[str, str] | None = field(default=None, compare=False, repr=False)
 
@@ -115,6 +119,8 @@ class ShardRecord:
             "verdicts": {k: list(v) for k, v in self.verdicts.items()},
             "failures": self.failures,
         }
+        if self.path_heads:  # absent until a path is overwritten: older records read the same
+            data["path_heads"] = self.path_heads
         return canonical_json(data)
 
     @classmethod
@@ -141,6 +147,7 @@ class ShardRecord:
             zombie_commits=d["zombie_commits"],
             verdicts={k: (v[0], v[1]) for k, v in d["verdicts"].items()},
             failures=d["failures"],
+            path_heads=d.get("path_heads", {}),
         )
 
 
@@ -297,6 +304,13 @@ def apply(record: ShardRecord, rec: RecordedEvent) -> None:
         attempt.last_step = max(attempt.last_step, p.step)
         attempt.last_checkpoint = p.path
     elif isinstance(p, ArtifactCommitted):
+        if p.path in record.path_heads or any(
+            held[0] == p.path and held[2] != p.blake3_hex
+            for other in record.attempts.values()
+            for name, held in other.artifacts.items()
+            if not (other is attempt and name == p.name)
+        ):
+            record.path_heads[p.path] = p.blake3_hex  # other bytes were committed there
         attempt.artifacts[p.name] = (p.path, p.size_bytes, p.blake3_hex)
         record.commit_count[p.name] = record.commit_count.get(p.name, 0) + 1
         group = f"{p.name}\x00{attempt.fingerprint_digest}"
@@ -335,6 +349,14 @@ def _complete(record: ShardRecord, attempt: Attempt) -> bool:
     return bool(attempt.artifacts)
 
 
+def _intact(record: ShardRecord, attempt: Attempt) -> bool:
+    """Returns whether every artifact of the attempt is still its path's latest commit."""
+    heads = record.path_heads
+    return not heads or all(
+        heads.get(path, digest) == digest for path, _, digest in attempt.artifacts.values()
+    )
+
+
 def _verdicts(record: ShardRecord, attempt: Attempt) -> list[tuple[str, str] | None]:
     names = _required(record) or tuple(sorted(attempt.artifacts))
     out = []
@@ -345,9 +367,9 @@ def _verdicts(record: ShardRecord, attempt: Attempt) -> list[tuple[str, str] | N
 
 
 def confirmed_attempt(record: ShardRecord) -> Attempt | None:
-    """Returns an attempt whose full artifact set was committed and verified, if any."""
+    """Returns an attempt whose full artifact set was committed, is intact and verified, if any."""
     for attempt in sorted(record.attempts.values(), key=lambda a: -a.started_seq):
-        if _complete(record, attempt):
+        if _complete(record, attempt) and _intact(record, attempt):
             verdicts = _verdicts(record, attempt)
             if all(v is not None and v[0] == "passed" for v in verdicts):
                 return attempt
@@ -371,14 +393,19 @@ def _base_state(record: ShardRecord) -> tuple[str, str]:
         return "running", ""
     complete = [a for a in record.attempts.values() if _complete(record, a)]
     complete.sort(key=lambda a: -a.started_seq)
-    for attempt in complete:
+    intact = [a for a in complete if _intact(record, a)]
+    for attempt in intact:
         verdicts = _verdicts(record, attempt)
         if all(v is None or v[0] == "passed" for v in verdicts):
             return "committed", ""
-    for attempt in complete:
+    for attempt in intact:
         failing = [v for v in _verdicts(record, attempt) if v is not None and v[0] == "failed"]
         if failing:
             return "verify_failed", failing[0][1] or "unknown"
+    if len(intact) < len(complete):
+        # A finished set whose file another commit replaced (two attempts renaming onto
+        # one path): what it vouched for is no longer on disk.
+        return "verify_failed", "overwritten"
     return "failed", latest.failed_tag
 
 

@@ -96,13 +96,19 @@ class MShard:
         outs = a.outputs()
         return all(n in outs for n in self.expected) if self.expected else bool(outs)
 
+    def intact(self, a: MAttempt) -> bool:
+        # Each output is still what its path holds: the latest commit there, by anyone.
+        latest = {path: digest for _, _, path, digest, _ in self.commits}
+        return all(latest[path] == digest for path, _, digest in a.outputs().values())
+
     def output_verdicts(self, a: MAttempt) -> list[tuple[str, str] | None]:
         outs = a.outputs()
         names = self.expected or tuple(sorted(outs))
         return [self.verdict(outs[n][0], outs[n][2]) for n in names]
 
     def state(self) -> tuple[str, str]:
-        done = [a for a in reversed(self.attempts.values()) if self.complete(a)]
+        finished = [a for a in reversed(self.attempts.values()) if self.complete(a)]
+        done = [a for a in finished if self.intact(a)]
         if any(all(v and v[0] == "passed" for v in self.output_verdicts(a)) for a in done):
             return "verified", ""
         if not self.attempts:
@@ -116,6 +122,8 @@ class MShard:
             failing = [v for v in self.output_verdicts(a) if v and v[0] == "failed"]
             if failing:
                 return "verify_failed", failing[0][1]
+        if len(done) < len(finished):
+            return "verify_failed", "overwritten"
         return "failed", latest.failed
 
     def live(self, now: int) -> tuple[str, str]:

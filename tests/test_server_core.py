@@ -156,6 +156,49 @@ def test_a_verdict_names_a_path_an_attempt_committed(client: LedgerClient, db_pa
     assert stale[0].outcome == pb.APPEND_OUTCOME_APPENDED
 
 
+def _verdict_on(name: str, path: str, digest: str, passed: bool, reason: str = "") -> pb.ShardEvent:
+    result = pb.VERIFICATION_RESULT_PASSED if passed else pb.VERIFICATION_RESULT_FAILED
+    return event(
+        verified=pb.ArtifactVerified(
+            name=name, path=path, blake3_hex=digest, result=result, reason=reason
+        )
+    )
+
+
+def _resume(client: LedgerClient) -> list[tuple[str, str]]:
+    return [(e.shard_id, e.reason) for e in client.resume("run-1")]
+
+
+def test_a_verified_file_another_attempt_overwrote_is_no_longer_confirmed(
+    client: LedgerClient,
+) -> None:
+    # Two attempts rename onto one path; the first was verified, the zombie's bytes won.
+    client.append([planned(), started(attempt_id="att-0"), started(attempt_id="att-1")])
+    client.append([committed(attempt_id="att-1", path="/out/x", digest=DIGEST_A)])
+    client.append([_verdict_on("out", "/out/x", DIGEST_A, True)])
+    assert _resume(client) == []
+    client.append([committed(attempt_id="att-0", path="/out/x", digest=DIGEST_B)])
+    assert _resume(client) == [("shard-0", "unverified")]  # the bytes now there are not
+    client.append([_verdict_on("out", "/out/x", DIGEST_B, False, "json_invalid")])
+    assert _resume(client) == [("shard-0", "verify-failed:json_invalid")]
+
+
+def test_a_finished_set_whose_file_was_replaced_is_verify_failed_overwritten(
+    client: LedgerClient,
+) -> None:
+    client.append([planned(outputs=("a", "b")), started(attempt_id="att-0")])
+    client.append([started(attempt_id="att-1")])
+    client.append(
+        [
+            committed(attempt_id="att-1", name="a", path="/out/a", digest=DIGEST_A),
+            committed(attempt_id="att-1", name="b", path="/out/b", digest=DIGEST_A),
+        ]
+    )
+    # The zombie replaces one file of the set and never finishes its own.
+    client.append([committed(attempt_id="att-0", name="a", path="/out/a", digest=DIGEST_B)])
+    assert _resume(client) == [("shard-0", "verify-failed:overwritten")]
+
+
 def _details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     status = rpc_status.from_call(exc)
     assert status is not None, "every error carries a google.rpc.Status"
