@@ -435,7 +435,8 @@ def duplicate_kinds(record: ShardRecord) -> list[str]:
     kinds = set()
     if any(n > 1 for n in record.commit_count.values()):
         kinds.add("wasted")
-    if any(len(d) > 1 for d in record.commit_digests.values()):
+    # Attempts that recorded no fingerprint are in no group: their environments may differ.
+    if any(len(d) > 1 for g, d in record.commit_digests.items() if not g.endswith("\x00")):
         kinds.add("nondeterministic")
     if record.zombie_commits:
         kinds.add("zombie")

@@ -140,7 +140,7 @@ class MShard:
         groups: dict[tuple[str, str], set[str]] = {}
         for attempt, name, _path, digest, _zombie in self.commits:
             groups.setdefault((name, self.attempts[attempt].fingerprint), set()).add(digest)
-        if any(len(d) > 1 for d in groups.values()):
+        if any(len(d) > 1 for (_, fp), d in groups.items() if fp):
             kinds.add("nondeterministic")
         if any(c[4] for c in self.commits):
             kinds.add("zombie")
