@@ -258,6 +258,29 @@ def test_resume_reasons_adds_a_key_and_keeps_the_rest_of_the_line(cli: Any) -> N
         assert line.startswith(plan_line(shard)[:-1] + ',"_resume_reason":')
 
 
+def test_resume_json_is_one_object_per_shard_with_the_plan_line_parsed(cli: Any) -> None:
+    code, out, _ = cli("resume", RUN, "--json")
+    assert code == 1
+    entries = [json.loads(line) for line in out.splitlines()]
+    assert [e["shard_id"] for e in entries] == UNCONFIRMED
+    assert entries[0]["reason"] == "failed:oom"
+    assert entries[0]["plan_line"] == json.loads(plan_line(UNCONFIRMED[0]))
+    assert all(isinstance(e["plan_index"], int) for e in entries)
+
+
+def test_resume_json_with_a_format_that_is_not_json_is_a_usage_error(cli: Any) -> None:
+    code, out, err = cli("resume", RUN, "--json", "--format", "slurm-array")
+    assert (code, out) == (2, "")
+    assert "--json writes JSON lines" in err
+
+
+def test_shards_of_an_unknown_run_print_nothing_to_stdout(cli: Any) -> None:
+    for extra in ([], ["--json"]):
+        code, out, err = cli("shards", "no-such-run", *extra)
+        assert (code, out) == (4, "")
+        assert "no-such-run" in err
+
+
 def test_resume_ids_prints_shard_ids(cli: Any) -> None:
     _, out, _ = cli("resume", RUN, "--format", "ids")
     assert out.split() == UNCONFIRMED

@@ -49,6 +49,10 @@ formats:
   ids          one shard id per line
   slurm-array  plan_index ranges like 3-5,9,12-14 for `sbatch --array=`
 
+--json writes one JSON object per shard instead, {
+        "shard_id", "plan_index", "reason", "plan_line"
+    } with the plan line parsed (jsonl format only).
+
 -o FILE replaces FILE atomically (temp file, fsync, rename); a count of
 shards by reason goes to stderr. exit codes: 0 nothing to re-run; 1 shards must re-run; 3 unreachable;
 4 refused; 5 the output file could not be written""",
@@ -198,7 +202,12 @@ def run_shards(args: argparse.Namespace) -> int:
     views = client_from(args).shards(
         args.run, namespace=args.namespace, state=args.state, page_size=page
     )
-    limited = itertools.islice(views, args.limit or None)
+    limited: Iterator[Any] = itertools.islice(views, args.limit or None)
+    # The first page is fetched before anything is printed: an unknown run or an
+    # unreachable server leaves stdout empty, not a half-opened array or a header.
+    first = next(limited, None)
+    if first is not None:
+        limited = itertools.chain([first], limited)
     out = sys.stdout
     if args.json:
         # Streamed element by element so the array never sits in memory whole.
@@ -227,11 +236,15 @@ def run_resume(args: argparse.Namespace) -> int:
     """Streams the resume list; exits 1 when any shard must run again."""
     if args.reasons and args.format != "jsonl":
         raise CommandError("--reasons applies to --format jsonl only", code=2)
+    if args.json and args.format != "jsonl":
+        raise CommandError(f"--json writes JSON lines; --format {args.format} is not JSON", code=2)
     entries = client_from(args).resume(args.run, namespace=args.namespace)
     reasons: Counter[str] = Counter()
     with atomic_output(args.output) as out:
         if args.format == "slurm-array":
             write_slurm_array(entries, out, reasons)
+        elif args.json:
+            write_entries_json(entries, out, reasons)
         else:
             write_lines(entries, out, reasons, ids=args.format == "ids", with_reason=args.reasons)
     total = sum(reasons.values())
@@ -254,6 +267,19 @@ def write_lines(
             out.writelines(batch)
             batch.clear()
     out.writelines(batch)
+
+
+def write_entries_json(entries: Iterable[Any], out: IO[str], reasons: Counter[str]) -> None:
+    """Writes one JSON object per entry: shard id, plan index, reason, the parsed plan line."""
+    for entry in entries:
+        reasons[entry.reason] += 1
+        line = {
+            "shard_id": entry.shard_id,
+            "plan_index": entry.plan_index,
+            "reason": entry.reason,
+            "plan_line": json.loads(entry.plan_line) if entry.plan_line else None,
+        }
+        out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
 
 
 def with_resume_reason(line: str, reason: str) -> str:
