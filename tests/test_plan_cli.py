@@ -132,6 +132,7 @@ def test_dry_run_prints_the_plan_lines_and_sends_nothing(
         ('["a list"]', "line 2: must be a JSON object"),
         ('{"params": {}}', 'line 2: needs "input"'),
         ('{"input": "s3://bucket/key"}', "line 2: input 's3://bucket/key' does not exist here"),
+        ('{"input": "/"}', "line 2: input '/' is a directory"),
         (
             '{"input": "s3://b/k", "input_blake3": "XYZ"}',
             "line 2: input_blake3 must be 64 lowercase hex",
@@ -207,3 +208,18 @@ def test_an_unreachable_ledger_exits_3(
         == 3
     )
     assert "unreachable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pattern", ["", "/tmp/*", "../*", "sub/../../*"])
+def test_a_glob_outside_the_inputs_directory_is_a_usage_error(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    pattern: str,
+) -> None:
+    assert plan(server, "--inputs", str(tmp_path / "in"), "--glob", pattern) == 2
+    err = capsys.readouterr().err
+    assert "--glob" in err and "relative to --inputs" in err and "Traceback" not in err
+    assert client.list_runs() == []

@@ -164,6 +164,8 @@ def _entry(obj: dict[str, Any], index: int, digest: tuple[int, str] | None) -> P
     elif given:
         check_digest("input_blake3", given)
         size, blake = obj.get("input_bytes", 0), given
+    elif os.path.isdir(obj["input"]):
+        raise ValueError(f"input {obj['input']!r} is a directory: a shard's input is one file")
     else:
         raise ValueError(
             f"input {obj['input']!r} does not exist here and the line has no input_blake3"
@@ -235,7 +237,7 @@ def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
     if not isinstance(params, dict):
         raise CommandError("--params must be a JSON object", EXIT_USAGE)
     outputs = [n.strip() for n in (args.expected_outputs or "").split(",") if n.strip()]
-    files = sorted(str(p.resolve()) for p in root.glob(args.glob) if p.is_file())
+    files = sorted(str(p.resolve()) for p in _glob(root, args.glob) if p.is_file())
     digests = _hash_all(files, workers=args.workers)
     entries, errors = [], []
     for index, path in enumerate(files):
@@ -249,6 +251,16 @@ def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
         errors.append(f"{same}: identical content and params give one shard id {shard_id}")
     _raise_errors(args.inputs, errors)
     return entries
+
+
+def _glob(root: Path, pattern: str) -> list[Path]:
+    """Returns the files under root that pattern (relative, inside root) matches."""
+    if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+        raise CommandError(
+            f"--glob {pattern!r} must be a non-empty pattern relative to --inputs, without '..'",
+            EXIT_USAGE,
+        )
+    return list(root.glob(pattern))
 
 
 def _raise_errors(source: str, errors: Sequence[str]) -> None:
