@@ -3,17 +3,74 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from ledger_server.server import RunningServer
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from tests.conftest import planned
+from tests.conftest import event, planned, started
 from tools.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Collects child processes and kills any still running at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def hang_attempt(
+    client: LedgerClient, children: list[subprocess.Popen[bytes]], shard_id: str, attempt_id: str
+) -> subprocess.Popen[bytes]:
+    """Starts a real child, stops it with SIGSTOP (it hangs), and records its attempt as started."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    children.append(proc)
+    # A stopped process neither heartbeats, dumps its stack nor exits on SIGTERM: a true hang.
+    os.kill(proc.pid, signal.SIGSTOP)
+    client.append(
+        [
+            event(
+                "run-1",
+                shard_id,
+                attempt_id,
+                started=pb.AttemptStarted(
+                    host=socket.gethostname(), pid=proc.pid, heartbeat_timeout=Duration(seconds=1)
+                ),
+            )
+        ]
+    )
+    return proc
+
+
+def wait_stale(client: LedgerClient, shard_ids: set[str]) -> None:
+    """Waits until exactly these shards are stale on the server clock."""
+    deadline = time.monotonic() + 20
+    while {v.shard_id for v in client.shards("run-1", state="stale")} != shard_ids:
+        assert time.monotonic() < deadline, f"{sorted(shard_ids)} never all went stale"
+        time.sleep(0.1)
+
+
+def states(client: LedgerClient) -> dict[str, tuple[str, str]]:
+    """Returns shard id -> (state, detail) as the ledger sees them now."""
+    views = [json.loads(v.view_json) for v in client.shards("run-1")]
+    return {v["shard_id"]: (v["state"], v["detail"]) for v in views}
 
 
 def test_watch_kill_stale_dumps_stack_kills_and_records_timeout(
@@ -73,3 +130,167 @@ def test_watch_kill_stale_dumps_stack_kills_and_records_timeout(
     # A second pass finds nothing left to do.
     assert main(["watch", "run-1", "--server", client.target, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == []
+
+
+def test_watch_kill_stale_leaves_alone_a_shard_that_heartbeats_again_while_another_is_handled(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    client.append([planned(shard_id="shard-0", index=0), planned(shard_id="shard-1", index=1)])
+    hang_attempt(client, children, "shard-0", "att-0")
+    second = hang_attempt(client, children, "shard-1", "att-1")
+    wait_stale(client, {"shard-0", "shard-1"})
+    diag = tmp_path / "diag"
+    done = threading.Event()
+
+    def second_recovers() -> None:
+        # The first's report is written just before its SIGTERM; its grace period follows.
+        while not (diag / "att-0.watchdog.txt").exists():
+            if done.wait(0.05):
+                return
+        os.kill(second.pid, signal.SIGCONT)
+        step = 0
+        while not done.is_set():
+            step += 1
+            client.append([event("run-1", "shard-1", "att-1", heartbeat=pb.Heartbeat(step=step))])
+            done.wait(0.2)
+
+    helper = threading.Thread(target=second_recovers)
+    helper.start()
+    try:
+        code = main(
+            [
+                "watch",
+                "run-1",
+                "--kill-stale",
+                "--server",
+                client.target,
+                "--grace",
+                "3",
+                "--diag-dir",
+                str(diag),
+                "--json",
+            ]
+        )
+    finally:
+        done.set()
+        helper.join()
+    assert second.poll() is None, "the recovered shard's process was signalled"
+    assert states(client) == {"shard-0": ("failed", "timeout"), "shard-1": ("running", "")}
+    assert code == 0
+    actions = json.loads(capsys.readouterr().out)
+    assert [(a["shard_id"], a["recorded_failed_timeout"], a["recovered"]) for a in actions] == [
+        ("shard-0", True, False),
+        ("shard-1", False, True),
+    ]
+    assert actions[1]["steps"] == ["recovered: no longer stale on the ledger, left alone"]
+
+
+@pytest.mark.parametrize(
+    ("option", "make", "code", "message"),
+    [
+        ("--log-file", lambda tmp: f"{tmp}/logs/{{bogus}}.log", 2, "unknown field {bogus}"),
+        ("--log-file", lambda tmp: str(tmp), 5, "is a directory, not a log file"),
+        ("--diag-dir", lambda tmp: str(tmp / "plain-file"), 5, "exists and is not a directory"),
+    ],
+    ids=["log-template-unknown-field", "log-file-is-a-directory", "diag-dir-is-a-file"],
+)
+def test_watch_rejects_an_unusable_option_at_startup_before_any_hang(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    option: str,
+    make: Callable[[Path], str],
+    code: int,
+    message: str,
+) -> None:
+    (tmp_path / "plain-file").write_text("not a directory\n")
+    client.append([planned()])
+    argv = ["watch", "run-1", "--kill-stale", "--server", client.target]
+    if option != "--diag-dir":
+        argv += ["--diag-dir", str(tmp_path / "diag")]
+    assert main([*argv, option, make(tmp_path)]) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("broken", ["report-path", "log-path"])
+def test_watch_kill_stale_still_stops_and_records_when_diagnostics_cannot_be_written(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    children: list[subprocess.Popen[bytes]],
+    broken: str,
+) -> None:
+    client.append([planned()])
+    diag, logs = tmp_path / "diag", tmp_path / "logs"
+    # Both paths pass the startup checks and only break for this attempt, at kill time.
+    (diag / "att-hung.watchdog.txt" if broken == "report-path" else logs / "shard-0").mkdir(
+        parents=True
+    )
+    proc = hang_attempt(client, children, "shard-0", "att-hung")
+    wait_stale(client, {"shard-0"})
+    code = main(
+        [
+            "watch",
+            "run-1",
+            "--kill-stale",
+            "--server",
+            client.target,
+            "--grace",
+            "0.5",
+            "--diag-dir",
+            str(diag),
+            "--log-file",
+            f"{logs}/{{shard_id}}",
+            "--json",
+        ]
+    )
+    proc.wait(timeout=10)
+    assert states(client) == {"shard-0": ("failed", "timeout")}
+    out, err = capsys.readouterr()
+    assert code == 5
+    assert "diagnostics of attempt att-hung of shard shard-0" in err
+    assert "Is a directory" in err
+    [action] = json.loads(out)
+    assert action["steps"][-2:] == ["SIGTERM", "SIGKILL"]
+    assert action["recorded_failed_timeout"] is True
+    assert len(action["diagnostics_errors"]) == 1
+
+
+def test_watch_interval_json_prints_json_lines_one_object_per_stale_attempt(
+    client: LedgerClient,
+) -> None:
+    client.append([planned(), started(timeout_s=1)])
+    wait_stale(client, {"shard-0"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "watch",
+            "run-1",
+            "--server",
+            client.target,
+            "--interval",
+            "0.1",
+            "--json",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+    finally:
+        proc.kill()
+        proc.wait()
+    # Three polls, each line a whole JSON document.
+    for line in lines:
+        assert line.endswith("\n")
+        assert json.loads(line)["shard_id"] == "shard-0"
+        assert json.loads(line)["attempt_id"] == "att-1"

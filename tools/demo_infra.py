@@ -16,7 +16,7 @@ from typing import IO, Any, Final
 
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerClientError
-from tools.cmd_watch import Action, handle_stale
+from tools.cmd_watch import Action, handle_stale, stale_checker
 from tools.demo_faults import Check
 
 START_TIMEOUT_S: Final = 30.0
@@ -133,6 +133,7 @@ class Watchdog:
                 namespace=self.namespace,
                 grace_s=self.grace_s,
                 diag_dir=self.diag_dir,
+                recheck=stale_checker(self.client, self.run_id, namespace=self.namespace),
             )
             self.actions.append(action)
 
