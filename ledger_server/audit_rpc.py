@@ -4,7 +4,9 @@ Each run's tree has one leaf per row (leaf data = the stored canonical row
 bytes, leaf index = run_sequence - 1). Trees live in a bounded in-memory LRU
 and are extended with the rows committed since the last request, so a head
 costs O(new rows + log n) instead of a full re-read. While extending, the
-chain is re-checked: the server never signs a head over rows that break it.
+chain is re-checked and the tree must end where the run head does (its count
+and hash), with the last row already in the tree still stored: the server never
+signs a head over rows that break the chain or that the run head disagrees with.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ledger_server.errors import (
 from ledger_server.events import GENESIS_HASH, canonical_json, chain_hash, check_id
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
 from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
-from ledger_server.store.base import ReadView, RunRow, StoreError
+from ledger_server.store.base import ReadView, RunRow, StoredEvent, StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 
 if TYPE_CHECKING:
@@ -56,31 +58,76 @@ class RunTree:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def extend(self, view: ReadView, run: RunRow) -> None:
-        """Appends the rows committed since the last call, re-checking the chain."""
+        """Appends the rows committed since the last call; the tree must end where the head does."""
+        self._check_tail(view, run)
         while True:
             page = view.list_events(run.run_pk, after_sequence=self.last_sequence, limit=_PAGE)
             if not page:
                 break
             for stored in page:
-                expected = self.tree.size + 1
-                if stored.run_sequence != expected:
-                    raise LedgerCorrupt(
-                        f"row at sequence {stored.sequence} has run_sequence"
-                        f" {stored.run_sequence} where {expected} was expected",
-                        sequence=stored.sequence,
-                    )
-                if chain_hash(self.head_hash, stored.row) != stored.row_hash:
-                    raise LedgerCorrupt(
-                        f"row at sequence {stored.sequence} does not match its chain hash",
-                        sequence=stored.sequence,
-                    )
-                self.tree.append(stored.row)
-                self.head_hash = stored.row_hash
-                self.last_sequence = stored.sequence
-                self.sequences[stored.event_id] = stored.sequence
-        if self.tree.size < run.event_count:
+                run = self._add(view, run, stored)
+        if (self.tree.size, self.head_hash) != (run.event_count, run.head_hash):
             raise LedgerCorrupt(
-                f"run head says {run.event_count} events, the rows give {self.tree.size}",
+                f"the stored rows and the run head disagree: the head of run {run.run_id} counts"
+                f" {run.event_count} events ending in {run.head_hash.hex()[:16]}, the rows give"
+                f" {self.tree.size} ending in {self.head_hash.hex()[:16]}",
+                run_id=run.run_id,
+            )
+
+    def _add(self, view: ReadView, run: RunRow, stored: StoredEvent) -> RunRow:
+        """Appends one row after checking it; returns the run head it lies within."""
+        expected = self.tree.size + 1
+        if stored.run_sequence != expected:
+            raise LedgerCorrupt(
+                f"row at sequence {stored.sequence} has run_sequence"
+                f" {stored.run_sequence} where {expected} was expected",
+                sequence=stored.sequence,
+            )
+        if expected > run.event_count:
+            run = self._head_covering(view, run, stored)
+        if chain_hash(self.head_hash, stored.row) != stored.row_hash:
+            raise LedgerCorrupt(
+                f"row at sequence {stored.sequence} does not match its chain hash",
+                sequence=stored.sequence,
+            )
+        self.tree.append(stored.row)
+        self.head_hash = stored.row_hash
+        self.last_sequence = stored.sequence
+        self.sequences[stored.event_id] = stored.sequence
+        return run
+
+    @staticmethod
+    def _head_covering(view: ReadView, run: RunRow, stored: StoredEvent) -> RunRow:
+        """Returns a run head read now, which must count the row: rows beyond it were forged."""
+        # A row and the head that counts it commit in one transaction, so a row committed
+        # after `run` was read is counted by any head read after the row: only a row
+        # added behind the server stays beyond it.
+        head = view.get_run(run.namespace, run.run_id)
+        count = head.event_count if head is not None and head.run_pk == run.run_pk else 0
+        if head is None or count < stored.run_sequence:
+            raise LedgerCorrupt(
+                f"the stored rows and the run head disagree: row at sequence {stored.sequence}"
+                f" is event {stored.run_sequence} of run {run.run_id}, whose head counts"
+                f" {count} events: a row was added behind the server",
+                sequence=stored.sequence,
+                run_id=run.run_id,
+            )
+        return head
+
+    def _check_tail(self, view: ReadView, run: RunRow) -> None:
+        """Raises LedgerCorrupt unless the last row already in the tree is still stored."""
+        if not self.last_sequence:
+            return
+        rows = view.list_events(run.run_pk, after_sequence=self.last_sequence - 1, limit=1)
+        if not rows or (rows[0].sequence, rows[0].row_hash) != (
+            self.last_sequence,
+            self.head_hash,
+        ):
+            raise LedgerCorrupt(
+                f"the stored rows and the run head disagree: event {self.tree.size} of run"
+                f" {run.run_id} (sequence {self.last_sequence}), which the head still counts,"
+                " is no longer stored as it was: rows were deleted or edited behind the server",
+                sequence=self.last_sequence,
                 run_id=run.run_id,
             )
 
@@ -104,12 +151,12 @@ class RunTreeCache:
 
     @contextmanager
     def locked(self, view: ReadView, run: RunRow) -> Iterator[RunTree]:
-        """Yields the run's tree, extended to at least the run head, held exclusively."""
+        """Yields the run's tree, extended to the run head, held exclusively."""
         entry = self._entry(run.run_pk)
         # One lock per run: a long first read of a big run never blocks other runs' audits.
         with entry.lock:
-            # Re-read under the lock: every row an earlier holder added was committed before
-            # this read, so a head now shorter than the tree means rows were removed.
+            # Re-read under the lock: every row an earlier holder added was counted by a head
+            # read before this one, so a head now shorter than the tree means rows were removed.
             head = view.get_run(run.namespace, run.run_id)
             if head is None or head.run_pk != run.run_pk or head.event_count < entry.tree.size:
                 raise LedgerCorrupt(

@@ -234,6 +234,20 @@ def test_inclusion_proof_checks_with_the_public_key_alone(
     assert cli(capsys, "audit", "check-proof", str(proof), "--public-key", str(other))[0] == 1
 
 
+def test_public_key_with_json_prints_an_object_with_the_key_id(
+    client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = cli(capsys, "audit", "public-key", "--server", client.target, "--json")
+    doc = json.loads(out)
+    served = client.call(lambda t: client.stub.GetPublicKey(pb.GetPublicKeyRequest(), timeout=t))
+    assert code == 0 and doc == {"key_id": served.key_id, "public_key_pem": served.public_key_pem}
+    written = tmp_path / "key.json"
+    assert cli(
+        capsys, "audit", "public-key", "--server", client.target, "--json", "-o", str(written)
+    ) == (0, "", "")
+    assert json.loads(written.read_text()) == doc
+
+
 def test_verify_against_a_saved_head_passes_while_the_log_only_grows(
     client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,6 +33,9 @@ from tools.cmd_report import iso_us
 
 # Codes with which a server says it cannot read its own rows: findings, not refusals.
 _UNREADABLE: Final = ("DATA_LOSS", "INTERNAL", "UNKNOWN")
+# Times a verify reads the events committed while it read the run before it gives up on
+# the listing catching up with the server's signed head.
+_CATCH_UP_ROUNDS: Final = 5
 
 Check = tuple[str, bool, str]
 
@@ -49,6 +52,7 @@ class ChainWalk:
     tree: MerkleTree = field(default_factory=MerkleTree)
     head_hash: bytes = GENESIS_HASH
     where: str = ""  # the first bad row, e.g. "sequence 57" or "line 12"
+    last_sequence: int = 0  # the ledger sequence of the last row a server walk added
     bad_sequence: int | None = None
     problem: str = ""
 
@@ -107,12 +111,16 @@ def event_row(msg: pb.ShardEvent) -> bytes:
     )
 
 
-def walk_server(client: Any, run_id: str, namespace: str) -> ChainWalk:
-    """Fetches every event of the run over gRPC and walks its chain."""
-    walk = ChainWalk(run_id, namespace or None)
-    last = 0
+def walk_server(
+    client: Any, run_id: str, namespace: str, *, walk: ChainWalk | None = None
+) -> ChainWalk:
+    """Fetches the run's events over gRPC (those after a given walk's) and walks their chain."""
+    if walk is None:
+        walk = ChainWalk(run_id, namespace or None)
     try:
-        for msg in client.list_events(run_id, namespace=namespace, page_size=5000):
+        for msg in client.list_events(
+            run_id, namespace=namespace, after_sequence=walk.last_sequence, page_size=5000
+        ):
             try:
                 row = event_row(msg)
             except LedgerError as exc:
@@ -125,11 +133,13 @@ def walk_server(client: Any, run_id: str, namespace: str) -> ChainWalk:
                 where=f"sequence {msg.sequence}",
             ):
                 break
-            last = msg.sequence
+            walk.last_sequence = msg.sequence
     except LedgerRejected as exc:
         if exc.code.name not in _UNREADABLE:
             raise
-        walk.fail(f"after sequence {last}", f"the server cannot read the next row: {exc}")
+        walk.fail(
+            f"after sequence {walk.last_sequence}", f"the server cannot read the next row: {exc}"
+        )
     return walk
 
 
@@ -326,18 +336,50 @@ def rpc_consistency(client: Any, walk: ChainWalk, old_size: int) -> list[bytes]:
 
 
 def signed_head_check(client: Any, walk: ChainWalk, pem: str) -> Check:
-    """Returns the check that the server signs the walked size and root under the key."""
+    """Returns the check that the server's current signed head is the walked size and root.
+
+    Events committed after the listing ended are walked first (a few rounds at most),
+    so a run appended to while it is read raises no alarm.
+    """
     assert walk.namespace is not None
-    try:
-        head = rpc_tree_head(client, walk.namespace, walk.run_id, walk.count)
-    except LedgerRejected as exc:
-        return "signed_head", False, f"the server refuses to sign ({exc.reason}): {exc}"
+    for round_ in range(_CATCH_UP_ROUNDS + 1):
+        try:
+            head = rpc_tree_head(client, walk.namespace, walk.run_id, 0)
+        except LedgerRejected as exc:
+            return "signed_head", False, f"the server refuses to sign ({exc.reason}): {exc}"
+        walked = walk.count
+        if head.tree_size <= walked or walk.problem or round_ == _CATCH_UP_ROUNDS:
+            break
+        walk_server(client, walk.run_id, walk.namespace, walk=walk)
+        if walk.count == walked:
+            break
+    if head.tree_size != walk.count and verify_tree_head(head, pem):
+        return (
+            "signed_head",
+            False,
+            f"the server's current signed head is for {head.tree_size} events, the listing"
+            f" gave {walk.count}: rows were removed from or added to the run behind the server",
+        )
     run = (walk.namespace, walk.run_id)
     problem = head_problem(head, pem, run=run, size=walk.count, root=walk.tree.root())
     if problem:
         return "signed_head", False, problem
     when = iso_us(head.timestamp_ms * 1000)
     return "signed_head", True, f"size {head.tree_size} signed by key {head.key_id} at {when}"
+
+
+def server_checkpoint_checks(
+    client: Any, saved: Checkpoint, pem: str, walk: ChainWalk
+) -> list[Check]:
+    """Returns the checks that the walked log extends a saved head, with the server's proof."""
+    checks, proof = list[Check](), None
+    if walk.count >= saved.head.tree_size:
+        try:
+            proof = rpc_consistency(client, walk, saved.head.tree_size)
+        except LedgerRejected as exc:
+            detail = f"the server refuses to prove ({exc.reason}): {exc}"
+            checks.append(("consistency_proof", False, detail))
+    return [*checks, *checkpoint_checks(saved, pem, walk, proof)]
 
 
 def key_checks(pinned: str | None, server_pem: str) -> list[Check]:

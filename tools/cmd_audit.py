@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any, Final
 
+from ledger_server.errors import LedgerError
+from ledger_server.events import check_namespace
 from ledger_server.signing import (
     InclusionProofBundle,
     check_inclusion_bundle,
@@ -14,6 +16,7 @@ from ledger_server.signing import (
     verify_tree_head,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.errors import LedgerRejected
 from tools.audit_checks import (
     ChainWalk,
     Checkpoint,
@@ -26,9 +29,9 @@ from tools.audit_checks import (
     read_json,
     read_public_key,
     report_for,
-    rpc_consistency,
     rpc_public_key,
     rpc_tree_head,
+    server_checkpoint_checks,
     signed_head_check,
     walk_server,
     walk_store,
@@ -145,16 +148,25 @@ def verify_online(
 ) -> dict[str, Any]:
     """Walks the run over gRPC and checks the server's signed head and saved checkpoint."""
     client = client_from(args)
-    walk = walk_server(client, args.run, args.namespace)
-    if walk.problem or walk.namespace is None:
+    namespace = args.namespace or (saved.head.namespace if saved else "")
+    try:
+        walk = walk_server(client, args.run, namespace)
+    except LedgerRejected as exc:
+        if not (exc.reason == "RUN_NOT_FOUND" and _saved_for(saved, namespace, args.run)):
+            raise
+        # The run a saved head signed is gone: a finding (the checkpoint check fails), not a refusal.
+        walk = ChainWalk(args.run, namespace)
+    if walk.problem:
         return report_for(walk, [])
+    if walk.namespace is None:
+        # An empty listing names no namespace, yet the head and checkpoint checks still run:
+        # a run exists only with rows, so an empty one is a finding for them to report.
+        walk.namespace = _namespace(namespace)
     server_pem = rpc_public_key(client)
     pem = pinned or server_pem
     checks = [*key_checks(pinned, server_pem), signed_head_check(client, walk, pem)]
     if saved is not None:
-        old = saved.head.tree_size
-        proof = rpc_consistency(client, walk, old) if walk.count >= old else None
-        checks.extend(checkpoint_checks(saved, pem, walk, proof))
+        checks.extend(server_checkpoint_checks(client, saved, pem, walk))
     return report_for(walk, checks)
 
 
@@ -169,7 +181,11 @@ def verify_offline(
         view = store.read()
         runs = [r for r in view.list_runs(namespace, 1 << 30) if run_id in (None, r.run_id)]
         if run_id is not None and not runs:
-            raise CommandError(f"run {run_id} is not in {args.db}", code=EXIT_REJECTED)
+            if saved is None or pinned is None or not _saved_for(saved, namespace, run_id):
+                raise CommandError(f"run {run_id} is not in {args.db}", code=EXIT_REJECTED)
+            # The run a saved head signed is gone: a finding (the checkpoint check fails).
+            walk = ChainWalk(run_id, saved.head.namespace)
+            return [report_for(walk, checkpoint_checks(saved, pinned, walk))]
         reports = []
         for run in sorted(runs, key=lambda r: r.run_pk):
             chain, tree = walk_store(view, run)
@@ -184,6 +200,21 @@ def verify_offline(
         return reports
     finally:
         store.close()
+
+
+def _saved_for(saved: Checkpoint | None, namespace: str | None, run_id: str) -> bool:
+    """Returns whether the saved head is for this run (of this namespace, when one is named)."""
+    if saved is None:
+        return False
+    return saved.head.run_id == run_id and namespace in (None, "", saved.head.namespace)
+
+
+def _namespace(value: str) -> str:
+    """Returns the namespace the CLI means (empty: the default), or raises a usage error."""
+    try:
+        return check_namespace(value)
+    except LedgerError as exc:
+        raise CommandError(f"--namespace {value!r}: {exc}", code=EXIT_USAGE) from None
 
 
 # --- checkpoint, prove, check-proof, public-key -----------------------------
@@ -237,9 +268,15 @@ def run_check_proof(args: argparse.Namespace) -> int:
 
 
 def run_public_key(args: argparse.Namespace) -> int:
-    """Writes the server's public key (PEM); its key id goes to stderr."""
+    """Writes the server's public key (PEM, or with --json an object with its key id)."""
     pem = rpc_public_key(client_from(args))
+    key_id = public_key_id(pem)
     with atomic_output(args.output) as out:
-        out.write(pem)
-    print(f"key id {public_key_id(pem)}", file=sys.stderr)
+        if args.json:
+            doc = {"key_id": key_id, "public_key_pem": pem}
+            out.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        else:
+            out.write(pem)
+    if not args.json:
+        print(f"key id {key_id}", file=sys.stderr)
     return EXIT_OK
