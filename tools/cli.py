@@ -14,12 +14,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from shard_client.errors import LedgerRejected, LedgerUnavailable
+
+if TYPE_CHECKING:
+    from ledger_server.store import Store
 
 EXIT_OK: Final = 0
 EXIT_PROBLEMS: Final = 1
@@ -65,6 +70,19 @@ class CommandError(Exception):
         self.code = code
 
 
+def positive_seconds(text: str) -> float:
+    """Returns a finite number of seconds above zero (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds above 0, not {text!r}"
+        )
+    return value
+
+
 def common_parent() -> argparse.ArgumentParser:
     """Returns the options every client command shares."""
     parent = argparse.ArgumentParser(add_help=False)
@@ -77,7 +95,10 @@ def common_parent() -> argparse.ArgumentParser:
     )
     group.add_argument("--namespace", default="", help="tenant namespace (default: 'default')")
     group.add_argument(
-        "--timeout", type=float, default=10.0, help="per-call deadline in seconds (default 10)"
+        "--timeout",
+        type=positive_seconds,
+        default=10.0,
+        help="per-call deadline in seconds (default 10)",
     )
     group.add_argument(
         "--token-file",
@@ -111,6 +132,7 @@ def client_from(args: argparse.Namespace) -> Any:
             raise CommandError(
                 f"cannot read token file {args.token_file}: {exc.strerror}"
             ) from None
+    _check_client_tls(args)
     try:
         return LedgerClient(
             args.server,
@@ -123,6 +145,68 @@ def client_from(args: argparse.Namespace) -> Any:
         )
     except (OSError, ValueError) as exc:
         raise CommandError(f"bad TLS options: {exc}") from None
+
+
+def _check_client_tls(args: argparse.Namespace) -> None:
+    """Raises CommandError unless each TLS file given (flag or environment) is readable PEM.
+
+    gRPC takes any bytes as a CA and fails only at the handshake, which reads as
+    "unreachable"; a bad file is a local error, named before connecting.
+    """
+    from ledger_server.server import read_pem
+
+    files: tuple[tuple[str, str | None, str, Literal["certificate", "private key"]], ...] = (
+        ("--tls-ca", getattr(args, "tls_ca", None), "SHARDLEDGER_TLS_CA", "certificate"),
+        ("--tls-cert", getattr(args, "tls_cert", None), "SHARDLEDGER_TLS_CERT", "certificate"),
+        ("--tls-key", getattr(args, "tls_key", None), "SHARDLEDGER_TLS_KEY", "private key"),
+    )
+    for option, given, env, kind in files:
+        path = given or os.environ.get(env)
+        if not path:
+            continue
+        source = option if given else f"${env}"
+        try:
+            read_pem(path, kind)
+        except OSError as exc:
+            raise CommandError(f"cannot read {source} {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise CommandError(f"{source} {path}: {exc}") from None
+
+
+def open_ledger(spec: str, *, create: bool = False) -> Store:
+    """Opens the ledger a --db names (a SQLite path, sqlite:///PATH or postgresql://...).
+
+    A SQLite ledger must exist unless create; a new one is created only in an
+    existing directory. A mistyped path otherwise becomes a new, empty ledger that
+    quietly answers "nothing here", and its parents would be created on the way.
+    """
+    from ledger_server.store import open_store
+    from ledger_server.store.base import StoreError
+    from ledger_server.store.sqlite import SqliteStore
+
+    path = spec[len("sqlite:///") :] if spec.startswith("sqlite:///") else spec
+    try:
+        if "://" in path:
+            return open_store(spec)
+        if create and not os.path.lexists(path):
+            parent = os.path.dirname(path) or "."
+            if not os.path.isdir(parent):
+                raise CommandError(
+                    f"cannot create a ledger at {spec}: no directory {parent} (create it first)"
+                )
+            return SqliteStore(path)
+        if not os.path.lexists(path):
+            raise CommandError(
+                f"no ledger at {spec}: no such file"
+                " (check --db; `shardledger serve --db PATH` creates a new ledger)"
+            )
+        return SqliteStore(path, must_exist=True)
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except StoreError as exc:
+        # The store's own refusals name the path already ("no ledger at PATH: no such file").
+        text = str(exc) if path in str(exc) else f"cannot open the ledger at {spec}: {exc}"
+        raise CommandError(text) from None
 
 
 def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
@@ -177,10 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except LedgerUnavailable as exc:
-        print(
-            f"shardledger: ledger unreachable at {getattr(args, 'server', None) or 'default'}: {exc}",
-            file=sys.stderr,
-        )
+        from shard_client.client import default_target
+
+        target = getattr(args, "server", None) or default_target()
+        print(f"shardledger: ledger unreachable at {target}: {exc}", file=sys.stderr)
         print(
             "  start one with `shardledger serve` or set --server / $SHARDLEDGER_SERVER",
             file=sys.stderr,
@@ -198,7 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `shardledger resume RUN | head` closes the pipe early: not an error.
         sys.stderr.close()
         return EXIT_OK
+    except SystemExit as exc:
+        # rich's Console answers a closed stdout with SystemExit(1) raised while handling
+        # the BrokenPipeError (Console.on_broken_pipe, stdout already on /dev/null).
+        if isinstance(exc.__context__, BrokenPipeError):
+            return EXIT_OK
+        raise
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run as `python -m tools.cli`, this file is __main__, a second copy of the module:
+    # the commands raise tools.cli.CommandError, which only tools.cli.main catches.
+    from tools.cli import main as cli_main
+
+    raise SystemExit(cli_main())

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Final
 from ledger_server import projections as proj
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
-from ledger_server.store import Store, open_store, redact_url
+from ledger_server.server import display_database
+from ledger_server.store import Store, open_store
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
 from tools import cmd_rebuild
 from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json, progress
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from ledger_server.store.postgres import PostgresStore
 
 ENV_DATABASE_URL: Final = "SHARDLEDGER_DATABASE_URL"
+PG_MAX_IDENTIFIER_BYTES: Final = 63  # NAMEDATALEN - 1
 
 COPY_DESCRIPTION: Final = """\
 Copy a whole ledger into an empty PostgreSQL database, run by run: every event
@@ -86,9 +88,23 @@ def register(
         description="Print SQL that lets ROLE append and read but never UPDATE, DELETE or "
         "TRUNCATE events. Run it as the tables' owner (the migration role), after `db migrate`.",
     )
-    g.add_argument("--role", required=True, help="the role the replicas connect as")
+    g.add_argument("--role", required=True, type=role_name, help="the role the replicas connect as")
     g.set_defaults(func=run_grants)
     cmd_rebuild.register(dbsub, default_url)
+
+
+def role_name(text: str) -> str:
+    """Returns a PostgreSQL role name as given (an argparse type); refuses one no role can have."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the role name is empty")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a role name cannot hold a NUL character")
+    if len(text.encode()) > PG_MAX_IDENTIFIER_BYTES:
+        # PostgreSQL truncates longer names, so the grants would name another role.
+        raise argparse.ArgumentTypeError(
+            f"{text[:20]!r}... is longer than PostgreSQL's {PG_MAX_IDENTIFIER_BYTES}-byte names"
+        )
+    return text
 
 
 def _applied(store: Store) -> list[tuple[int, str, int]]:
@@ -107,7 +123,7 @@ def _open(url: str) -> Store:
     try:
         return open_store(url)
     except (StoreError, ValueError) as exc:
-        raise CommandError(f"cannot open {redact_url(url)}: {exc}") from None
+        raise CommandError(f"cannot open {display_database(url)}: {exc}") from None
 
 
 def run_migrate(args: argparse.Namespace) -> int:
@@ -120,13 +136,15 @@ def run_migrate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(
             {
-                "database": redact_url(args.database_url),
+                "database": display_database(args.database_url),
                 "schema_version": max((v for v, _, _ in applied), default=0),
                 "migrations": [{"version": v, "name": n, "applied_us": t} for v, n, t in applied],
             }
         )
         return EXIT_OK
-    print(f"{redact_url(args.database_url)}: schema version {applied[-1][0] if applied else 0}")
+    print(
+        f"{display_database(args.database_url)}: schema version {applied[-1][0] if applied else 0}"
+    )
     for version, name, applied_us in applied:
         when = datetime.fromtimestamp(applied_us / 1e6, UTC).isoformat(timespec="seconds")
         print(f"  {version:>4}  {name}  (applied {when})")

@@ -25,7 +25,6 @@ from tools.audit_checks import (
     ChainWalk,
     event_row,
     head_problem,
-    open_database,
     read_public_key,
     rpc_public_key,
     rpc_tree_head,
@@ -38,6 +37,7 @@ from tools.cli import (
     EXIT_USAGE,
     CommandError,
     client_from,
+    open_ledger,
     print_json,
 )
 from tools.cmd_report import atomic_output
@@ -270,7 +270,7 @@ def run_import(args: argparse.Namespace) -> int:
             " its rows and signed head commit to their namespace",
             code=EXIT_USAGE,
         )
-    store = open_database(args.db, must_exist=False)
+    store = open_ledger(args.db, create=True)
     try:
         result = import_run(
             store, namespace=reader.namespace, run_id=reader.run_id, rows=reader.rows()

@@ -3,11 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
-from ledger_server.server import DEFAULT_DB, DEFAULT_LISTEN, ServerConfig, configure_logging, serve
-from ledger_server.store import redact_url
+from ledger_server.server import (
+    DEFAULT_DB,
+    DEFAULT_LISTEN,
+    ServerConfig,
+    StartupError,
+    configure_logging,
+    display_database,
+    serve,
+)
+from tools.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
+
+
+def positive_int(text: str) -> int:
+    """Returns an int of at least 1 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """Returns a finite number of seconds >= 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, not {text!r}")
+    return value
 
 
 def register(
@@ -37,10 +68,10 @@ def register(
     p.add_argument(
         "--listen", default=DEFAULT_LISTEN, help="HOST:PORT to listen on (port 0 picks one)"
     )
-    p.add_argument("--max-workers", type=int, default=32, help="RPC handler threads")
+    p.add_argument("--max-workers", type=positive_int, default=32, help="RPC handler threads")
     p.add_argument(
         "--max-concurrent-rpcs",
-        type=int,
+        type=positive_int,
         default=256,
         help="in-flight RPCs beyond this get RESOURCE_EXHAUSTED",
     )
@@ -85,7 +116,10 @@ def register(
         help="ed25519 key that signs tree heads (default: DB.signing-key.pem)",
     )
     p.add_argument(
-        "--grace", type=float, default=10.0, help="seconds to drain in-flight calls on SIGTERM"
+        "--grace",
+        type=non_negative_seconds,
+        default=10.0,
+        help="seconds to drain in-flight calls on SIGTERM",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -96,6 +130,8 @@ def register(
 
 def run(args: argparse.Namespace) -> int:
     """Runs the server until SIGTERM."""
+    if args.port_file:
+        check_port_file(args.port_file)
     configure_logging(args.log_level)
     database = args.database_url or args.db
     config = ServerConfig(
@@ -116,12 +152,32 @@ def run(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         print(
-            f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port} (db {redact_url(database)})",
+            f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port}"
+            f" (db {display_database(database)})",
             file=sys.stderr,
         )
         if args.port_file:
-            with open(args.port_file + ".tmp", "w") as fh:
-                fh.write(str(port))
-            os.replace(args.port_file + ".tmp", args.port_file)
+            try:
+                with open(args.port_file + ".tmp", "w") as fh:
+                    fh.write(str(port))
+                os.replace(args.port_file + ".tmp", args.port_file)
+            except OSError as exc:
+                raise CommandError(
+                    f"cannot write --port-file {args.port_file}: {exc.strerror}; the server stopped"
+                ) from None
 
-    return serve(config, ready=ready)
+    try:
+        return serve(config, ready=ready)
+    except StartupError as exc:
+        raise CommandError(exc.message, EXIT_USAGE if exc.usage else EXIT_LOCAL) from None
+
+
+def check_port_file(path: str) -> None:
+    """Raises CommandError unless the port can be written to path (checked before binding)."""
+    parent = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise CommandError(f"--port-file {path} is a directory: give a file path inside it")
+    if not os.path.isdir(parent):
+        raise CommandError(f"--port-file {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK):
+        raise CommandError(f"--port-file {path}: cannot write in {parent}")

@@ -12,8 +12,7 @@ from ledger_server.auth import ROLES, new_token
 from ledger_server.errors import InvalidEvent
 from ledger_server.events import check_namespace
 from ledger_server.server import DEFAULT_DB
-from ledger_server.store import open_store
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger, print_json
 
 _DURATION = re.compile(r"(\d+)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -62,9 +61,17 @@ def parse_duration(text: str) -> int:
     match = _DURATION.fullmatch(text.strip())
     if not match:
         raise CommandError(
-            f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)", 2
+            f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)", EXIT_USAGE
         )
-    return int(match.group(1)) * _UNITS[match.group(2)]
+    seconds = int(match.group(1)) * _UNITS[match.group(2)]
+    if seconds == 0:
+        # A token that expires as it is created is never usable; leave --expires-in out for "never".
+        raise CommandError(
+            f"bad duration {text!r}: --expires-in must be more than zero"
+            " (leave it out for a token that never expires)",
+            EXIT_USAGE,
+        )
+    return seconds
 
 
 def _now_us() -> int:
@@ -80,7 +87,7 @@ def run_create(args: argparse.Namespace) -> int:
     try:
         namespace = check_namespace(args.namespace)
     except InvalidEvent as exc:
-        raise CommandError(str(exc), 2) from None
+        raise CommandError(str(exc), EXIT_USAGE) from None
     now = _now_us()
     expires = now + parse_duration(args.expires_in) * 1_000_000 if args.expires_in else None
     try:
@@ -93,8 +100,8 @@ def run_create(args: argparse.Namespace) -> int:
             expires_us=expires,
         )
     except ValueError as exc:
-        raise CommandError(str(exc), 2) from None
-    store = open_store(args.db)
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    store = open_ledger(args.db)
     try:
         store.create_token(row)
     finally:
@@ -124,7 +131,7 @@ def run_create(args: argparse.Namespace) -> int:
 
 def run_list(args: argparse.Namespace) -> int:
     """Lists tokens."""
-    store = open_store(args.db)
+    store = open_ledger(args.db)
     try:
         rows = store.list_tokens()
     finally:
@@ -162,7 +169,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_revoke(args: argparse.Namespace) -> int:
     """Revokes a token."""
-    store = open_store(args.db)
+    store = open_ledger(args.db)
     try:
         done = store.revoke_token(args.token_id, now_us=_now_us())
     finally:

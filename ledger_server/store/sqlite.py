@@ -221,6 +221,9 @@ SQL_COUNT_STALE: Final = (
     f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = 'running'"
     f" AND {SQL_DEADLINE} < ?"
 )
+SQL_HAS_MIGRATIONS: Final = (
+    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
+)
 _CHUNK: Final = 500
 
 
@@ -267,14 +270,47 @@ def _translate(exc: sqlite3.Error) -> StoreError:
     return StoreError(f"{type(exc).__name__}: {exc}")
 
 
+def _require_file(path: str) -> None:
+    """Raises StoreError unless path is an existing regular file."""
+    if not os.path.exists(path):
+        raise StoreError(f"no ledger at {path}: no such file")
+    if os.path.isdir(path):
+        raise StoreError(f"no ledger at {path}: a directory, not a ledger file")
+    if not os.path.isfile(path):
+        raise StoreError(f"no ledger at {path}: not a regular file")
+    if os.path.getsize(path) == 0:
+        raise StoreError(f"no ledger at {path}: an empty file")
+
+
+def _require_ledger_schema(conn: sqlite3.Connection, path: str) -> None:
+    """Raises StoreError (closing conn) unless the database holds this store's schema."""
+    try:
+        found = conn.execute(SQL_HAS_MIGRATIONS).fetchone()
+    except sqlite3.DatabaseError as exc:  # "file is not a database"
+        conn.close()
+        raise StoreError(f"no ledger at {path}: {exc}") from exc
+    if found is None:
+        conn.close()
+        raise StoreError(f"no ledger at {path}: a SQLite database without the ledger's tables")
+
+
 class SqliteStore:
     """An event store in one SQLite file."""
 
     exclusive_writer = True
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, must_exist: bool = False) -> None:
+        """Opens (creating by default) the ledger at path.
+
+        With must_exist, a missing file, a directory, a file that is not SQLite, or
+        a SQLite database without this schema raises StoreError and nothing is
+        created or changed: a mistyped path must not turn into a new, empty ledger.
+        """
         self.path = str(path)
-        if self.path != ":memory:":
+        self._must_exist = must_exist
+        if must_exist:
+            _require_file(self.path)
+        elif self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
@@ -286,9 +322,21 @@ class SqliteStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30
-            )
+            if self._must_exist:
+                # mode=rw opens read-write but never creates the file (plain connect would).
+                conn = sqlite3.connect(
+                    Path(self.path).absolute().as_uri() + "?mode=rw",
+                    uri=True,
+                    isolation_level=None,
+                    check_same_thread=False,
+                    timeout=30,
+                )
+                # Checked before the WAL pragma, which would rewrite another program's database.
+                _require_ledger_schema(conn, self.path)
+            else:
+                conn = sqlite3.connect(
+                    self.path, isolation_level=None, check_same_thread=False, timeout=30
+                )
             conn.execute("PRAGMA journal_mode=WAL")
             # FULL: a COMMIT returns only after the WAL is fsynced, so an
             # acknowledged append survives power loss, not just a process crash.
