@@ -289,6 +289,25 @@ def test_export_of_a_tampered_run_is_refused_and_leaves_no_file(
     assert not out.exists() and not list(tmp_path.glob(".run.jsonl.*"))
 
 
+@pytest.mark.parametrize("deleted", ["the tail", "every row"])
+def test_export_of_a_run_whose_rows_were_deleted_is_refused(
+    client: LedgerClient,
+    db_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    deleted: str,
+) -> None:
+    fill(client)
+    keep = 3 if deleted == "the tail" else 0
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("DROP TRIGGER events_no_delete")
+        conn.execute("DELETE FROM events WHERE run_seq > ?", (keep,))
+    out = tmp_path / "run.jsonl"
+    code, _, err = cli(capsys, "export", RUN, "--server", client.target, "-o", str(out))
+    assert code == 1 and "refusing to export" in err and "disagree" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_importer_folds_projections_like_the_live_ledger(tmp_path: Path) -> None:
     """Guards the fold itself: the imported store's records equal the source's, shard by shard."""
     source = SqliteStore(tmp_path / "a.db")

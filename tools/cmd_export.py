@@ -21,6 +21,7 @@ from ledger_server.events import canonical_json, check_namespace
 from ledger_server.importer import ImportRow, import_run
 from ledger_server.signing import TreeHead, load_public_key, public_key_id
 from ledger_server.store.base import WriterBusy
+from shard_client.errors import LedgerRejected
 from tools.audit_checks import (
     ChainWalk,
     event_row,
@@ -124,16 +125,23 @@ def run_export(args: argparse.Namespace) -> int:
                 "row_hash": bytes(msg.row_hash).hex(),
             }
             out.write(_line(line))
-        assert walk.namespace is not None
-        head = rpc_tree_head(client, walk.namespace, walk.run_id, walk.count)
+        # A run whose rows were all deleted lists nothing: its namespace is the asked one.
+        namespace = walk.namespace or check_namespace(args.namespace)
+        try:
+            head = rpc_tree_head(client, namespace, walk.run_id, walk.count)
+        except LedgerRejected as exc:  # e.g. the stored rows and the run head disagree
+            raise CommandError(
+                f"refusing to export: the server will not sign the run's head: {exc}",
+                code=EXIT_PROBLEMS,
+            ) from None
         problem = head_problem(
-            head, pem, run=(walk.namespace, walk.run_id), size=walk.count, root=walk.tree.root()
+            head, pem, run=(namespace, walk.run_id), size=walk.count, root=walk.tree.root()
         )
         if problem:
             raise CommandError(f"refusing to export: {problem}", code=EXIT_PROBLEMS)
         out.write(_line({"type": "trailer", "events": walk.count, "tree_head": head.to_json()}))
     where = f" to {args.output}" if args.output else ""
-    print(f"exported {walk.count} events of {walk.namespace}/{walk.run_id}{where}", file=sys.stderr)
+    print(f"exported {walk.count} events of {namespace}/{walk.run_id}{where}", file=sys.stderr)
     return EXIT_OK
 
 
