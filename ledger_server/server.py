@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import logging
-import math
-import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final, Literal
 
 import grpc
 import structlog
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -30,30 +23,26 @@ from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
-from ledger_server.store import Store, open_store, redact_url
+from ledger_server.startup import (
+    DEFAULT_DB,
+    StartupError,
+    check_config,
+    check_free,
+    create_signing_key,
+    display_database,
+    existing_signing_key,
+    is_loopback,
+    open_database,
+    read_pem,
+)
 from ledger_server.store.base import StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
 DEFAULT_LISTEN: Final = "127.0.0.1:50551"
-DEFAULT_DB: Final = "ledger.db"
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
 log = structlog.get_logger("shardledger.server")
-
-
-class StartupError(SystemExit):
-    """The server refuses to start; the message says which option is wrong and what to do.
-
-    A SystemExit, so an embedder that does not catch it still exits with the
-    message; `shardledger serve` maps ``usage`` to its exit codes (2 when a
-    flag's value is wrong, 5 when the machine's state is: a port in use, a file).
-    """
-
-    def __init__(self, message: str, *, usage: bool = False) -> None:
-        super().__init__(message)
-        self.message = message
-        self.usage = usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,41 +82,6 @@ def default_key_path(database: str) -> str:
     return path + ".signing-key.pem"
 
 
-def display_database(url: str) -> str:
-    """Returns a database URL for messages: a PostgreSQL password redacted, a SQLite path verbatim."""
-    # redact_url round-trips through urlsplit, which drops the empty authority of sqlite:///PATH.
-    return url if url.startswith("sqlite:") or "://" not in url else redact_url(url)
-
-
-def split_listen(listen: str, option: str = "--listen") -> tuple[str, int]:
-    """Returns (host, port) of a HOST:PORT address, or raises StartupError (usage)."""
-    host, sep, port = listen.rpartition(":")
-    bare = host.strip("[]")
-    if not sep or not port.isdigit() or (":" in bare and host != f"[{bare}]"):
-        raise StartupError(
-            f"{option} {listen!r} is not HOST:PORT (e.g. 127.0.0.1:50551, [::1]:0;"
-            " IPv6 addresses go in brackets)",
-            usage=True,
-        )
-    if int(port) > 65535:
-        raise StartupError(
-            f"{option} {listen}: port {port} is out of range 0-65535 (0 picks a free one)",
-            usage=True,
-        )
-    return bare, int(port)
-
-
-def is_loopback(listen: str) -> bool:
-    """Returns whether a HOST:PORT listen address is on loopback only."""
-    host = listen.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass(slots=True)
 class RunningServer:
     """A started server and the parts a caller may need."""
@@ -158,22 +112,22 @@ def create_server(config: ServerConfig) -> RunningServer:
     Every option is checked before the database is opened, so a refused start
     creates no ledger file; raises StartupError with a message naming the option.
     """
-    _check_config(config)
+    check_config(config)
     tls = config.tls_cert is not None or config.tls_key is not None
     credentials = _server_credentials(config) if tls else None
     key_path = config.signing_key or default_key_path(config.database)
-    key = _existing_signing_key(key_path)
-    _check_free(config.listen, "--listen")
+    key = existing_signing_key(key_path)
+    check_free(config.listen, "--listen")
     if config.metrics_listen:
-        _check_free(config.metrics_listen, "--metrics-listen")
-    store = _open_database(config.database)
+        check_free(config.metrics_listen, "--metrics-listen")
+    store = open_database(config.database)
     try:
         try:
             store.claim_writer()  # a second server on one SQLite file refuses to start
         except StoreError as exc:
             raise StartupError(f"cannot serve {display_database(config.database)}: {exc}") from None
         if key is None:
-            key = _create_signing_key(key_path)
+            key = create_signing_key(key_path)
         metrics = LedgerMetrics()
         ledger = Ledger(store, on_group=metrics.observe_group)
     except BaseException:
@@ -260,80 +214,6 @@ def _start(
     )
 
 
-def _check_config(config: ServerConfig) -> None:
-    """Raises StartupError (usage) for option values no start could succeed with."""
-    split_listen(config.listen)
-    if config.metrics_listen:
-        split_listen(config.metrics_listen, "--metrics-listen")
-    tls = config.tls_cert is not None or config.tls_key is not None
-    if tls and not (config.tls_cert and config.tls_key):
-        raise StartupError("TLS needs both --tls-cert and --tls-key", usage=True)
-    if config.client_ca and not tls:
-        raise StartupError("--client-ca (mutual TLS) needs --tls-cert and --tls-key", usage=True)
-    if not tls and not config.insecure and not is_loopback(config.listen):
-        raise StartupError(
-            f"refusing to serve plaintext on non-loopback address {config.listen}: "
-            "anyone on the network could read and write the ledger; "
-            "give --tls-cert/--tls-key, or pass --insecure to accept that",
-            usage=True,
-        )
-    if config.auth not in ("auto", "tokens", "off"):
-        raise StartupError(f"--auth must be auto, tokens or off, not {config.auth!r}", usage=True)
-    for option, value in (
-        ("--max-workers", config.max_workers),
-        ("--max-concurrent-rpcs", config.max_concurrent_rpcs),
-    ):
-        if value < 1:
-            raise StartupError(f"{option} must be at least 1, not {value}", usage=True)
-    if not (math.isfinite(config.grace_s) and config.grace_s >= 0):
-        raise StartupError(
-            f"--grace must be a number of seconds >= 0, not {config.grace_s}", usage=True
-        )
-
-
-def _check_free(listen: str, option: str) -> None:
-    """Raises StartupError when a fixed port is taken, before anything is created.
-
-    gRPC would only say "Failed to bind" after the database was opened; a test bind
-    with the same SO_REUSEADDR names the reason. Port 0 always finds a free port.
-    """
-    host, port = split_listen(listen, option)
-    if port == 0:
-        return
-    try:
-        addresses = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as exc:
-        raise StartupError(f"cannot listen on {listen}: {host}: {exc.strerror}") from None
-    failures: list[OSError] = []
-    for family, kind, proto, _, address in addresses:
-        try:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(address)
-        except OSError as exc:
-            if exc.errno in _BIND_ADVICE:
-                raise StartupError(
-                    f"cannot listen on {listen}: {exc.strerror}; {_BIND_ADVICE[exc.errno]}"
-                    f" or pick another {option} (port 0 picks a free one)"
-                ) from None
-            failures.append(exc)
-    # A name like localhost may also resolve to ::1 on a host without IPv6; like gRPC,
-    # refuse only when no address binds at all.
-    if failures and len(failures) == len(addresses):
-        raise StartupError(
-            f"cannot listen on {listen}: {failures[0].strerror}; is {host or '*'} an address"
-            f" of this machine? pick another {option}"
-        )
-
-
-_BIND_ADVICE: Final = {
-    errno.EADDRINUSE: "stop what holds the port",
-    errno.EACCES: "ports below 1024 need privileges",
-}
-
-
 def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
     """Binds listen and returns the port, or raises StartupError."""
     try:
@@ -351,77 +231,6 @@ def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials 
             f"cannot listen on {listen}: gRPC could not bind it (taken since the check,"
             " or not an address of this machine); pick another --listen"
         ) from None
-
-
-def _open_database(database: str) -> Store:
-    """Opens (creating when new) the ledger database, or raises StartupError."""
-    shown = display_database(database)
-    path = database[len("sqlite:///") :] if database.startswith("sqlite:///") else database
-    if "://" not in path and os.path.isdir(path):
-        raise StartupError(
-            f"--db {shown} is a directory: give the ledger's file, e.g. {os.path.join(path, DEFAULT_DB)}"
-        )
-    try:
-        return open_store(database)
-    except ValueError as exc:
-        raise StartupError(f"--database-url: {exc}", usage=True) from None
-    except StoreError as exc:
-        raise StartupError(
-            f"cannot open the database {shown} (--db/--database-url): {exc};"
-            " give a ledger file, or a new path to create one"
-        ) from None
-
-
-def _existing_signing_key(path: str) -> SigningKey | None:
-    """Returns the signing key at path, None when there is none yet, or raises StartupError."""
-    try:
-        return SigningKey.from_pem(Path(path).read_bytes())
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StartupError(
-            f"cannot read the signing key {path} (--signing-key): {exc.strerror}"
-        ) from None
-    except ValueError as exc:
-        raise StartupError(
-            f"the signing key {path} (--signing-key) is unusable: {_short(exc)};"
-            " give an Ed25519 key in PEM, or a new path to create one"
-        ) from None
-
-
-def _create_signing_key(path: str) -> SigningKey:
-    """Creates the signing key at path (first start), or raises StartupError."""
-    try:
-        return SigningKey.load_or_create(path)
-    except OSError as exc:
-        raise StartupError(
-            f"cannot create the signing key {path} (--signing-key): {exc.strerror}"
-        ) from None
-    except ValueError as exc:  # another process published a bad file between the check and now
-        raise StartupError(f"the signing key {path} (--signing-key) is unusable: {exc}") from None
-
-
-def read_pem(path: str, kind: Literal["certificate", "private key"]) -> bytes:
-    """Returns a PEM file holding a "certificate" (chain) or a "private key" (unencrypted).
-
-    Raises OSError when it cannot be read, ValueError when it is not such PEM:
-    gRPC would accept the bytes and fail later with an unrelated message.
-    """
-    with open(path, "rb") as fh:
-        data = fh.read()
-    try:
-        if kind == "certificate":
-            x509.load_pem_x509_certificates(data)
-        else:
-            serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-        raise ValueError(f"not a PEM {kind}: {_short(exc)}") from None
-    return data
-
-
-def _short(exc: Exception) -> str:
-    """Returns an error's message without cryptography's trailing FAQ link."""
-    return str(exc).split(". See https://", 1)[0]
 
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:

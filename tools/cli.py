@@ -153,7 +153,7 @@ def _check_client_tls(args: argparse.Namespace) -> None:
     gRPC takes any bytes as a CA and fails only at the handshake, which reads as
     "unreachable"; a bad file is a local error, named before connecting.
     """
-    from ledger_server.server import read_pem
+    from ledger_server.startup import read_pem
 
     files: tuple[tuple[str, str | None, str, Literal["certificate", "private key"]], ...] = (
         ("--tls-ca", getattr(args, "tls_ca", None), "SHARDLEDGER_TLS_CA", "certificate"),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final
 from ledger_server import projections as proj
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
-from ledger_server.server import display_database
+from ledger_server.startup import display_database
 from ledger_server.store import Store, open_store
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
 from tools import cmd_rebuild

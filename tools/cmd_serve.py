@@ -7,15 +7,8 @@ import math
 import os
 import sys
 
-from ledger_server.server import (
-    DEFAULT_DB,
-    DEFAULT_LISTEN,
-    ServerConfig,
-    StartupError,
-    configure_logging,
-    display_database,
-    serve,
-)
+from ledger_server.server import DEFAULT_LISTEN, ServerConfig, configure_logging, serve
+from ledger_server.startup import DEFAULT_DB, StartupError, display_database
 from tools.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
 
 
