@@ -142,7 +142,7 @@ def test_serve_with_metrics_on_a_port_in_use_is_refused_before_the_ledger_exists
 def test_a_port_taken_between_the_check_and_the_bind_is_refused_and_releases_the_ledger(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ledger_server.server._check_free", lambda listen, option: None)
+    monkeypatch.setattr("ledger_server.server.check_free", lambda listen, option: None)
     db = tmp_path / "ledger.db"
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
