@@ -13,7 +13,7 @@ import structlog
 from ledger_server.events import chain_hash
 from ledger_server.ledger import Ledger
 from ledger_server.server import RunningServer, ServerConfig, create_server
-from ledger_server.signing import SigningKey
+from ledger_server.signing import SigningKey, public_key_id
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
@@ -152,9 +152,18 @@ def break_the_signature(lines: list[str]) -> int:
 
 def swap_the_header_key(lines: list[str]) -> int:
     header = json.loads(lines[0])
+    # A careful forger names its own key consistently: the signed head still refuses it.
     header["public_key_pem"] = SigningKey.generate().public_key_pem()
+    header["key_id"] = public_key_id(header["public_key_pem"])
     lines[0] = json.dumps(header) + "\n"
     return len(lines)
+
+
+def change_the_header_key_id(lines: list[str]) -> int:
+    header = json.loads(lines[0])
+    header["key_id"] = "0" * len(header["key_id"])
+    lines[0] = json.dumps(header) + "\n"
+    return 1
 
 
 def append_a_forged_event(lines: list[str]) -> int:
@@ -203,6 +212,7 @@ def forge_a_lone_surrogate(lines: list[str]) -> int:
         drop_the_trailer,
         break_the_signature,
         swap_the_header_key,
+        change_the_header_key_id,
         append_a_forged_event,
         forge_a_lone_surrogate,
     ],

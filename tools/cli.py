@@ -83,6 +83,21 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """Returns an argparse type for whole numbers >= minimum, with a message that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+
+    return parse
+
+
 def common_parent() -> argparse.ArgumentParser:
     """Returns the options every client command shares."""
     parent = argparse.ArgumentParser(add_help=False)

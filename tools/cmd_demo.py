@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, print_json
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, at_least, print_json
 from tools.demo_faults import (
     DUPLICATE_RETRY,
     ENV_DRIFT,
@@ -65,22 +65,12 @@ def register(
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--shards", type=_at_least(MIN_SHARDS), default=200, help="shards (default 200)")
-    p.add_argument("--workers", type=_at_least(1), default=4, help="worker processes (default 4)")
-    p.add_argument("--steps", type=_at_least(2), default=30, help="training steps per shard")
-    p.add_argument("--seed", type=_at_least(0), default=7, help="seed of data and faults")
+    p.add_argument("--shards", type=at_least(MIN_SHARDS), default=200, help="shards (default 200)")
+    p.add_argument("--workers", type=at_least(1), default=4, help="worker processes (default 4)")
+    p.add_argument("--steps", type=at_least(2), default=30, help="training steps per shard")
+    p.add_argument("--seed", type=at_least(0), default=7, help="seed of data and faults")
     p.add_argument("--keep", metavar="DIR", help="keep db, artifacts, resume list, diagnostics")
     p.set_defaults(func=run_demo)
-
-
-def _at_least(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
-        return value
-
-    return parse
 
 
 @contextlib.contextmanager

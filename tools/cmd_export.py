@@ -212,8 +212,11 @@ class ExportReader:
             check_namespace(header["namespace"])
             load_public_key(header["public_key_pem"])
             run_id = str(header["run_id"])
+            key_id = public_key_id(header["public_key_pem"])
         except (KeyError, TypeError, ValueError, LedgerError) as exc:
             raise ExportBroken(number, f"bad header: {exc}") from None
+        if header.get("key_id") != key_id:
+            raise ExportBroken(number, f"the header's key_id is not its key's ({key_id})")
         if self.header is not None and header != self.header:
             raise ExportBroken(number, "the header changed while the file was read")
         self.header = header

@@ -10,13 +10,13 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any, Final
 
 from ledger_server.projections import QUERY_STATES
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import atomic_write
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, client_from, print_json
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from, print_json
 
 RESUME_FORMATS: Final = ("jsonl", "ids", "slurm-array")
 REASON_KEY: Final = "_resume_reason"
@@ -84,25 +84,15 @@ def register(
         parsers[name] = p
     p = parsers["shards"]
     p.add_argument("--state", choices=QUERY_STATES, default="", help="only shards in this state")
-    p.add_argument("--limit", type=_at_least(0), default=0, help="at most N shards (0: all)")
+    p.add_argument("--limit", type=at_least(0), default=0, help="at most N shards (0: all)")
     p = parsers["resume"]
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     p.add_argument("--format", choices=RESUME_FORMATS, default="jsonl", help="output format")
     p.add_argument("--reasons", action="store_true", help=f"jsonl only: add {REASON_KEY!r}")
     p = parsers["events"]
-    p.add_argument("--after", type=_at_least(0), default=0, metavar="SEQ", help="events after SEQ")
+    p.add_argument("--after", type=at_least(0), default=0, metavar="SEQ", help="events after SEQ")
     p.add_argument("--follow", "-f", action="store_true", help="stream new events as they commit")
-    parsers["runs"].add_argument("--limit", type=_at_least(1), default=100, help="at most N runs")
-
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
-        return value
-
-    return parse
+    parsers["runs"].add_argument("--limit", type=at_least(1), default=100, help="at most N runs")
 
 
 def ts_us(ts: Any) -> int:

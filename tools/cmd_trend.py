@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Final
 
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, client_from, print_json
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from, print_json
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
@@ -64,7 +64,7 @@ def register(
     )
     p.add_argument(
         "--last",
-        type=_positive,
+        type=at_least(1),
         default=DEFAULT_LAST,
         help=f"runs to show (default {DEFAULT_LAST})",
     )
@@ -75,13 +75,6 @@ def register(
         help=f"run ids of ruler runs start with this (default {DEFAULT_RULER_PREFIX!r})",
     )
     p.set_defaults(func=run_trend)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
 
 
 def run_trend(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from ledger_server.events import canonical_json
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import CheckResult, load_entry_point_validators, verify_artifact
 from shard_client.errors import LedgerRejected
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, client_from, print_json
+from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from, print_json
 
 APPEND_BATCH: Final = 500
 MAX_REASON_CHARS: Final = 255
@@ -88,17 +88,10 @@ def register(
     p.add_argument("run", help="run id")
     p.add_argument("--root", default=".", help="directory every artifact must lie in (default: .)")
     p.add_argument(
-        "--workers", type=_positive, default=min(8, os.cpu_count() or 4), help="parallel readers"
+        "--workers", type=at_least(1), default=min(8, os.cpu_count() or 4), help="parallel readers"
     )
     p.add_argument("--recheck", action="store_true", help="verify again artifacts already verified")
     p.set_defaults(func=run_verify)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
 
 
 def scan_events(events: Iterable[Any]) -> Scan:
