@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import structlog
+import structlog.testing
 from google.protobuf.duration_pb2 import Duration
 
 from ledger_server.server import RunningServer, ServerConfig, create_server
@@ -19,6 +20,28 @@ from shard_client.client import LedgerClient
 # The in-process servers log through structlog; keep those lines on stderr so that
 # tests reading a command's stdout see only what the command printed.
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+@pytest.fixture
+def quiet_logs() -> Iterator[None]:
+    """Captures the in-process server's log lines, so a CLI's captured output is all its own."""
+    with structlog.testing.capture_logs():
+        yield
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Runs the CLI in process; returns (exit code, stdout, stderr), usage errors included."""
+    from tools.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse exits 2 on a usage error
+        assert isinstance(exc.code, int), exc.code
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
 
 DIGEST_A = "a" * 64
 DIGEST_B = "b" * 64

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-import structlog
 
 from ledger_server.audit_rpc import RunTreeCache
 from ledger_server.codec import decode_event
@@ -28,7 +27,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import LedgerClient
 from shard_client.errors import InvalidArgument, LedgerRejected, NotFound
-from tests.conftest import DIGEST_A, DIGEST_B, committed, event, planned, started
+from tests.conftest import DIGEST_A, DIGEST_B, committed, event, planned, run_cli, started
 from tools.audit_replay import LIST_QUERIES
 from tools.cli import main
 
@@ -36,19 +35,10 @@ RUN = "run-1"
 BASE_US = 1_700_000_000_000_000
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs() -> Iterator[None]:
-    # The in-process server logs to stdout; the CLI's JSON must be all that is there.
-    with structlog.testing.capture_logs():
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Runs the CLI in-process and returns (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+cli = run_cli
 
 
 def tree_head(client: LedgerClient, size: int = 0, run_id: str = RUN) -> TreeHead:

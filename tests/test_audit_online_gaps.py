@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from ledger_server.codec import decode_event
 from ledger_server.events import chain_hash
@@ -35,10 +34,7 @@ DELETE_THE_RUN = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs() -> Iterator[None]:
-    with structlog.testing.capture_logs():
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
 
 @pytest.fixture

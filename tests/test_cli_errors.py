@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -26,28 +25,16 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.startup import StartupError
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
-from tests.conftest import planned
-from tools.cli import EXIT_LOCAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, main
+from tests.conftest import planned, run_cli
+from tools.cli import EXIT_LOCAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
 ENTRY_POINT = Path(sys.executable).parent / "shardledger"
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs() -> Iterator[None]:
-    with structlog.testing.capture_logs():
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Runs the CLI in process; argparse's usage errors come back as their exit code too."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        assert isinstance(exc.code, int), exc.code
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+cli = run_cli
 
 
 def run_module(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

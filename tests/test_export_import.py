@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import structlog
 
 from ledger_server.events import chain_hash
 from ledger_server.ledger import Ledger
@@ -17,24 +16,16 @@ from ledger_server.signing import SigningKey, public_key_id
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from tests.conftest import DIGEST_A, committed, event, planned, started
-from tools.cli import main
+from tests.conftest import DIGEST_A, committed, event, planned, run_cli, started
 
 RUN = "run-1"
 NOW_US = 1_900_000_000_000_000
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs() -> Iterator[None]:
-    with structlog.testing.capture_logs():
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+cli = run_cli
 
 
 def fill(client: LedgerClient) -> None:

@@ -13,12 +13,11 @@ import json
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from ledger_server.codec import decode_event
 from ledger_server.events import (
@@ -41,10 +40,7 @@ RUN = "run-1"
 EVENTS = 30
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs() -> Iterator[None]:
-    with structlog.testing.capture_logs():
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:

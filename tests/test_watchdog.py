@@ -73,6 +73,12 @@ def states(client: LedgerClient) -> dict[str, tuple[str, str]]:
     return {v["shard_id"]: (v["state"], v["detail"]) for v in views}
 
 
+def kill_stale(client: LedgerClient, diag: Path, grace: str, *extra: str) -> int:
+    """Runs one `watch run-1 --kill-stale --json` pass with a grace period and a diag dir."""
+    argv = ["watch", "run-1", "--kill-stale", "--server", client.target, "--grace", grace]
+    return main([*argv, "--diag-dir", str(diag), *extra, "--json"])
+
+
 def test_watch_kill_stale_dumps_stack_kills_and_records_timeout(
     server: RunningServer, client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -97,20 +103,7 @@ def test_watch_kill_stale_dumps_stack_kills_and_records_timeout(
         while next(iter(client.shards("run-1", state="stale")), None) is None:
             assert time.monotonic() < deadline, "the attempt never went stale"
             time.sleep(0.2)
-        code = main(
-            [
-                "watch",
-                "run-1",
-                "--kill-stale",
-                "--server",
-                client.target,
-                "--grace",
-                "1",
-                "--diag-dir",
-                str(diag),
-                "--json",
-            ]
-        )
+        code = kill_stale(client, diag, "1")
         assert code == 0
         actions = json.loads(capsys.readouterr().out)
         # The watchdog reaps its own children, so the exit status may already be collected.
@@ -160,20 +153,7 @@ def test_watch_kill_stale_leaves_alone_a_shard_that_heartbeats_again_while_anoth
     helper = threading.Thread(target=second_recovers)
     helper.start()
     try:
-        code = main(
-            [
-                "watch",
-                "run-1",
-                "--kill-stale",
-                "--server",
-                client.target,
-                "--grace",
-                "3",
-                "--diag-dir",
-                str(diag),
-                "--json",
-            ]
-        )
+        code = kill_stale(client, diag, "3")
     finally:
         done.set()
         helper.join()
@@ -232,22 +212,7 @@ def test_watch_kill_stale_still_stops_and_records_when_diagnostics_cannot_be_wri
     )
     proc = hang_attempt(client, children, "shard-0", "att-hung")
     wait_stale(client, {"shard-0"})
-    code = main(
-        [
-            "watch",
-            "run-1",
-            "--kill-stale",
-            "--server",
-            client.target,
-            "--grace",
-            "0.5",
-            "--diag-dir",
-            str(diag),
-            "--log-file",
-            f"{logs}/{{shard_id}}",
-            "--json",
-        ]
-    )
+    code = kill_stale(client, diag, "0.5", "--log-file", f"{logs}/{{shard_id}}")
     proc.wait(timeout=10)
     assert states(client) == {"shard-0": ("failed", "timeout")}
     out, err = capsys.readouterr()
