@@ -333,6 +333,8 @@ class Sender:
             except Exception:  # the thread must outlive any bug; the acks say what happened
                 log.exception("sender_failed")
                 with self._cond:
+                    if self._closed:  # close() gave up waiting and released the spool
+                        return
                     self._fail_locked(work or [], LedgerClientError("internal sender error"))
                     self._inflight = []
                     self._retry_at = time.monotonic() + self.max_backoff_s
