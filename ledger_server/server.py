@@ -29,12 +29,12 @@ from ledger_server.startup import (
     check_config,
     check_free,
     create_signing_key,
-    display_database,
     existing_signing_key,
     is_loopback,
     open_database,
     read_pem,
 )
+from ledger_server.store import redact_url, sqlite_path
 from ledger_server.store.base import StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -76,8 +76,8 @@ class ServerConfig:
 
 def default_key_path(database: str) -> str:
     """Returns where the signing key lives by default: beside the SQLite file."""
-    path = database[len("sqlite:///") :] if database.startswith("sqlite:///") else database
-    if "://" in path or path == ":memory:":
+    path = sqlite_path(database)
+    if path is None or path == ":memory:":
         return "shardledger-signing-key.pem"
     return path + ".signing-key.pem"
 
@@ -125,7 +125,7 @@ def create_server(config: ServerConfig) -> RunningServer:
         try:
             store.claim_writer()  # a second server on one SQLite file refuses to start
         except StoreError as exc:
-            raise StartupError(f"cannot serve {display_database(config.database)}: {exc}") from None
+            raise StartupError(f"cannot serve {redact_url(config.database)}: {exc}") from None
         if key is None:
             key = create_signing_key(key_path)
         metrics = LedgerMetrics()
@@ -203,7 +203,7 @@ def _start(
         "server_started",
         listen=config.listen,
         port=port,
-        database=display_database(config.database),
+        database=redact_url(config.database),
         tls=credentials is not None,
         mutual_tls=bool(config.client_ca),
         auth="tokens" if require_tokens else "off",

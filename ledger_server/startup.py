@@ -20,7 +20,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from ledger_server.signing import SigningKey
-from ledger_server.store import Store, open_store, redact_url
+from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import StoreError
 
 if TYPE_CHECKING:
@@ -41,12 +41,6 @@ class StartupError(SystemExit):
         super().__init__(message)
         self.message = message
         self.usage = usage
-
-
-def display_database(url: str) -> str:
-    """Returns a database URL for messages: a PostgreSQL password redacted, a SQLite path verbatim."""
-    # redact_url round-trips through urlsplit, which drops the empty authority of sqlite:///PATH.
-    return url if url.startswith("sqlite:") or "://" not in url else redact_url(url)
 
 
 def split_listen(listen: str, option: str = "--listen") -> tuple[str, int]:
@@ -154,9 +148,9 @@ _BIND_ADVICE: Final = {
 
 def open_database(database: str) -> Store:
     """Opens (creating when new) the ledger database, or raises StartupError."""
-    shown = display_database(database)
-    path = database[len("sqlite:///") :] if database.startswith("sqlite:///") else database
-    if "://" not in path and os.path.isdir(path):
+    shown = redact_url(database)
+    path = sqlite_path(database)
+    if path is not None and os.path.isdir(path):
         raise StartupError(
             f"--db {shown} is a directory: give the ledger's file, e.g. {os.path.join(path, DEFAULT_DB)}"
         )

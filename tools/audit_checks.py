@@ -192,11 +192,11 @@ def load_checkpoint(path: str) -> Checkpoint:
 
 def open_database(spec: str, *, must_exist: bool = True) -> Store:
     """Opens a database by path or URL (sqlite:///PATH, postgresql://...) for the CLI."""
-    from ledger_server.store import open_store
+    from ledger_server.store import open_store, sqlite_path
 
-    path = spec[len("sqlite:///") :] if spec.startswith("sqlite:///") else spec
+    path = sqlite_path(spec)
     # SQLite creates a missing file: an auditor's typo must not look like an empty ledger.
-    if must_exist and "://" not in path and not Path(path).is_file():
+    if must_exist and path is not None and not Path(path).is_file():
         raise CommandError(f"no database file at {spec}")
     try:
         return open_store(spec)

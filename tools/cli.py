@@ -195,13 +195,13 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
     existing directory. A mistyped path otherwise becomes a new, empty ledger that
     quietly answers "nothing here", and its parents would be created on the way.
     """
-    from ledger_server.store import open_store
+    from ledger_server.store import open_store, sqlite_path
     from ledger_server.store.base import StoreError
     from ledger_server.store.sqlite import SqliteStore
 
-    path = spec[len("sqlite:///") :] if spec.startswith("sqlite:///") else spec
+    path = sqlite_path(spec)
     try:
-        if "://" in path:
+        if path is None:
             return open_store(spec)
         if create and not os.path.lexists(path):
             parent = os.path.dirname(path) or "."
@@ -220,7 +220,7 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except StoreError as exc:
         # The store's own refusals name the path already ("no ledger at PATH: no such file").
-        text = str(exc) if path in str(exc) else f"cannot open the ledger at {spec}: {exc}"
+        text = str(exc) if path and path in str(exc) else f"cannot open the ledger at {spec}: {exc}"
         raise CommandError(text) from None
 
 

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Final
 from ledger_server import projections as proj
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
-from ledger_server.startup import display_database
-from ledger_server.store import Store, open_store
+from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
 from tools import cmd_rebuild
 from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json, progress
@@ -123,7 +122,7 @@ def _open(url: str) -> Store:
     try:
         return open_store(url)
     except (StoreError, ValueError) as exc:
-        raise CommandError(f"cannot open {display_database(url)}: {exc}") from None
+        raise CommandError(f"cannot open {redact_url(url)}: {exc}") from None
 
 
 def run_migrate(args: argparse.Namespace) -> int:
@@ -136,15 +135,13 @@ def run_migrate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(
             {
-                "database": display_database(args.database_url),
+                "database": redact_url(args.database_url),
                 "schema_version": max((v for v, _, _ in applied), default=0),
                 "migrations": [{"version": v, "name": n, "applied_us": t} for v, n, t in applied],
             }
         )
         return EXIT_OK
-    print(
-        f"{display_database(args.database_url)}: schema version {applied[-1][0] if applied else 0}"
-    )
+    print(f"{redact_url(args.database_url)}: schema version {applied[-1][0] if applied else 0}")
     for version, name, applied_us in applied:
         when = datetime.fromtimestamp(applied_us / 1e6, UTC).isoformat(timespec="seconds")
         print(f"  {version:>4}  {name}  (applied {when})")
@@ -246,8 +243,8 @@ def run_copy(args: argparse.Namespace) -> int:
     """Copies a ledger into PostgreSQL and verifies it."""
     from ledger_server.store.postgres import PostgresStore
 
-    path = args.source[len("sqlite:///") :] if args.source.startswith("sqlite:///") else args.source
-    if "://" not in path and not Path(path).exists():
+    path = sqlite_path(args.source)
+    if path is not None and not Path(path).exists():
         raise CommandError(f"no ledger at {args.source}")
     if not args.target.startswith(("postgresql://", "postgres://")):
         raise CommandError("--to must be a postgresql:// URL")

@@ -9,7 +9,7 @@ from typing import Final
 from ledger_server.errors import LedgerError
 from ledger_server.events import check_namespace
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
-from ledger_server.store import open_store, redact_url
+from ledger_server.store import open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from tools.cli import (
     EXIT_LOCAL,
@@ -89,8 +89,8 @@ def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:
 def run_rebuild(args: argparse.Namespace) -> int:
     """Replays the selected runs; rewrites differing projections unless --check."""
     url = args.database_url
-    path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else url
-    if "://" not in path and not Path(path).is_file():
+    path = sqlite_path(url)
+    if path is not None and not Path(path).is_file():
         # Opening would create an empty ledger: a typo must not look like one.
         raise CommandError(f"no ledger at {url}", code=EXIT_LOCAL)
     try:

@@ -8,7 +8,8 @@ import os
 import sys
 
 from ledger_server.server import DEFAULT_LISTEN, ServerConfig, configure_logging, serve
-from ledger_server.startup import DEFAULT_DB, StartupError, display_database
+from ledger_server.startup import DEFAULT_DB, StartupError
+from ledger_server.store import redact_url
 from tools.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
 
 
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         print(
             f"shardledger serving on {args.listen.rsplit(':', 1)[0]}:{port}"
-            f" (db {display_database(database)})",
+            f" (db {redact_url(database)})",
             file=sys.stderr,
         )
         if args.port_file:

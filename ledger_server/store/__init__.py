@@ -22,6 +22,7 @@ __all__ = [
     "WriteTx",
     "open_store",
     "redact_url",
+    "sqlite_path",
 ]
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -36,19 +37,30 @@ def open_store(url: str) -> Store:
         return PostgresStore(url)
     from ledger_server.store.sqlite import SqliteStore
 
-    if url.startswith("sqlite:///"):
-        return SqliteStore(url[len("sqlite:///") :])
-    if "://" in url:
+    path = sqlite_path(url)
+    if path is None:
         raise ValueError(
             f"unsupported database URL scheme in {url!r}:"
             " use a path, sqlite:///PATH or postgresql://USER@HOST/DB"
         )
-    return SqliteStore(url)
+    return SqliteStore(path)
+
+
+def sqlite_path(url: str) -> str | None:
+    """Returns the file a SQLite spec names (a path or sqlite:///PATH); None for other URLs."""
+    path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else url
+    return None if "://" in path else path
 
 
 def redact_url(url: str) -> str:
-    """Returns the URL with any password (user:PASSWORD@ or ?password=) replaced by ***."""
+    """Returns the URL with any password (user:PASSWORD@ or ?password=) replaced by ***.
+
+    A URL with no password comes back as given: a round trip through urlsplit would
+    drop the empty authority of sqlite:///PATH.
+    """
     parts = urlsplit(url)
+    if parts.password is None and "password=" not in parts.query:
+        return url
     if parts.password is not None:
         host = parts.netloc.rsplit("@", 1)[1]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
