@@ -19,6 +19,7 @@ import pytest
 from ledger_server.codec import decode_event
 from ledger_server.events import chain_hash
 from ledger_server.ledger import Ledger
+from ledger_server.merkle import MerkleTree
 from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
@@ -26,6 +27,8 @@ from shard_client.errors import LedgerRejected
 from tests.conftest import planned, started
 from tests.test_audit import tree_head
 from tests.test_tamper import EVENTS, RUN, attack, build, checkpoint, cli, rows
+from tools import audit_checks
+from tools.audit_checks import ChainWalk, rpc_public_key, signed_head_check, walk_server
 from tools.cli import EXIT_REJECTED, main
 
 DELETE_THE_RUN = (
@@ -189,6 +192,48 @@ def test_online_verify_while_events_are_appended_raises_no_alarm(
         thread.join()
     assert not errors
     assert all(code == 0 and report["ok"] for code, report in reports), reports
+
+
+def _walk_then_append(target: str, appended: int) -> tuple[LedgerClient, ChainWalk, str]:
+    """Walks the run over gRPC, then appends events the walk has not seen."""
+    client = LedgerClient(target)
+    walk = walk_server(client, RUN, "")
+    assert walk.count == EVENTS and not walk.problem
+    for i in range(appended):
+        client.append([started(shard_id=f"s{i}", attempt_id=f"late{i}")])
+    return client, walk, rpc_public_key(client)
+
+
+def test_a_run_that_grew_past_the_walk_passes_by_the_servers_proof(
+    db: Path, serve: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No catch-up walk: the appender is always faster than the reader.
+    monkeypatch.setattr(audit_checks, "_CATCH_UP_ROUNDS", 0)
+    client, walk, pem = _walk_then_append(serve_db(serve, db), 3)
+    try:
+        name, ok, detail = signed_head_check(client, walk, pem)
+    finally:
+        client.close()
+    assert (name, ok) == ("signed_head", True), detail
+    assert f"size {EVENTS + 3} signed" in detail
+    assert f"the {EVENTS} events walked are its first" in detail
+
+
+def test_a_walk_that_is_not_a_prefix_of_the_grown_head_fails(
+    db: Path, serve: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit_checks, "_CATCH_UP_ROUNDS", 0)
+    client, walk, pem = _walk_then_append(serve_db(serve, db), 3)
+    # What a listing that disagrees with the signed log would give: same size, other rows.
+    walk.tree = MerkleTree()
+    for i in range(EVENTS):
+        walk.tree.append(b"not the stored row %d" % i)
+    try:
+        name, ok, detail = signed_head_check(client, walk, pem)
+    finally:
+        client.close()
+    assert (name, ok) == ("signed_head", False)
+    assert f"signed head is for {EVENTS + 3} events, the listing gave {EVENTS}" in detail
 
 
 # --- a run that vanished with a rolled-back database ------------------------

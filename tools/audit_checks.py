@@ -327,10 +327,15 @@ def rpc_tree_head(client: Any, namespace: str, run_id: str, size: int) -> TreeHe
     return TreeHead.from_json(json.loads(response.tree_head_json))
 
 
-def rpc_consistency(client: Any, walk: ChainWalk, old_size: int) -> list[bytes]:
-    """Returns the server's consistency proof from old_size to the walked size."""
+def rpc_consistency(
+    client: Any, walk: ChainWalk, old_size: int, new_size: int | None = None
+) -> list[bytes]:
+    """Returns the server's consistency proof from old_size to new_size (default: walked)."""
     request = pb.GetConsistencyProofRequest(
-        namespace=walk.namespace, run_id=walk.run_id, old_size=old_size, new_size=walk.count
+        namespace=walk.namespace,
+        run_id=walk.run_id,
+        old_size=old_size,
+        new_size=walk.count if new_size is None else new_size,
     )
     return list(client.call(lambda t: client.stub.GetConsistencyProof(request, timeout=t)).proof)
 
@@ -338,8 +343,9 @@ def rpc_consistency(client: Any, walk: ChainWalk, old_size: int) -> list[bytes]:
 def signed_head_check(client: Any, walk: ChainWalk, pem: str) -> Check:
     """Returns the check that the server's current signed head is the walked size and root.
 
-    Events committed after the listing ended are walked first (a few rounds at most),
-    so a run appended to while it is read raises no alarm.
+    Events committed after the listing ended are walked first (a few rounds at most);
+    a run that still grows faster than it is read passes when the server proves that the
+    walked events are the first of its larger signed head, so appends raise no alarm.
     """
     assert walk.namespace is not None
     for round_ in range(_CATCH_UP_ROUNDS + 1):
@@ -353,6 +359,10 @@ def signed_head_check(client: Any, walk: ChainWalk, pem: str) -> Check:
         walk_server(client, walk.run_id, walk.namespace, walk=walk)
         if walk.count == walked:
             break
+    if head.tree_size > walk.count and not walk.problem and verify_tree_head(head, pem):
+        grown = grown_head_check(client, walk, head)
+        if grown is not None:
+            return grown
     if head.tree_size != walk.count and verify_tree_head(head, pem):
         return (
             "signed_head",
@@ -366,6 +376,35 @@ def signed_head_check(client: Any, walk: ChainWalk, pem: str) -> Check:
         return "signed_head", False, problem
     when = iso_us(head.timestamp_ms * 1000)
     return "signed_head", True, f"size {head.tree_size} signed by key {head.key_id} at {when}"
+
+
+def grown_head_check(client: Any, walk: ChainWalk, head: TreeHead) -> Check | None:
+    """Returns a passing check when the server proves the walk is a prefix of its signed head.
+
+    None when it cannot (no proof, a failing one, or a head for another run): the caller
+    then reports the size mismatch.
+    """
+    if (head.namespace, head.run_id) != (walk.namespace, walk.run_id):
+        return None
+    try:
+        proof = rpc_consistency(client, walk, walk.count, head.tree_size)
+    except LedgerRejected:
+        return None
+    if not verify_consistency(
+        old_size=walk.count,
+        new_size=head.tree_size,
+        old_root=walk.tree.root(),
+        new_root=bytes.fromhex(head.root_hex),
+        proof=proof,
+    ):
+        return None
+    when = iso_us(head.timestamp_ms * 1000)
+    return (
+        "signed_head",
+        True,
+        f"size {head.tree_size} signed by key {head.key_id} at {when}; the run grew while it"
+        f" was read, and the server proves the {walk.count} events walked are its first",
+    )
 
 
 def server_checkpoint_checks(
