@@ -114,10 +114,16 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             if not log.is_enabled_for(logging.INFO):
                 return  # context.peer() and the rest cost more than a filtered-out line
             code = context.code() if failed else None  # type: ignore[attr-defined]
+            if code:
+                name = code.name
+            elif not context.is_active():
+                name = "CANCELLED"  # the client went away: e.g. a tail it cancelled
+            else:
+                name = "UNKNOWN" if failed else "OK"
             log.info(
                 "request_handled",
                 method=method,
-                code=(code.name if code else "UNKNOWN") if failed else "OK",
+                code=name,
                 duration_ms=round((time.perf_counter() - start) * 1000, 3),
                 peer=context.peer(),
                 token_id=principal.token_id if principal else None,

@@ -214,18 +214,12 @@ class LedgerClient:
         )
         return self._pages(self.stub.ListEvents, request, "events")
 
-    def tail(
-        self, run_id: str, *, namespace: str = "", after_sequence: int = 0
-    ) -> Iterator[pb.ShardEvent]:
-        """Yields the run's events, then new ones as they commit (until cancelled)."""
+    def tail(self, run_id: str, *, namespace: str = "", after_sequence: int = 0) -> EventTail:
+        """Returns the run's events, then new ones as they commit, until cancelled."""
         request = pb.TailEventsRequest(
             namespace=namespace, run_id=run_id, after_sequence=after_sequence
         )
-        try:
-            for response in self.stub.TailEvents(request):
-                yield response.event
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        return EventTail(self.stub.TailEvents(request))
 
     def list_runs(self, *, namespace: str = "", page_size: int = 100) -> list[pb.RunInfo]:
         """Returns the namespace's runs, most recently updated first."""
@@ -266,3 +260,30 @@ class LedgerClient:
             raise LedgerUnavailable(
                 f"no ledger answered at {self.target} within {timeout_s:g}s"
             ) from None
+
+
+class EventTail:
+    """A run's events as they commit: iterate it; cancel() (any thread) ends the iteration.
+
+    Iteration stops quietly after cancel(); any other end of the stream raises the
+    ledger's error. Cancel rather than interrupt: a KeyboardInterrupt raised inside
+    gRPC's iterator can leave the channel unable to shut down.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[pb.ShardEvent]:
+        try:
+            for response in self._call:
+                yield response.event
+        except grpc.RpcError as exc:
+            if self._cancelled.is_set() and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise from_rpc_error(exc) from None
+
+    def cancel(self) -> None:
+        """Ends the stream; iteration then stops without an error. Idempotent."""
+        self._cancelled.set()
+        self._call.cancel()

@@ -213,6 +213,8 @@ class Spool:
         this the child's copy would keep the directory locked after the parent exits.
         The mutex is not taken: another thread of the parent may have held it at fork.
         A spool the parent had closed holds no descriptors (its numbers may be reused).
+        Between fork() and this hook the child's copies exist, so a parent that closes
+        its spool in that instant still sees the directory locked until the child runs.
         """
         if self._closed:
             return

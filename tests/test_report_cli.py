@@ -9,14 +9,17 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 from google.protobuf.duration_pb2 import Duration
 
+from ledger_server import interceptor
 from ledger_server.events import canonical_json
 from ledger_server.server import RunningServer, ServerConfig, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -358,6 +361,49 @@ def test_events_json_lines_and_after_filter(cli: Any) -> None:
     assert [json.loads(line)["event_id"] for line in tail.splitlines()] == [
         e["event_id"] for e in events[-2:]
     ]
+
+
+def test_a_cancelled_tail_ends_quietly_and_the_server_logs_it_cancelled(
+    running: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        # A logger made now, so an earlier test's cached configuration does not apply.
+        monkeypatch.setattr(interceptor, "log", structlog.get_logger("shardledger.server"))
+        _cancel_a_tail(running)
+        # The server notices the cancel at its next look (within its 1 s poll).
+        deadline = time.monotonic() + 10
+        while not any(e.get("method", "").endswith("/TailEvents") for e in logs):
+            assert time.monotonic() < deadline, logs
+            time.sleep(0.05)
+    [handled] = [e for e in logs if e.get("method", "").endswith("/TailEvents")]
+    assert handled["code"] == "CANCELLED"
+
+
+def _cancel_a_tail(running: RunningServer) -> None:
+    client = LedgerClient(f"127.0.0.1:{running.port}")
+    client.append(life("c0", 0, "planned", run="cancel-run"))
+    tail = client.tail("cancel-run")
+    seen: list[str] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            seen.extend(event.shard_id for event in tail)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tail.cancel()
+        reader.join(10)
+    finally:
+        client.close()
+    assert not reader.is_alive() and not errors
+    assert seen == ["c0"]
 
 
 def test_events_follow_streams_new_events_until_ctrl_c(running: RunningServer) -> None:

@@ -128,13 +128,20 @@ def test_a_forked_child_does_not_keep_the_parents_spool_locked(tmp_path: Path) -
     ack = sender.emit(beat("f", "att", 1))
     assert ack.wait(10) and ack.spooled  # the parent's spool is open and locked
     read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # a DataLoader-like worker that outlives the parent's use of the spool
         os.close(write)
+        # The at-fork hook has run once fork() returns here; until then the child's
+        # copies of the descriptors exist (no fork can avoid that instant).
+        os.write(ready_write, b"r")
         os.read(read, 1)
         os._exit(0)
     os.close(read)
+    os.close(ready_write)
     try:
+        assert os.read(ready_read, 1) == b"r"
+        os.close(ready_read)
         sender.close(2)  # the parent is done: its event waits for `shardledger spool drain`
         [result] = drain_spool_dirs(sender.spool_dir, target="127.0.0.1:1", connect_timeout_s=0.2)
         assert result.status != "locked"

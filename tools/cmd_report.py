@@ -7,7 +7,9 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -338,21 +340,34 @@ def atomic_output(path: str | None) -> Iterator[IO[str]]:
 
 def run_events(args: argparse.Namespace) -> int:
     """Prints the run's events, following new ones with --follow until Ctrl-C."""
-    from google.protobuf.json_format import MessageToDict
-
     client = client_from(args)
-    read = client.tail if args.follow else client.list_events
-    out = sys.stdout
+    ns, after, out = args.namespace, args.after, sys.stdout
+    if not args.follow:
+        for event in client.list_events(args.run, namespace=ns, after_sequence=after):
+            out.write(_event_text(event, args.json) + "\n")
+        return EXIT_OK
+    tail = client.tail(args.run, namespace=ns, after_sequence=after)
+    # Ctrl-C cancels the stream from another thread instead of raising inside gRPC.
+    previous = signal.signal(
+        signal.SIGINT, lambda *_: threading.Thread(target=tail.cancel, daemon=True).start()
+    )
     try:
-        for event in read(args.run, namespace=args.namespace, after_sequence=args.after):
-            data = MessageToDict(event, preserving_proto_field_name=True) if args.json else None
-            out.write((_compact(data) if data else event_line(event)) + "\n")
-            if args.follow:
-                out.flush()
-    except KeyboardInterrupt:
-        if not args.follow:
-            raise
+        for event in tail:
+            out.write(_event_text(event, args.json) + "\n")
+            out.flush()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        client.close()
     return EXIT_OK
+
+
+def _event_text(event: Any, as_json: bool) -> str:
+    """Returns one event as a JSON line (the protobuf JSON mapping) or a text line."""
+    if as_json:
+        from google.protobuf.json_format import MessageToDict
+
+        return _compact(MessageToDict(event, preserving_proto_field_name=True))
+    return event_line(event)
 
 
 def _compact(data: dict[str, Any]) -> str:
