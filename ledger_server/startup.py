@@ -11,6 +11,7 @@ import errno
 import ipaddress
 import math
 import os
+import shlex
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
@@ -153,6 +154,13 @@ def open_database(database: str) -> Store:
     if path is not None and os.path.isdir(path):
         raise StartupError(
             f"--db {shown} is a directory: give the ledger's file, e.g. {os.path.join(path, DEFAULT_DB)}"
+        )
+    parent = os.path.dirname(os.path.abspath(path)) if path not in (None, ":memory:") else None
+    if parent is not None and not os.path.isdir(parent):
+        # A mistyped directory must not turn into a new, empty ledger beside the real one.
+        raise StartupError(
+            f"--db {shown}: the directory {parent} does not exist; create it first"
+            f" (mkdir -p {shlex.quote(parent)}) or correct the path"
         )
     try:
         return open_store(database)

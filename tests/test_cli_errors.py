@@ -149,6 +149,20 @@ def test_serve_on_a_directory_is_refused_and_writes_nothing_into_it(tmp_path: Pa
     assert not Path(f"{tmp_path}.signing-key.pem").exists()
 
 
+def test_serve_in_a_directory_that_does_not_exist_is_refused_and_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    mistyped = tmp_path / "ledgr" / "ledger.db"
+    done = serve(tmp_path, "--listen", "127.0.0.1:0", db=mistyped)
+    assert_refused(
+        done,
+        EXIT_LOCAL,
+        f"--db {mistyped}: the directory {mistyped.parent} does not exist",
+        f"mkdir -p {mistyped.parent}",
+    )
+    assert listed(tmp_path) == []
+
+
 def test_serve_on_a_file_that_is_not_a_database_is_refused_and_leaves_it_alone(
     tmp_path: Path,
 ) -> None:

@@ -50,7 +50,10 @@ def register(
     p.add_argument(
         "--db",
         default=DEFAULT_DB,
-        help="SQLite file (or sqlite:///PATH); one server per file, a second refuses to start",
+        help=(
+            "SQLite file (or sqlite:///PATH), created when new in an existing directory;"
+            " one server per file, a second refuses to start"
+        ),
     )
     p.add_argument(
         "--database-url",
