@@ -214,9 +214,9 @@ def test_queue_overflow_spills_to_the_spool_without_blocking_and_keeps_order(
     plan(servers.target, "o")
     sender = Sender(LedgerClient(servers.target), max_queue=20, linger_s=0.2)
     events = [started("o", "att")] + [beat("o", "att", i) for i in range(500)]
-    begin = time.monotonic()
+    # That emit never waits for the network is proven without a clock in
+    # test_sender_faults (an overflow while the append in flight hangs).
     acks = [sender.emit(e) for e in events]
-    assert time.monotonic() - begin < 5
     assert any(a.spooled for a in acks)  # some went to disk, none were dropped
     assert sender.drain(30)
     assert all(a.acknowledged for a in acks)

@@ -286,7 +286,7 @@ def test_sigterm_sets_stopping_then_grace_end_records_preempted(
                 f"""
                 import sys, time
                 from shard_client import Ledger
-                with Ledger().shard({RUN!r}, "k", sigterm_grace=1.0, output_dir="out",
+                with Ledger().shard({RUN!r}, "k", sigterm_grace=3.0, output_dir="out",
                                     fingerprint=False) as shard:
                     print("ready", flush=True)
                     while not shard.stopping:
@@ -311,7 +311,8 @@ def test_sigterm_sets_stopping_then_grace_end_records_preempted(
     out, err = job.communicate(timeout=60)
     assert "checkpointed" in out
     assert job.returncode != 0 and "Preempted" in err
-    assert 0.9 < time.monotonic() - start < 30
+    # The grace leaves room for the checkpoint's fsyncs and commit on a slow disk.
+    assert 2.9 < time.monotonic() - start < 60
     assert kinds(client, "k") == ["planned", "started", "checkpoint", "failed"]
     assert failures(client, "k")[0].tag == pb.FAILURE_TAG_PREEMPTED
 

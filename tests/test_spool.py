@@ -270,7 +270,7 @@ def test_sigkill_mid_append_keeps_every_returned_batch_exactly_once_in_order(
 ) -> None:
     rng = random.Random()
     written: list[bytes] = []
-    batches = acked = 0
+    batches = acked = least = 0
     for _ in range(4):
         argv = [sys.executable, "-c", CRASH_CHILD, str(tmp_path), str(batches)]
         with subprocess.Popen(argv, stdout=subprocess.PIPE, env=subprocess_env()) as child:
@@ -278,9 +278,13 @@ def test_sigkill_mid_append_keeps_every_returned_batch_exactly_once_in_order(
             assert child.stdout.readline() == b"ready\n"
             with pytest.raises(SpoolLockedError, match=str(child.pid)):
                 Spool(tmp_path)
+            # A few batches are returned before the kill however slow the disk; then the
+            # kill lands at a random moment.
+            first = [int(child.stdout.readline()) for _ in range(rng.randint(2, 8))]
+            least += len(first)
             time.sleep(rng.uniform(0.05, 0.25))
             child.kill()
-            returned = [int(line) for line in child.stdout.read().split()]
+            returned = first + [int(line) for line in child.stdout.read().split()]
             assert child.wait() == -signal.SIGKILL
 
         assert returned == list(range(batches, batches + len(returned)))
@@ -297,7 +301,7 @@ def test_sigkill_mid_append_keeps_every_returned_batch_exactly_once_in_order(
             step = rng.randrange(len(pending) + 1)
             spool.ack(step)
             acked += step
-    assert batches > 20
+    assert batches >= least
 
 
 def frame_prefix(payload: bytes, keep: int) -> bytes:

@@ -154,11 +154,12 @@ def test_watch_kill_stale_leaves_alone_a_shard_that_heartbeats_again_while_anoth
     helper.start()
     try:
         code = kill_stale(client, diag, "3")
+        assert second.poll() is None, "the recovered shard's process was signalled"
+        # Still heartbeating here: stopped first, shard-1 would turn stale within its 1 s.
+        assert states(client) == {"shard-0": ("failed", "timeout"), "shard-1": ("running", "")}
     finally:
         done.set()
         helper.join()
-    assert second.poll() is None, "the recovered shard's process was signalled"
-    assert states(client) == {"shard-0": ("failed", "timeout"), "shard-1": ("running", "")}
     assert code == 0
     actions = json.loads(capsys.readouterr().out)
     assert [(a["shard_id"], a["recorded_failed_timeout"], a["recovered"]) for a in actions] == [

@@ -151,13 +151,20 @@ def _stack_dump(pid: int, attempt_id: str, diag_dir: Path) -> str:
         os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
         return "(process already gone)"
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 5.0
+    size = before
     while time.monotonic() < deadline:
-        if stack_file.exists() and stack_file.stat().st_size > before:
-            time.sleep(0.1)  # let faulthandler finish writing every thread
-            return stack_file.read_text(errors="replace")[before:]
-        time.sleep(0.05)
-    return "(no stack dump: install py-spy, or run the job inside shard_client's shard context)"
+        time.sleep(0.1)
+        grown = stack_file.stat().st_size if stack_file.exists() else before
+        # faulthandler writes thread by thread: read once the file stops growing.
+        if grown > before and grown == size:
+            break
+        size = grown
+    if size <= before:
+        return "(no stack dump: install py-spy, or run the job inside shard_client's shard context)"
+    with stack_file.open("rb") as f:
+        f.seek(before)
+        return f.read().decode(errors="replace")
 
 
 def _log_tail(pattern: str | None, view: dict[str, Any], lines: int) -> str:
