@@ -301,8 +301,13 @@ def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
 
 
 def _temp_prefix_for(final: str) -> str:
-    """Returns the mkstemp prefix for a target: TEMP_PREFIX plus a readable stem."""
-    return f"{TEMP_PREFIX}{os.path.basename(final)[:_MAX_STEM_IN_TEMP_NAME]}."
+    """Returns the mkstemp prefix for a target: TEMP_PREFIX plus a readable stem.
+
+    The stem is cut by encoded bytes (NAME_MAX counts bytes: 100 CJK characters are
+    300), never inside a character.
+    """
+    stem = os.fsencode(os.path.basename(final))[:_MAX_STEM_IN_TEMP_NAME]
+    return f"{TEMP_PREFIX}{stem.decode('utf-8', 'ignore') or 'file'}."
 
 
 def reserve_temp_path(final_path: str | os.PathLike[str]) -> str:

@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointDigestMismatch",
     "LoadedCheckpoint",
     "checkpoint_name",
+    "checkpoints_newest_first",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
@@ -173,20 +174,25 @@ def latest_checkpoint(
     The step is the last run of digits in the file name; temp files of
     interrupted writes never count, and a missing directory means no checkpoint.
     """
+    found = checkpoints_newest_first(directory, pattern)
+    return found[0] if found else None
+
+
+def checkpoints_newest_first(
+    directory: str | os.PathLike[str], pattern: str = CHECKPOINT_PATTERN
+) -> list[str]:
+    """Returns the directory's checkpoints, highest step first (see latest_checkpoint)."""
     root = os.path.abspath(os.fspath(directory))
-    best: tuple[int, str] | None = None
     try:
         with os.scandir(root) as scan:
             entries = list(scan)
     except FileNotFoundError:
-        return None
+        return []
+    found: list[tuple[int, str]] = []
     for entry in entries:
         if entry.name.startswith(TEMP_PREFIX) or not fnmatch.fnmatchcase(entry.name, pattern):
             continue
         digits = _DIGITS.findall(entry.name)
-        if not digits or not entry.is_file():
-            continue
-        candidate = (int(digits[-1]), entry.name)
-        if best is None or candidate > best:
-            best = candidate
-    return None if best is None else os.path.join(root, best[1])
+        if digits and entry.is_file():
+            found.append((int(digits[-1]), entry.name))
+    return [os.path.join(root, name) for _, name in sorted(found, reverse=True)]

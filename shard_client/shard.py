@@ -226,6 +226,10 @@ class Shard:
         if output_dir is not None:
             atomic.makedirs_durable(output_dir)
             atomic.cleanup_orphans(output_dir, older_than_s=self.options.orphan_age_s)
+        checkpoints = self._checkpoint_dir()
+        if checkpoints is not None and os.path.isdir(checkpoints):
+            # A job preempted mid-checkpoint leaves a whole checkpoint's worth of temp file.
+            atomic.cleanup_orphans(checkpoints, older_than_s=self.options.orphan_age_s)
         fp = self._read_fingerprint()
         timeout = Duration()
         timeout.FromNanoseconds(int(self.options.heartbeat_timeout * 1e9))
@@ -413,14 +417,19 @@ class Shard:
 
     # --- checkpoints ------------------------------------------------------------
 
+    def _checkpoint_dir(self) -> str | None:
+        """Returns checkpoint_dir, else output_dir/checkpoints, else None."""
+        if self.options.checkpoint_dir is not None:
+            return self.options.checkpoint_dir
+        if self.options.output_dir is not None:
+            return os.path.join(self.options.output_dir, "checkpoints")
+        return None
+
     def _checkpoint_path(self, step: int, path: str | os.PathLike[str] | None) -> str:
         if path is not None:
             return os.fspath(path)
-        if self.options.checkpoint_dir is not None:
-            directory = self.options.checkpoint_dir
-        elif self.options.output_dir is not None:
-            directory = os.path.join(self.options.output_dir, "checkpoints")
-        else:
+        directory = self._checkpoint_dir()
+        if directory is None:
             raise ValueError("pass checkpoint_dir= (or output_dir=) to ledger.shard(), or path=")
         atomic.makedirs_durable(directory)
         return os.path.join(directory, checkpoint.checkpoint_name(step))
@@ -457,10 +466,29 @@ class Shard:
         )
 
     def load_latest_checkpoint(self, **kwargs: Any) -> checkpoint.LoadedCheckpoint | None:
-        """Restores the newest torch checkpoint of the checkpoint directory; None if there is none."""
-        latest = checkpoint.latest_checkpoint(os.path.dirname(self._checkpoint_path(0, None)))
-        if latest is None:
-            return None
-        loaded = checkpoint.load_checkpoint(latest, **kwargs)
-        self._step = max(self._step, loaded.step)
-        return loaded
+        """Restores the newest torch checkpoint that loads; None if there is none.
+
+        A newest file that cannot be loaded (damaged after its commit, say) is logged
+        and the next older one is tried, so a retry resumes instead of crash-looping;
+        when none loads, the newest one's error is raised.
+        """
+        found = checkpoint.checkpoints_newest_first(os.path.dirname(self._checkpoint_path(0, None)))
+        first_error: Exception | None = None
+        for path in found:
+            try:
+                loaded = checkpoint.load_checkpoint(path, **kwargs)
+            except Exception as exc:  # raised below when no older checkpoint loads
+                log.warning(
+                    "checkpoint_unloadable shard=%s path=%s error=%s: %s; trying an older one",
+                    self.shard_id,
+                    path,
+                    type(exc).__name__,
+                    exc,
+                )
+                first_error = first_error or exc
+                continue
+            self._step = max(self._step, loaded.step)
+            return loaded
+        if first_error is not None:
+            raise first_error
+        return None

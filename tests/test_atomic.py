@@ -329,6 +329,16 @@ def test_reserve_temp_path_creates_prefixed_file_beside_target(tmp_path: Path) -
     assert os.path.getsize(tmp) == 0
 
 
+def test_a_long_utf8_name_that_fits_name_max_is_written(tmp_path: Path) -> None:
+    # 81 CJK characters: 243 bytes, a valid name; a stem cut by characters overflowed.
+    target = tmp_path / ("检" * 81)
+    assert len(os.fsencode(target.name)) == 243
+    with atomic_write(target) as f:
+        f.write(b"data")
+    assert target.read_bytes() == b"data"
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+
+
 def test_cleanup_orphans_removes_only_temp_files(tmp_path: Path) -> None:
     orphan = tmp_path / f"{TEMP_PREFIX}ckpt.pt.abc123"
     orphan.write_bytes(b"torn")

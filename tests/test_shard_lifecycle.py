@@ -25,6 +25,7 @@ from shard_client import (
     plan_events,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "night-01"
@@ -221,6 +222,28 @@ def test_output_dir_orphans_of_killed_writers_are_removed_on_enter(
             f.write(b"whole")
 
 
+@pytest.mark.parametrize("where", ["output_dir", "checkpoint_dir"])
+def test_checkpoint_orphans_of_a_preempted_save_are_removed_on_enter(
+    ledger: Ledger, client: LedgerClient, tmp_path: Path, where: str
+) -> None:
+    plan(client, "go")
+    checkpoints = tmp_path / "checkpoints" if where == "output_dir" else tmp_path / "ck"
+    checkpoints.mkdir()
+    orphan = checkpoints / ".shardledger-tmp-ckpt-00000100.pt.2w6ikr"
+    orphan.write_bytes(b"half a checkpoint")
+    kept = checkpoints / "ckpt-00000050.pt"
+    kept.write_bytes(b"a committed checkpoint")
+    with ledger.shard(
+        RUN,
+        "go",
+        **{where: checkpoints if where == "checkpoint_dir" else tmp_path},
+        orphan_age_s=0,
+        fingerprint=False,
+    ) as shard:
+        assert not orphan.exists() and kept.exists()
+        shard.commit(_touch(tmp_path / "go.bin"))
+
+
 def test_checkpoints_are_recorded_and_the_latest_one_loads(
     ledger: Ledger, client: LedgerClient, tmp_path: Path
 ) -> None:
@@ -235,6 +258,29 @@ def test_checkpoints_are_recorded_and_the_latest_one_loads(
             f.write(b"w")
     steps = [e.checkpoint.step for e in client.list_events(RUN) if e.HasField("checkpoint")]
     assert steps == [3, 7]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
+    ledger: Ledger, client: LedgerClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan(client, "hd")
+    with ledger.shard(RUN, "hd", output_dir=tmp_path, fingerprint=False) as shard:
+        shard.save_checkpoint(100, extra={"epoch": 1})
+        newest = shard.save_checkpoint(200, extra={"epoch": 2})
+        data = Path(newest.path).read_bytes()
+        Path(newest.path).write_bytes(data[: len(data) // 2])  # damaged after its commit
+        loaded = shard.load_latest_checkpoint()
+        assert loaded is not None and (loaded.step, loaded.extra) == (100, {"epoch": 1})
+        assert "checkpoint_unloadable" in caplog.text and newest.path in caplog.text
+        Path(loaded.path).write_bytes(b"also damaged")
+        try:
+            load_checkpoint(newest.path)
+        except Exception as exc:  # what loading the newest alone raises
+            alone = exc
+        with pytest.raises(type(alone)) as raised:
+            shard.load_latest_checkpoint()  # none loads: the newest one's error
+        assert str(raised.value) == str(alone)
+        shard.commit(_touch(tmp_path / "hd.bin"))
 
 
 def test_heartbeat_thread_uses_almost_no_cpu(
