@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import platform
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,7 +25,10 @@ import blake3
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "NvmlSeam", "PynvmlSeam", "fingerprint"]
 
 # Bumped whenever a key is added, removed or renamed, so digests are comparable.
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+# Recorded, but not part of the digest: which board it was and its health do not
+# change numerics, and keeping them out lets identical nodes share one group.
+_IDENTITY_KEY = re.compile(r"gpu\.\d+\.(uuid|ecc\..+)")
 IMAGE_DIGEST_ENV = "SHARDLEDGER_IMAGE_DIGEST"
 _RECORDED_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
 
@@ -38,14 +42,19 @@ class Fingerprint:
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str]) -> Fingerprint:
-        """Builds a fingerprint, computing the digest from canonical JSON."""
+        """Builds a fingerprint; the digest covers every field but GPU identity and health."""
         copied = dict(fields)
         return cls(fields=copied, digest=blake3.blake3(canonical_json(copied)).hexdigest())
 
 
 def canonical_json(fields: Mapping[str, str]) -> bytes:
-    """Returns the canonical JSON encoding that the digest is computed over."""
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    """Returns the canonical JSON encoding that the digest is computed over.
+
+    GPU UUIDs and ECC counters are left out: two identical nodes, or one board
+    before and after an ECC event, are one environment for numerics.
+    """
+    kept = {k: v for k, v in fields.items() if not _IDENTITY_KEY.fullmatch(k)}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 class NvmlSeam(Protocol):
@@ -190,7 +199,7 @@ def _torch_fields() -> dict[str, str]:
     except Exception as exc:
         # A broken install (e.g. missing CUDA libraries) must not take the job down.
         return {"torch": f"error: {_describe(exc)}"}
-    cudnn = torch.backends.cudnn
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     return {
         "torch.version": str(torch.__version__),
         "torch.cuda": str(torch.version.cuda or "none"),
@@ -201,6 +210,17 @@ def _torch_fields() -> dict[str, str]:
         ),
         "torch.cudnn.benchmark": _flag(cudnn.benchmark),
         "torch.cudnn.deterministic": _flag(cudnn.deterministic),
+        # Precision policy: a changed default (TF32, reduced-precision reductions)
+        # changes results as surely as a new driver does.
+        "torch.float32_matmul_precision": _guarded(torch.get_float32_matmul_precision),
+        "torch.cuda.matmul.allow_tf32": _guarded(lambda: _flag(matmul.allow_tf32)),
+        "torch.cudnn.allow_tf32": _guarded(lambda: _flag(cudnn.allow_tf32)),
+        "torch.cuda.matmul.allow_fp16_reduced_precision_reduction": _guarded(
+            lambda: _flag(matmul.allow_fp16_reduced_precision_reduction)
+        ),
+        "torch.cuda.matmul.allow_bf16_reduced_precision_reduction": _guarded(
+            lambda: _flag(matmul.allow_bf16_reduced_precision_reduction)
+        ),
     }
 
 

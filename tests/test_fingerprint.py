@@ -93,12 +93,39 @@ def test_gpus_driver_and_environment_become_flat_string_fields() -> None:
     assert all(isinstance(v, str) for v in fp.fields.values())
 
 
-def test_digest_is_blake3_of_canonical_sorted_compact_json() -> None:
+def test_digest_is_blake3_of_canonical_sorted_compact_json_without_gpu_identity() -> None:
     fp = fingerprint(nvml=two_gpus(), env={})
 
-    canonical = json.dumps(fp.fields, sort_keys=True, separators=(",", ":")).encode()
+    kept = {k: v for k, v in fp.fields.items() if not k.endswith(".uuid")}
+    canonical = json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
     assert fp.digest == blake3.blake3(canonical).hexdigest()
     assert fingerprint(nvml=two_gpus(), env={}).digest == fp.digest
+
+
+def test_identical_nodes_share_a_digest_whatever_their_boards_and_ecc_counts() -> None:
+    board = {**H100, "ecc.volatile_uncorrected": "0", "ecc.aggregate_uncorrected": "0"}
+    node_a = fingerprint(nvml=FakeNvml([board]), env={})
+    after_ecc = {**board, "uuid": "GPU-other", "ecc.volatile_uncorrected": "1"}
+    node_b = fingerprint(nvml=FakeNvml([after_ecc]), env={})
+
+    assert node_a.fields["gpu.0.uuid"] != node_b.fields["gpu.0.uuid"]  # still recorded
+    assert node_b.fields["gpu.0.ecc.volatile_uncorrected"] == "1"
+    assert node_a.digest == node_b.digest
+    other_model = fingerprint(nvml=FakeNvml([{**board, "name": "NVIDIA A100"}]), env={})
+    assert other_model.digest != node_a.digest
+
+
+def test_a_changed_matmul_precision_policy_changes_the_digest() -> None:
+    before = fingerprint(nvml=two_gpus(), env={})
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if previous != "high" else "highest")
+    try:
+        after = fingerprint(nvml=two_gpus(), env={})
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+    assert after.fields["torch.float32_matmul_precision"] != previous
+    assert before.digest != after.digest
 
 
 def test_any_recorded_difference_changes_the_digest() -> None:
