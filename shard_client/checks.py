@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.metadata
 import json
+import math
 import os
 import stat
 import zipfile
@@ -203,22 +204,49 @@ def _guarded(check: ContentCheck, path: Path) -> CheckResult | None:
     return result
 
 
+class _NonFinite(Exception):
+    """A JSON number that is NaN or infinite (Python's json accepts NaN and Infinity)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 overflows to inf
+        raise _NonFinite(text)
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def _strict_json(data: bytes) -> Any:
+    """Parses JSON as the standard has it: NaN, Infinity and overflowing numbers raise _NonFinite."""
+    return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 @content_check("json_invalid", ext=".json", media="application/json")
 def _check_json(path: Path) -> CheckResult | None:
-    json.loads(path.read_bytes())
+    try:
+        _strict_json(path.read_bytes())
+    except _NonFinite as exc:
+        return _fail("nan_or_inf", f"{exc} in the JSON (a diverged value written as a number)")
     return None
 
 
 @content_check("json_invalid", ext=".jsonl .ndjson", media="application/jsonl application/x-ndjson")
 def _check_jsonl(path: Path) -> CheckResult | None:
+    records = 0
     with path.open("rb") as fh:
         for number, line in enumerate(fh, start=1):
             try:
                 if line.strip():
-                    json.loads(line)
+                    _strict_json(line)
+                    records += 1
+            except _NonFinite as exc:
+                return _fail("nan_or_inf", f"line {number}: {exc}")
             except ValueError as exc:
                 return _fail("json_invalid", f"line {number}: {exc}")
-    return None
+    return None if records else _fail("empty", "no JSON records, only blank lines")
 
 
 @content_check("image_undecodable", ext=".png", media="image/png", magic=(_PNG_SIGNATURE,))

@@ -245,6 +245,29 @@ def test_media_type_selects_the_json_check_for_any_extension(tmp_path: Path) -> 
     assert result.reason == "json_invalid"
 
 
+@pytest.mark.parametrize(
+    ("name", "body", "where"),
+    [
+        ("metrics.json", b'{"loss": NaN, "step": 3}', "NaN"),
+        ("metrics.json", b'{"loss": -Infinity}', "-Infinity"),
+        ("metrics.json", b'{"loss": 1e999}', "1e999"),
+        ("rows.jsonl", b'{"loss": 0.5}\n{"loss": Infinity}\n', "line 2: Infinity"),
+    ],
+)
+def test_json_with_a_nan_or_infinite_number_fails_nan_or_inf(
+    tmp_path: Path, name: str, body: bytes, where: str
+) -> None:
+    # Python's json.dumps writes a diverged loss as NaN; json.loads reads it back happily.
+    result = _verify(tmp_path, name, body)
+    assert (result.passed, result.reason) == (False, "nan_or_inf")
+    assert where in result.detail
+
+
+def test_jsonl_of_only_blank_lines_is_empty(tmp_path: Path) -> None:
+    result = _verify(tmp_path, "rows.jsonl", b"\n\n  \n")
+    assert (result.passed, result.reason) == (False, "empty")
+
+
 def test_jsonl_with_blank_and_trailing_lines_passes(tmp_path: Path) -> None:
     assert _verify(tmp_path, "rows.jsonl", b'{"a": 1}\n\n{"a": 2}\n').passed
 
