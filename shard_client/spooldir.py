@@ -69,13 +69,14 @@ Result = pb.AppendResult | LedgerRejected
 
 @dataclass(frozen=True, slots=True)
 class DrainResult:
-    """What draining one spool directory did; status is drained, locked or unavailable."""
+    """What draining one spool directory did; status is drained, locked, unavailable or damaged."""
 
     directory: str
     sent: int
     rejected: int
     remaining: int
     status: str
+    error: str = ""  # why a damaged spool could not be opened
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class SpoolStatus:
     oldest: str  # client time of the oldest pending event, ISO 8601; "" if unknown
     rejected: int
     owner_pid: str  # pid of the live process that owns it; "" when nobody does
+    error: str = ""  # why the spool cannot be opened (damaged); pending is then -1
 
 
 def _slug(text: str) -> str:
@@ -309,6 +311,8 @@ def spool_status(directory: str) -> SpoolStatus:
             if n.startswith("seg-")
         )
         return SpoolStatus(directory, target, -1, size, "", rejected, exc.holder or "?")
+    except (ValueError, OSError) as exc:  # one damaged spool must not hide the others
+        return SpoolStatus(directory, target, -1, 0, "", rejected, "", _damage(exc))
     with spool:
         head = spool.pending(limit=1)
         event = _decode(head[0]) if head else None
@@ -351,6 +355,10 @@ def drain_spool_dirs(
         except SpoolLockedError:
             results.append(DrainResult(directory, 0, 0, -1, "locked"))
             continue
+        except (ValueError, OSError) as exc:  # one damaged spool must not stop the others
+            log.error("spool_damaged directory=%s error=%s", directory, _damage(exc))
+            results.append(DrainResult(directory, 0, 0, -1, "damaged", _damage(exc)))
+            continue
         with spool:
             if dest not in clients:
                 clients[dest] = client_factory(dest)
@@ -373,6 +381,13 @@ def drain_spool_dirs(
         if stop is None:
             remove_finished_spool(directory)
     return results
+
+
+def _damage(exc: BaseException) -> str:
+    """Returns a one-line reason a spool directory cannot be opened."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename or ''}".rstrip(": ")
+    return str(exc) or type(exc).__name__
 
 
 def remove_finished_spool(directory: str) -> bool:

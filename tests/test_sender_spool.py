@@ -307,6 +307,30 @@ def test_spool_of_a_job_that_ended_during_an_outage_is_drained_by_the_cli(
     assert shards == {"left": "committed"}
 
 
+def test_a_damaged_spool_is_named_and_the_others_are_still_drained(
+    servers: Servers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan(servers.target, "d")
+    root = tmp_path / "spools"
+    for name, records in (
+        ("host-1-bad", [beat("d", "att", 9)]),
+        ("host-2-good", [started("d", "att")]),
+    ):
+        with Spool(root / name) as spool:
+            spool.append([e.SerializeToString() for e in records])
+        (root / name / "target").write_text(servers.target + "\n")
+    (root / "host-1-bad" / "acked").write_text("garbage\n")
+
+    assert cli(["spool", "status", "--dir", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"{root / 'host-1-bad'}: DAMAGED" in out and f"{root / 'host-2-good'}: 1 pending" in out
+    assert cli(["spool", "drain", "--dir", str(root), "--json"]) == 1
+    results = {Path(r["directory"]).name: r for r in json.loads(capsys.readouterr().out)}
+    assert results["host-1-bad"]["status"] == "damaged" and results["host-1-bad"]["error"]
+    assert (results["host-2-good"]["sent"], results["host-2-good"]["status"]) == (1, "drained")
+    assert (root / "host-1-bad" / "acked").read_text() == "garbage\n"  # left for an operator
+
+
 def test_leftover_spool_with_a_refused_event_sets_it_aside_and_acks_it(
     servers: Servers, tmp_path: Path
 ) -> None:

@@ -29,7 +29,8 @@ process under ${ENV_SPOOL_DIR} (default ~/.cache/shardledger/spool/<server>).
            are idempotent, so a spool sent twice stores nothing twice. Events the
            ledger refuses are set aside in rejected.jsonl beside the spool.
 
-exit codes: 0 ok; 1 (drain) some event was refused; 3 the ledger was unreachable
+exit codes: 0 ok; 1 (drain) some event was refused, or a spool is damaged (named,
+the others are still drained); 3 the ledger was unreachable
 """
 
 
@@ -75,6 +76,9 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"no spools under {_root(args)}")
         return EXIT_OK
     for r in rows:
+        if r.error:
+            print(f"{r.directory}: DAMAGED, {r.error}  -> {r.target or '?'}")
+            continue
         pending = "? (in use)" if r.pending < 0 else str(r.pending)
         owner = f"  owner pid {r.owner_pid}" if r.owner_pid else ""
         oldest = f"  oldest {r.oldest}" if r.oldest else ""
@@ -83,7 +87,7 @@ def run_status(args: argparse.Namespace) -> int:
             f"{r.directory}: {pending} pending, {r.size_bytes} bytes"
             f"{oldest}{rejected}  -> {r.target or '?'}{owner}"
         )
-    return EXIT_OK
+    return EXIT_PROBLEMS if any(r.error for r in rows) else EXIT_OK
 
 
 def run_drain(args: argparse.Namespace) -> int:
@@ -102,6 +106,8 @@ def run_drain(args: argparse.Namespace) -> int:
         for r in results:
             if r.status == "locked":
                 print(f"{r.directory}: skipped, a live process owns it")
+            elif r.status == "damaged":
+                print(f"{r.directory}: skipped, DAMAGED: {r.error}")
             else:
                 print(
                     f"{r.directory}: {r.sent} sent, {r.rejected} rejected, "
@@ -113,4 +119,4 @@ def run_drain(args: argparse.Namespace) -> int:
     if any(r.status == "unavailable" for r in results):
         print("shardledger: ledger unreachable; the remaining events stay spooled", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    return EXIT_PROBLEMS if any(r.rejected for r in results) else EXIT_OK
+    return EXIT_PROBLEMS if any(r.rejected or r.error for r in results) else EXIT_OK
