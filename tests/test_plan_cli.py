@@ -199,6 +199,28 @@ def test_inputs_directory_plans_one_shard_per_matching_file(
     assert json.loads(events[0].planned.params_json) == {"seed": 7}
 
 
+def test_a_re_plan_of_a_grown_directory_numbers_new_shards_after_the_stored_ones(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folder = tmp_path / "in"
+    inputs[1].unlink()  # planned first: part-0 (index 0) and part-2 (index 1)
+    args = ["--inputs", str(folder), "--glob", "*.bin", "--expected-outputs", "out"]
+    assert plan(server, *args) == 0
+    inputs[1].write_bytes(b"input 1" * 100)  # a file that sorts between them appears
+    capsys.readouterr()
+    assert plan(server, *args) == 0
+    captured = capsys.readouterr()
+    assert "1 new, 2 already planned identically, 0 conflicting" in captured.out
+    assert "new shards are numbered from 2" in captured.err
+    resume = list(client.resume(RUN))  # nothing started: every shard, in plan order
+    names = [(Path(json.loads(e.plan_line)["input"]).name, e.plan_index) for e in resume]
+    assert names == [("part-0.bin", 0), ("part-2.bin", 1), ("part-1.bin", 2)]
+
+
 def test_an_unreachable_ledger_exits_3(
     inputs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -61,8 +62,10 @@ sorted order, all with the same --params and --expected-outputs.
 Every line is checked before anything is sent: a bad line is reported with its
 number and nothing is registered. Planning again is idempotent: an identical
 shard (same input, params and expected outputs) is counted as already planned
-and keeps its first plan index and plan line; a shard id planned before with a
-different definition is a conflict, listed on stderr.
+and keeps its first plan index and plan line; a new shard in a re-plan of a run
+that has shards is numbered after the highest stored index (said on stderr), so
+no two shards share an index; a shard id planned before with a different
+definition is a conflict, listed on stderr.
 
 exit codes: 0 all shards new or already planned identically; 1 some conflict;
 3 unreachable; 4 refused by the server; 5 bad manifest or inputs (nothing sent)
@@ -124,8 +127,49 @@ def run_plan(args: argparse.Namespace) -> int:
         raise CommandError("nothing to plan: no manifest lines or matching inputs")
     if args.dry_run:
         return _print_dry_run(entries, as_json=args.json)
-    outcome = send_plan(client_from(args), args.run, entries, namespace=args.namespace)
+    client = client_from(args)
+    entries = keep_stored_indexes(client, args.run, entries, namespace=args.namespace)
+    outcome = send_plan(client, args.run, entries, namespace=args.namespace)
     return _report(args, entries, outcome)
+
+
+def keep_stored_indexes(
+    client: LedgerClient, run_id: str, entries: Sequence[PlanEntry], *, namespace: str = ""
+) -> list[PlanEntry]:
+    """Returns the entries renumbered for a run that already has shards.
+
+    The ledger keeps each shard's first plan index, so a re-plan of a grown or
+    re-sorted listing numbers the shards it already has as stored and the new ones
+    after the highest stored index, in listing order: two shards never share an
+    index (a Slurm array of the resume list would lose one).
+    """
+    try:
+        stored = {
+            view.shard_id: int(json.loads(view.view_json)["plan_index"])
+            for view in client.shards(run_id, namespace=namespace)
+        }
+    except LedgerRejected as exc:
+        if exc.reason == "RUN_NOT_FOUND":
+            return list(entries)
+        raise
+    if not stored:
+        return list(entries)
+    following = max(stored.values()) + 1
+    renumbered: list[PlanEntry] = []
+    for entry in entries:
+        index = stored.get(entry.shard_id)
+        if index is None:
+            index, following = following, following + 1
+        renumbered.append(dataclasses.replace(entry, plan_index=index))
+    moved = sum(a.plan_index != b.plan_index for a, b in zip(entries, renumbered, strict=True))
+    if moved:
+        print(
+            f"shardledger: run {run_id} already has {len(stored)} shards: {moved} of this"
+            " plan's indexes follow the stored ones (new shards are numbered from"
+            f" {max(stored.values()) + 1})",
+            file=sys.stderr,
+        )
+    return renumbered
 
 
 # --- building the plan -------------------------------------------------------------
