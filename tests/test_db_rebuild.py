@@ -3,7 +3,7 @@
 A real server writes the history; the test then edits projection rows behind its
 back (as a bug or a hand-edit would), and checks what `--check` reports, that it
 changes nothing, that a rebuild restores exactly what the server answered before,
-and that a run whose hash chain is broken is refused with nothing written.
+and that a run whose hash chain is broken is refused and left alone while the others are rebuilt.
 """
 
 from __future__ import annotations
@@ -158,30 +158,39 @@ def test_check_reports_edited_projections_changes_nothing_and_rebuild_repairs_th
     assert code == EXIT_OK
 
 
-def test_a_broken_chain_is_refused_and_nothing_is_written(
+def test_a_run_with_a_broken_chain_is_refused_and_left_alone_while_the_others_are_rebuilt(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "ledger.db"
     url = f"sqlite:///{path}"
     _write_history(url)
-    _tamper(url)
+    _tamper(url)  # night-1's projections: rebuilt from its intact chain
     with sqlite3.connect(path) as conn:
-        # A hand-edit of an event row: the append-only trigger has to go first.
+        # A hand-edit of one of night-2's event rows: the append-only trigger has to go first.
         conn.execute("DROP TRIGGER events_no_update")
         conn.execute(
             "UPDATE events SET row = CAST(replace(CAST(row AS TEXT), '\"oom\"', '\"nan\"') AS BLOB)"
-            " WHERE CAST(row AS TEXT) LIKE '%\"oom\"%' AND run_pk = 1"
+            " WHERE CAST(row AS TEXT) LIKE '%\"oom\"%' AND run_pk = 2"
         )
         (seq,) = conn.execute(
             "SELECT seq FROM events WHERE CAST(row AS TEXT) LIKE '%\"nan\"%'"
         ).fetchone()
-    shards_before = _sql(url, "SELECT * FROM shards ORDER BY run_pk, shard_id")
-    with pytest.raises(CommandError) as refused:
-        _db(capsys, "rebuild", "--database-url", url)
-    assert refused.value.code == EXIT_LOCAL
-    assert f"hash chain breaks at sequence {seq}" in str(refused.value)
-    assert "nothing was written" in str(refused.value)
-    assert _sql(url, "SELECT * FROM shards ORDER BY run_pk, shard_id") == shards_before
+    night_2 = "SELECT * FROM shards WHERE run_pk = 2 ORDER BY shard_id"
+    night_2_before = _sql(url, night_2)
+
+    code, report = _db(capsys, "rebuild", "--database-url", url, "--check", "--json")
+    assert code == EXIT_LOCAL
+    [refused] = report["refused"]
+    assert refused["run_id"] == "night-2"
+    assert f"hash chain breaks at sequence {seq}" in refused["reason"]
+
+    code, text = _db(capsys, "rebuild", "--database-url", url)
+    assert code == EXIT_LOCAL
+    assert "default/night-1: 20 events, 6 shards" in text and "-> rewritten" in text
+    assert "default/night-2: REFUSED, left as it was: run default/night-2" in text
+    assert "nothing was written" not in text
+    assert _sql(url, night_2) == night_2_before
+    assert _sql(url, "SELECT count(*) FROM shards WHERE shard_id = 'ghost'") == [(0,)]
 
 
 def test_an_unknown_run_or_a_bad_namespace_is_refused(

@@ -39,7 +39,8 @@ examples:
   shardledger db rebuild --database-url sqlite:///ledger.db --run night-42 --json
 
 exit codes: 0 consistent (or rewritten), 1 --check found projections that differ,
-2 a bad argument, 5 refused: a broken chain, a run that moved, no such run or
+2 a bad argument, 5 refused: a broken chain or a run that moved (that run is named
+and left as it was, the others are still rebuilt), no such run or
 ledger, or a database error
 """
 
@@ -98,21 +99,33 @@ def run_rebuild(args: argparse.Namespace) -> int:
     except (StoreError, ValueError) as exc:
         raise CommandError(f"cannot open {redact_url(args.database_url)}: {exc}") from None
     reports: list[RunRebuild] = []
+    refused: list[tuple[RunRow, str]] = []
     try:
         runs = _runs(store, args)
         with progress("replaying events", sum(r.event_count for r in runs)) as advance:
             for run in runs:
-                reports.append(rebuild_run(store, run, write=not args.check, advance=advance))
-    except (RebuildRefused, WriterBusy) as exc:
-        raise CommandError(f"refused: {exc}; nothing was written", code=EXIT_LOCAL) from None
+                try:
+                    reports.append(rebuild_run(store, run, write=not args.check, advance=advance))
+                except RebuildRefused as exc:  # this run is left as it is; the others go on
+                    refused.append((run, str(exc)))
+    except WriterBusy as exc:
+        raise CommandError(f"refused: {exc}; {_written(reports)}", code=EXIT_LOCAL) from None
     except StoreError as exc:
-        raise CommandError(f"database error: {exc}", code=EXIT_LOCAL) from None
+        raise CommandError(f"database error: {exc}; {_written(reports)}", EXIT_LOCAL) from None
     finally:
         store.close()
-    return _report(args, reports)
+    return _report(args, reports, refused)
 
 
-def _report(args: argparse.Namespace, reports: list[RunRebuild]) -> int:
+def _written(reports: list[RunRebuild]) -> str:
+    """Says what an aborted rebuild had already rewritten (each run commits on its own)."""
+    done = [f"{r.namespace}/{r.run_id}" for r in reports if r.written]
+    return f"runs already rewritten: {', '.join(done)}" if done else "nothing was written"
+
+
+def _report(
+    args: argparse.Namespace, reports: list[RunRebuild], refused: list[tuple[RunRow, str]]
+) -> int:
     differing = [r for r in reports if not r.consistent]
     if args.json:
         print_json(
@@ -134,6 +147,10 @@ def _report(args: argparse.Namespace, reports: list[RunRebuild]) -> int:
                     }
                     for r in reports
                 ],
+                "refused": [
+                    {"namespace": run.namespace, "run_id": run.run_id, "reason": why}
+                    for run, why in refused
+                ],
             }
         )
     else:
@@ -152,6 +169,10 @@ def _report(args: argparse.Namespace, reports: list[RunRebuild]) -> int:
                 f"{r.namespace}/{r.run_id}: {r.events} events, {r.shards} shards"
                 f" ({rate:,.0f} events/s): {verdict}{action}"
             )
-        if not reports:
+        for run, why in refused:
+            print(f"{run.namespace}/{run.run_id}: REFUSED, left as it was: {why}")
+        if not reports and not refused:
             print("no runs")
+    if refused:
+        return EXIT_LOCAL
     return EXIT_PROBLEMS if args.check and differing else EXIT_OK
