@@ -147,6 +147,15 @@ def test_dry_run_prints_the_plan_lines_and_sends_nothing(
             '{"input": "s3://b/k", "input_blake3": "' + "a" * 64 + '", "shard_id": "ok-0"}',
             "lines 1, 2: shard id ok-0",
         ),
+        # Rules only the server knew: the line used to be sent, and refused alone.
+        (
+            '{"input": "s3://b/' + "k" * 5000 + '", "input_blake3": "' + "a" * 64 + '"}',
+            "line 2: planned.input_ref: longer than 4096 characters",
+        ),
+        (
+            '{"input": "s3://b/\\u0000k", "input_blake3": "' + "a" * 64 + '"}',
+            "line 2: planned.input_ref: must not contain NUL characters",
+        ),
     ],
 )
 def test_a_bad_manifest_line_exits_5_naming_it_and_sends_nothing(

@@ -41,6 +41,7 @@ from tools.cli import (
 
 BATCH: Final = 1000
 MAX_ERRORS_SHOWN: Final = 20
+_RULES_RUN: Final = "plan-check"  # any valid run id: the rules checked do not depend on it
 # The server refuses events whose canonical content exceeds 64 KiB; keep room for the envelope.
 MAX_ENTRY_CHARS: Final = 60 * 1024
 
@@ -229,7 +230,24 @@ def _entry(obj: dict[str, Any], index: int, digest: tuple[int, str] | None) -> P
     entry.check()
     if len(entry.plan_line) + len(canonical_json(entry.definition())) > MAX_ENTRY_CHARS:
         raise ValueError(f"the line is too large (the limit is {MAX_ENTRY_CHARS} characters)")
+    _check_server_rules(entry)
     return entry
+
+
+def _check_server_rules(entry: PlanEntry) -> None:
+    """Raises ValueError when the ledger would refuse the entry's planned event.
+
+    The server's own validation runs here, so a line it would refuse stops the
+    whole plan before anything is sent instead of leaving a hole in it.
+    """
+    from ledger_server.codec import decode_event
+    from ledger_server.errors import LedgerError
+    from ledger_server.events import validate
+
+    try:
+        validate(decode_event(plan_events(_RULES_RUN, [entry])[0]))
+    except LedgerError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _read_manifest(path: str) -> list[tuple[int, str]]:
