@@ -181,6 +181,45 @@ def test_verify_exits_0_when_every_artifact_passes(
     assert json.loads(client.summary("clean"))["completion_rate"] == 1.0
 
 
+def test_a_commit_another_attempt_overwrote_is_superseded_not_a_digest_mismatch(
+    running: RunningServer, client: LedgerClient, root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The field reports' retry race: a zombie and its retry rename onto one path.
+    first, second = b"zombie's bytes\n", b"retry's bytes\n"
+    commit_shard(client, "race", "s0", "out.bin", first)
+    started = pb.AttemptStarted(host="h", pid=2, heartbeat_timeout=Duration(seconds=600))
+    again = pb.ArtifactCommitted(
+        name="out",
+        path="out.bin",
+        size_bytes=len(second),
+        blake3_hex=blake3.blake3(second).hexdigest(),
+    )
+    client.append(
+        [
+            pb.ShardEvent(
+                event_id="race-s", run_id="race", shard_id="s0", attempt_id="a2", started=started
+            ),
+            pb.ShardEvent(
+                event_id="race-c",
+                run_id="race",
+                shard_id="s0",
+                attempt_id="a2",
+                artifact_committed=again,
+            ),
+        ]
+    )
+    (root / "out.bin").write_bytes(second)  # what the rename left on disk
+    code, report = verify(running, capsys, "race", "--root", str(root))
+    assert code == 0, report["failures"]
+    assert (report["checked"], report["passed"], report["superseded"]) == (1, 1, 1)
+    [verdict] = verdicts(client, "race")
+    assert verdict.verified.blake3_hex == blake3.blake3(second).hexdigest()
+    assert (
+        main(["verify", "race", "--root", str(root), "--server", f"127.0.0.1:{running.port}"]) == 0
+    )
+    assert "1 superseded by a later commit to the same path" in capsys.readouterr().out
+
+
 def test_verify_text_output_names_each_failure(
     running: RunningServer, client: LedgerClient, root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

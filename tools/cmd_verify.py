@@ -31,6 +31,9 @@ and pass the content checks for its type and any validators installed under the
 `verified` event (PASSED, or FAILED with a reason such as missing, size_mismatch,
 digest_mismatch, empty, truncated, nan_or_inf).
 
+A commit whose path a later commit (say, a retry racing a zombie attempt) filled
+with other bytes is superseded: it is neither checked nor counted as a failure.
+
 Re-running is harmless and cheap: an artifact whose (path, digest) already has a
 verdict is skipped unless --recheck, and event ids are derived from the outcome,
 so a retried or concurrent verify stores each verdict once.
@@ -72,6 +75,7 @@ class Scan:
     commits: dict[tuple[str, str, str], Commit]
     verdicts: dict[tuple[str, str, str], tuple[str, str]]
     verdict_count: Counter[tuple[str, str, str]]
+    path_heads: dict[str, str]  # path -> digest of the latest commit to it (what is on disk)
 
 
 def register(
@@ -99,10 +103,12 @@ def scan_events(events: Iterable[Any]) -> Scan:
     commits: dict[tuple[str, str, str], Commit] = {}
     verdicts: dict[tuple[str, str, str], tuple[str, str]] = {}
     count: Counter[tuple[str, str, str]] = Counter()
+    heads: dict[str, str] = {}
     for event in events:
         kind = event.WhichOneof("payload")
         if kind == "artifact_committed":
             a = event.artifact_committed
+            heads[a.path] = a.blake3_hex
             commits[(event.shard_id, event.attempt_id, a.name)] = Commit(
                 event.shard_id,
                 event.attempt_id,
@@ -118,20 +124,31 @@ def scan_events(events: Iterable[Any]) -> Scan:
             result = "passed" if v.result == pb.VERIFICATION_RESULT_PASSED else "failed"
             verdicts[key] = (result, v.reason)
             count[key] += 1
-    return Scan(commits, verdicts, count)
+    return Scan(commits, verdicts, count, heads)
 
 
-def targets(scan: Scan, *, recheck: bool) -> tuple[list[Commit], list[Commit]]:
-    """Returns (to check, skipped): one commit per (shard, path, digest) in log order."""
+def targets(scan: Scan, *, recheck: bool) -> tuple[list[Commit], list[Commit], list[Commit]]:
+    """Returns (to check, skipped, superseded): one commit per (shard, path, digest), log order.
+
+    A commit whose path a later commit (another attempt's retry) filled with other
+    bytes is superseded: its bytes are gone, so it is neither checked nor a failure
+    (the ledger already counts only a path's latest commit).
+    """
     seen: set[tuple[str, str, str]] = set()
     todo: list[Commit] = []
     skipped: list[Commit] = []
+    superseded: list[Commit] = []
     for commit in scan.commits.values():
         if commit.key in seen:
             continue  # two attempts wrote identical bytes to one path: one verdict covers both
         seen.add(commit.key)
-        (todo if recheck or commit.key not in scan.verdicts else skipped).append(commit)
-    return todo, skipped
+        if scan.path_heads.get(commit.path, commit.blake3_hex) != commit.blake3_hex:
+            superseded.append(commit)
+        elif recheck or commit.key not in scan.verdicts:
+            todo.append(commit)
+        else:
+            skipped.append(commit)
+    return todo, skipped, superseded
 
 
 def verdict_event(
@@ -267,7 +284,7 @@ def run_verify(args: argparse.Namespace) -> int:
         raise CommandError(f"--root {args.root} is not a directory")
     client = client_from(args)
     scan = scan_events(client.list_events(args.run, namespace=args.namespace, page_size=5000))
-    todo, skipped = targets(scan, recheck=args.recheck)
+    todo, skipped, superseded = targets(scan, recheck=args.recheck)
     validators = load_entry_point_validators()
     recorder = Recorder(client)
     failures: list[dict[str, Any]] = []
@@ -299,6 +316,7 @@ def run_verify(args: argparse.Namespace) -> int:
         "failed": len(todo) - passed,
         "skipped": len(skipped),
         "skipped_failed": sum(1 for f in failures if f["earlier"]),
+        "superseded": len(superseded),
         "appended": recorder.appended,
         "duplicate": recorder.duplicate,
         "refused": recorder.refused,
@@ -333,6 +351,11 @@ def _print_report(report: dict[str, Any], *, as_json: bool) -> None:
         f"{report['failed']} failed; {report['skipped']} skipped as already verified "
         f"({report['skipped_failed']} of them failed); {report['appended']} verdicts recorded"
         + (f", {report['refused']} refused" if report["refused"] else "")
+        + (
+            f"; {report['superseded']} superseded by a later commit to the same path"
+            if report["superseded"]
+            else ""
+        )
     )
 
 
