@@ -360,6 +360,14 @@ def _check_numpy(path: Path) -> CheckResult | None:
         return _first_nonfinite(_numpy_nonfinite((repr(n), loaded[n]) for n in loaded.files))
 
 
+# Bytes per element of each safetensors dtype.
+_SAFETENSORS_WIDTH = {
+    **dict.fromkeys(("F64", "I64", "U64"), 8),
+    **dict.fromkeys(("F32", "I32", "U32"), 4),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
+    **dict.fromkeys(("F8_E5M2", "F8_E4M3", "I8", "U8", "BOOL"), 1),
+}
+
 # An element is NaN or Inf exactly when every bit of the mask is set (E4M3 has no Inf).
 _SAFETENSORS_NONFINITE_MASKS = {
     "F64": ("<u8", 0x7FF0_0000_0000_0000),
@@ -384,6 +392,15 @@ def _check_safetensors(path: Path) -> CheckResult | None:
     for name, (_, begin, end) in spans.items():
         if not 0 <= begin <= end or base + end > size:
             return _fail("truncated", f"tensor {name} runs past the end of the file")
+    for name, info in header.items():
+        width = _SAFETENSORS_WIDTH.get(info["dtype"])
+        begin, end = info["data_offsets"]
+        if width is not None and math.prod(info["shape"]) * width != end - begin:
+            return _fail(
+                "tensor_unreadable",
+                f"tensor {name!r}: shape {info['shape']} of {info['dtype']} needs"
+                f" {math.prod(info['shape']) * width} bytes, the header gives {end - begin}",
+            )
     try:
         import numpy as np
     except ImportError:

@@ -484,7 +484,8 @@ def test_safetensors_with_finite_values_passes(tmp_path: Path) -> None:
     ],
 )
 def test_safetensors_nonfinite_values_are_found(tmp_path: Path, dtype: str, raw: bytes) -> None:
-    data = _safetensors({"ok": ("F32", [1], struct.pack("<f", 0.0)), "bad": (dtype, [1], raw)})
+    shape = [len(raw) // {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}[dtype]]
+    data = _safetensors({"ok": ("F32", [1], struct.pack("<f", 0.0)), "bad": (dtype, shape, raw)})
     result = _verify(tmp_path, "model.safetensors", data)
     assert (result.reason, result.detail.endswith("'bad'")) == ("nan_or_inf", True)
 
@@ -494,6 +495,14 @@ def test_truncated_or_garbled_safetensors_fail(tmp_path: Path) -> None:
     assert _verify(tmp_path, "m.safetensors", data[:-4]).reason == "truncated"
     garbled = struct.pack("<Q", 5) + b"{oops"
     assert _verify(tmp_path, "m.safetensors", garbled).reason == "tensor_unreadable"
+
+
+def test_safetensors_whose_shape_needs_more_bytes_than_its_data_fails(tmp_path: Path) -> None:
+    # The header claims four F32 values; the file holds two.
+    data = _safetensors({"w": ("F32", [4], struct.pack("<2f", 1, 2))})
+    result = _verify(tmp_path, "m.safetensors", data)
+    assert (result.passed, result.reason) == (False, "tensor_unreadable")
+    assert "shape [4] of F32 needs 16 bytes, the header gives 8" in result.detail
 
 
 # --- user validators and the registry ---------------------------------------------------------

@@ -151,6 +151,22 @@ def test_trend_shows_completion_silent_errors_and_tags_of_the_last_runs(
     assert report["ruler_comparisons"] == []
 
 
+def test_the_last_runs_are_the_newest_created_even_after_an_old_run_is_written_again(
+    server: RunningServer, client: LedgerClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for night in ("night-1", "night-2", "night-3"):
+        client.append([planned(night, "s0", 0)])
+    client.append(shard_done("night-1", "s0", FP_OLD, digest(1)))  # e.g. a late verify --recheck
+    capsys.readouterr()
+
+    assert trend(server, "--json", "--last", "2") == EXIT_OK
+
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)["runs"]] == [
+        "night-2",
+        "night-3",
+    ]
+
+
 def test_shards_in_only_one_ruler_run_are_an_id_set_difference_not_drift() -> None:
     before = {
         "r0": ShardArtifacts("verified", FP_OLD, {"out": digest(1)}),

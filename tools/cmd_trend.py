@@ -98,7 +98,8 @@ def build_report(
 ) -> dict[str, Any]:
     """Returns the trend of the last runs and the comparison of each ruler run with its previous."""
     listed = client.list_runs(namespace=namespace, page_size=RUN_SCAN)  # newest update first
-    recent = sorted(listed[:last], key=_created_us)
+    # The last runs by creation: a verify --recheck of an old night must not push a new one out.
+    recent = sorted(listed, key=_created_us)[-last:] if last > 0 else []
     rows = [_run_row(info, client, ruler_prefix) for info in recent]
     rulers = sorted(
         (r for r in listed if ruler_prefix and r.run_id.startswith(ruler_prefix)), key=_created_us
