@@ -69,14 +69,14 @@ Result = pb.AppendResult | LedgerRejected
 
 @dataclass(frozen=True, slots=True)
 class DrainResult:
-    """What draining one spool directory did; status is drained, locked, unavailable or damaged."""
+    """What draining one spool directory did: drained, locked, unavailable, denied or damaged."""
 
     directory: str
     sent: int
     rejected: int
     remaining: int
     status: str
-    error: str = ""  # why a damaged spool could not be opened
+    error: str = ""  # why a spool is damaged, or why the ledger denied our credentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,9 +343,13 @@ def drain_spool_dirs(
     results: list[DrainResult] = []
     clients: dict[str, LedgerClient] = {}
     unreachable: set[str] = set()
+    denied: dict[str, str] = {}  # target -> why it refused our credentials
     for directory in find_spool_dirs(root or default_spool_root(target)):
         dest = target or _read_text(os.path.join(directory, TARGET_FILE)) or default_target()
         if directory in exclude:
+            continue
+        if dest in denied:
+            results.append(DrainResult(directory, 0, 0, -1, "denied", denied[dest]))
             continue
         if dest in unreachable:
             results.append(DrainResult(directory, 0, 0, -1, "unavailable"))
@@ -376,10 +380,15 @@ def drain_spool_dirs(
             log.warning(
                 "spool_drain_stopped directory=%s target=%s error=%s", directory, dest, stop
             )
-        status = "drained" if stop is None else "unavailable"
-        results.append(DrainResult(directory, sent, rejected, remaining, status))
         if stop is None:
+            results.append(DrainResult(directory, sent, rejected, remaining, "drained"))
             remove_finished_spool(directory)
+        elif isinstance(stop, PermissionDenied):
+            # Credentials, not the network: say so; the events stay spooled for a later drain.
+            denied[dest] = str(stop)
+            results.append(DrainResult(directory, sent, rejected, remaining, "denied", str(stop)))
+        else:
+            results.append(DrainResult(directory, sent, rejected, remaining, "unavailable"))
     return results
 
 

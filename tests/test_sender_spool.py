@@ -331,6 +331,31 @@ def test_a_damaged_spool_is_named_and_the_others_are_still_drained(
     assert (root / "host-1-bad" / "acked").read_text() == "garbage\n"  # left for an operator
 
 
+def test_a_drain_the_ledger_denies_says_so_exits_4_and_keeps_the_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHARDLEDGER_TOKEN", raising=False)
+    running = create_server(
+        ServerConfig(database=str(tmp_path / "l.db"), listen="127.0.0.1:0", auth="tokens")
+    )
+    target = f"127.0.0.1:{running.port}"
+    root = tmp_path / "spools"
+    try:
+        for name in ("host-1-a", "host-2-b"):
+            with Spool(root / name) as spool:
+                spool.append([beat("d", "att", 1).SerializeToString()])
+            (root / name / "target").write_text(target + "\n")
+        assert cli(["spool", "drain", "--dir", str(root)]) == 4
+    finally:
+        running.stop(0.5)
+    captured = capsys.readouterr()
+    assert captured.out.count("1 left, the ledger DENIED access") == 2
+    assert "a writer token is needed" in captured.err and "unreachable" not in captured.err
+    for name in ("host-1-a", "host-2-b"):
+        with Spool(root / name) as spool:
+            assert spool.pending_count() == 1
+
+
 def test_leftover_spool_with_a_refused_event_sets_it_aside_and_acks_it(
     servers: Servers, tmp_path: Path
 ) -> None:

@@ -16,7 +16,14 @@ from shard_client.spooldir import (
     spool_base,
     spool_status,
 )
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE, client_from, print_json
+from tools.cli import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_REJECTED,
+    EXIT_UNAVAILABLE,
+    client_from,
+    print_json,
+)
 
 DESCRIPTION: Final = f"""\
 When a job cannot reach the ledger it keeps its events in a durable spool on the
@@ -30,7 +37,8 @@ process under ${ENV_SPOOL_DIR} (default ~/.cache/shardledger/spool/<server>).
            ledger refuses are set aside in rejected.jsonl beside the spool.
 
 exit codes: 0 ok; 1 (drain) some event was refused, or a spool is damaged (named,
-the others are still drained); 3 the ledger was unreachable
+the others are still drained); 3 the ledger was unreachable; 4 the ledger denied
+access (the events stay spooled)
 """
 
 
@@ -108,6 +116,8 @@ def run_drain(args: argparse.Namespace) -> int:
                 print(f"{r.directory}: skipped, a live process owns it")
             elif r.status == "damaged":
                 print(f"{r.directory}: skipped, DAMAGED: {r.error}")
+            elif r.status == "denied":
+                print(f"{r.directory}: {r.remaining} left, the ledger DENIED access: {r.error}")
             else:
                 print(
                     f"{r.directory}: {r.sent} sent, {r.rejected} rejected, "
@@ -119,4 +129,11 @@ def run_drain(args: argparse.Namespace) -> int:
     if any(r.status == "unavailable" for r in results):
         print("shardledger: ledger unreachable; the remaining events stay spooled", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    if any(r.status == "denied" for r in results):
+        print(
+            "shardledger: the ledger denied access (check --token-file or $SHARDLEDGER_TOKEN:"
+            " a writer token is needed); the remaining events stay spooled",
+            file=sys.stderr,
+        )
+        return EXIT_REJECTED
     return EXIT_PROBLEMS if any(r.rejected or r.error for r in results) else EXIT_OK
