@@ -65,10 +65,13 @@ class ShardOptions:
     orphan_age_s: float = 300.0
     sigterm_grace: float | None = 30.0
     fingerprint: bool | Fingerprint = True
+    progress_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
             raise ValueError("heartbeat_timeout must be > 0 and at most 7 days")
+        if self.progress_timeout is not None and not self.progress_timeout > 0:
+            raise ValueError("progress_timeout must be > 0 (or None)")
         for name in self.expected_outputs or ():
             check_id("expected output", name)
 
@@ -133,6 +136,7 @@ class Ledger:
         orphan_age_s: float = 300.0,
         sigterm_grace: float | None = 30.0,
         fingerprint: bool | Fingerprint = True,
+        progress_timeout: float | None = None,
     ) -> Shard:
         """Returns a context manager for one attempt at a planned shard.
 
@@ -140,6 +144,10 @@ class Ledger:
         (else at least one); the server judges completeness by the plan anyway.
         ``output_dir`` loses temp files of killed writers older than
         ``orphan_age_s`` on entry. ``sigterm_grace=None`` leaves SIGTERM alone.
+        The background thread heartbeats while the process lives; with
+        ``progress_timeout`` it stops once no ``progress()``, checkpoint or commit
+        came for that long, so a job hung with its process alive (a deadlock, a
+        stuck collective) goes stale on the ledger; beats resume with progress.
         """
         options = ShardOptions(
             heartbeat_timeout=heartbeat_timeout,
@@ -150,6 +158,7 @@ class Ledger:
             orphan_age_s=orphan_age_s,
             sigterm_grace=sigterm_grace,
             fingerprint=fingerprint,
+            progress_timeout=progress_timeout,
         )
         return Shard(self, run_id, shard_id, options=options, attempt_id=attempt_id)
 
@@ -199,6 +208,8 @@ class Shard:
         self._committed: list[str] = []
         self._state = "new"  # new -> active -> closed
         self._step, self._progress, self._last_beat = 0, 0.0, 0.0
+        self._last_progress = time.monotonic()  # progress(), a checkpoint or a commit
+        self._quiet_logged = False
         self._wake = threading.Event()
         self._beater: threading.Thread | None = None
         self._diagnostics = contextlib.ExitStack()
@@ -344,7 +355,7 @@ class Shard:
         if any(v != v or v in (float("inf"), float("-inf")) for v in values.values()):
             raise ValueError("metrics must be finite numbers")
         self._step, self._progress = step, progress
-        self._last_beat = time.monotonic()
+        self._last_beat = self._last_progress = time.monotonic()
         heartbeat = pb.Heartbeat(step=step, progress=progress, metrics=values)
         return self._emit(heartbeat=heartbeat)
 
@@ -361,9 +372,27 @@ class Shard:
                 self._sigterm.expire()
             if now >= self._last_beat + self.options.interval:
                 self._last_beat = now
+                if self._stalled(now):
+                    continue  # no beat: the ledger marks the shard stale after its timeout
                 beat = pb.Heartbeat(step=self._step, progress=self._progress)
                 with contextlib.suppress(LedgerClientError, RuntimeError):
                     self._emit(heartbeat=beat)
+
+    def _stalled(self, now: float) -> bool:
+        """Whether progress_timeout passed without progress (logged once per stall)."""
+        limit = self.options.progress_timeout
+        if limit is None or now - self._last_progress <= limit:
+            self._quiet_logged = False
+            return False
+        if not self._quiet_logged:
+            self._quiet_logged = True
+            log.warning(
+                "no_progress shard=%s attempt=%s seconds=%.0f: heartbeats stop until it resumes",
+                self.shard_id,
+                self.attempt_id,
+                now - self._last_progress,
+            )
+        return True
 
     # --- artifacts --------------------------------------------------------------
 
@@ -385,6 +414,7 @@ class Shard:
         self._emit(artifact_committed=event).result(self.ledger.ack_timeout_s)
         with self._lock:
             self._committed.append(name)
+        self._last_progress = time.monotonic()
 
     @contextlib.contextmanager
     def atomic_write(
@@ -440,6 +470,7 @@ class Shard:
         )
         self._emit(checkpoint=saved).result(self.ledger.ack_timeout_s)
         self._step = max(self._step, step)
+        self._last_progress = time.monotonic()
 
     @contextlib.contextmanager
     def checkpoint_write(

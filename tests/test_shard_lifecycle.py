@@ -283,6 +283,32 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
         shard.commit(_touch(tmp_path / "hd.bin"))
 
 
+def test_with_progress_timeout_a_job_hung_with_its_process_alive_goes_stale_then_recovers(
+    ledger: Ledger, client: LedgerClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan(client, "hang")
+
+    def state_becomes(wanted: str) -> bool:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if state(client, "hang") == wanted:
+                return True
+            time.sleep(0.05)
+        return False
+
+    with ledger.shard(
+        RUN, "hang", heartbeat_timeout=0.4, progress_timeout=0.3, fingerprint=False
+    ) as shard:
+        shard.progress(1)
+        # A deadlock with the GIL released: the heartbeat thread lives on, progress stops.
+        assert state_becomes("stale"), "the hung attempt never went stale"
+        assert "no_progress shard=hang" in caplog.text
+        shard.progress(2)  # it moves again: beats resume
+        assert state_becomes("running")
+        shard.commit(_touch(tmp_path / "hang.bin"))
+    assert state(client, "hang") == "committed"
+
+
 def test_heartbeat_thread_uses_almost_no_cpu(
     ledger: Ledger, client: LedgerClient, tmp_path: Path
 ) -> None:
