@@ -20,7 +20,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from tests import pg
 from tests.conftest import DIGEST_B, committed, event, planned, started
-from tools.cli import EXIT_OK, CommandError, build_parser
+from tools.cli import EXIT_OK, CommandError, build_parser, main
 
 # The PostgreSQL fixtures, found by pytest under these names.
 pg_cluster = pg.pg_cluster
@@ -227,3 +227,35 @@ def test_database_urls_are_redacted_for_logs() -> None:
     )
     assert redact_url("postgresql://app@db/l") == "postgresql://app@db/l"
     assert redact_url("/var/lib/ledger.db") == "/var/lib/ledger.db"
+    assert redact_url("sqlite:///var/lib/ledger.db") == "sqlite:///var/lib/ledger.db"
+    # libpq reads the user information up to the last "@" before the first "/".
+    assert redact_url("postgresql://owner:S3cret#pw@127.0.0.1/ledger") == (
+        "postgresql://owner:***@127.0.0.1/ledger"
+    )
+    assert redact_url("postgresql://u:pa?ss@h/db") == "postgresql://u:***@h/db"
+    assert redact_url("postgresql://h?password=x") == "postgresql://h?password=***"
+    assert redact_url("postgresql://u@h/db?sslpassword=k&sslmode=verify-full") == (
+        "postgresql://u@h/db?sslpassword=***&sslmode=verify-full"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("token", "list", "--db"),
+        ("audit", "verify", "--db"),
+        ("db", "migrate", "--database-url"),
+    ],
+)
+def test_a_database_password_never_reaches_an_error_message(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = "postgresql://owner:S3cret#pw@127.0.0.1:1/ledger?connect_timeout=1&pool_timeout=2"
+    try:
+        code = main([*argv, url])
+    except SystemExit as exc:  # argparse-level refusals exit through SystemExit
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "S3cret" not in captured.out + captured.err
+    assert "owner:***@127.0.0.1:1" in captured.err

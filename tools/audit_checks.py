@@ -192,7 +192,7 @@ def load_checkpoint(path: str) -> Checkpoint:
 
 def open_database(spec: str, *, must_exist: bool = True) -> Store:
     """Opens a database by path or URL (sqlite:///PATH, postgresql://...) for the CLI."""
-    from ledger_server.store import open_store, sqlite_path
+    from ledger_server.store import open_store, redact_url, sqlite_path
 
     path = sqlite_path(spec)
     # SQLite creates a missing file: an auditor's typo must not look like an empty ledger.
@@ -203,7 +203,7 @@ def open_database(spec: str, *, must_exist: bool = True) -> Store:
     except ValueError as exc:
         raise CommandError(str(exc), code=EXIT_USAGE) from None
     except StoreError as exc:
-        raise CommandError(f"cannot open {spec}: {exc}") from None
+        raise CommandError(f"cannot open {redact_url(spec)}: {exc}") from None
 
 
 def read_public_key(path: str) -> str:

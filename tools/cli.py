@@ -195,7 +195,7 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
     existing directory. A mistyped path otherwise becomes a new, empty ledger that
     quietly answers "nothing here", and its parents would be created on the way.
     """
-    from ledger_server.store import open_store, sqlite_path
+    from ledger_server.store import open_store, redact_url, sqlite_path
     from ledger_server.store.base import StoreError
     from ledger_server.store.sqlite import SqliteStore
 
@@ -220,7 +220,11 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except StoreError as exc:
         # The store's own refusals name the path already ("no ledger at PATH: no such file").
-        text = str(exc) if path and path in str(exc) else f"cannot open the ledger at {spec}: {exc}"
+        text = (
+            str(exc)
+            if path and path in str(exc)
+            else f"cannot open the ledger at {redact_url(spec)}: {exc}"
+        )
         raise CommandError(text) from None
 
 

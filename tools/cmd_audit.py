@@ -15,6 +15,7 @@ from ledger_server.signing import (
     public_key_id,
     verify_tree_head,
 )
+from ledger_server.store import redact_url
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerRejected
 from tools.audit_checks import (
@@ -182,7 +183,9 @@ def verify_offline(
         runs = [r for r in view.list_runs(namespace, 1 << 30) if run_id in (None, r.run_id)]
         if run_id is not None and not runs:
             if saved is None or pinned is None or not _saved_for(saved, namespace, run_id):
-                raise CommandError(f"run {run_id} is not in {args.db}", code=EXIT_REJECTED)
+                raise CommandError(
+                    f"run {run_id} is not in {redact_url(args.db)}", code=EXIT_REJECTED
+                )
             # The run a saved head signed is gone: a finding (the checkpoint check fails).
             walk = ChainWalk(run_id, saved.head.namespace)
             return [report_for(walk, checkpoint_checks(saved, pinned, walk))]

@@ -20,6 +20,7 @@ from ledger_server.errors import ConflictError, LedgerError
 from ledger_server.events import canonical_json, check_namespace
 from ledger_server.importer import ImportRow, import_run
 from ledger_server.signing import TreeHead, load_public_key, public_key_id
+from ledger_server.store import redact_url
 from ledger_server.store.base import WriterBusy
 from shard_client.errors import LedgerRejected
 from tools.audit_checks import (
@@ -312,6 +313,6 @@ def run_import(args: argparse.Namespace) -> int:
     else:
         print(
             f"imported {result.events} events ({result.shards} shards) of"
-            f" {reader.namespace}/{reader.run_id} into {args.db}"
+            f" {reader.namespace}/{reader.run_id} into {redact_url(args.db)}"
         )
     return EXIT_OK

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
-
 from ledger_server.store.base import (
     ConcurrentWriteError,
     ReadView,
@@ -53,21 +51,27 @@ def sqlite_path(url: str) -> str | None:
 
 
 def redact_url(url: str) -> str:
-    """Returns the URL with any password (user:PASSWORD@ or ?password=) replaced by ***.
+    """Returns the URL with any password (user:PASSWORD@, ?password=, ?sslpassword=) as ***.
 
-    A URL with no password comes back as given: a round trip through urlsplit would
-    drop the empty authority of sqlite:///PATH.
+    The authority is split the way libpq splits it: the user information runs to the
+    last "@" before the first "/", so a "#" or "?" inside a password is masked too.
+    A URL with no password comes back exactly as given.
     """
-    parts = urlsplit(url)
-    if parts.password is None and "password=" not in parts.query:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    if parts.password is not None:
-        host = parts.netloc.rsplit("@", 1)[1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
-    if "password=" in parts.query:
+    slash = rest.find("/")
+    at = (rest if slash < 0 else rest[:slash]).rfind("@")
+    userinfo, after = (rest[:at], rest[at + 1 :]) if at >= 0 else ("", rest)
+    if ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    location, question, query = after.partition("?")
+    if question:
         query = "&".join(
-            "password=***" if item.startswith("password=") else item
-            for item in parts.query.split("&")
+            f"{item.split('=', 1)[0]}=***"
+            if "=" in item and item.split("=", 1)[0].lower().endswith("password")
+            else item
+            for item in query.split("&")
         )
-        parts = parts._replace(query=query)
-    return urlunsplit(parts)
+    redacted = f"{scheme}://{userinfo}{'@' if at >= 0 else ''}{location}{question}{query}"
+    return url if redacted == url else redacted
