@@ -34,7 +34,7 @@ from ledger_server.errors import (
     RunNotFound,
     SigningKeyMissing,
 )
-from ledger_server.events import canonical_json
+from ledger_server.events import canonical_json, check_id
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
 from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics
@@ -275,8 +275,11 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             if request.page_token:
                 try:
                     index, shard_id = _untoken(request.page_token)
-                    after = (_int64(index), str(shard_id))
-                except (TypeError, ValueError):
+                    # The shard id comes back from the client: a NUL or a lone surrogate
+                    # would reach the store (UNAVAILABLE on PostgreSQL, UNKNOWN on SQLite).
+                    check_id("page_token", shard_id)
+                    after = (_int64(index), shard_id)
+                except (TypeError, ValueError, InvalidEvent):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
             ns = self._scope(context, READ, request.namespace, request.run_id)
             views, cursor = self.ledger.shards(
@@ -308,13 +311,17 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         response = pb.StreamResumeListResponse()
         add = response.entries.add
         count = 0
-        for shard_id, plan_index, plan_line, reason in rows:
-            add(shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index)
-            count += 1
-            if count >= RESUME_CHUNK:
-                yield response
-                response = pb.StreamResumeListResponse()
-                add = response.entries.add
-                count = 0
+        try:
+            for shard_id, plan_index, plan_line, reason in rows:
+                add(shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index)
+                count += 1
+                if count >= RESUME_CHUNK:
+                    yield response
+                    response = pb.StreamResumeListResponse()
+                    add = response.entries.add
+                    count = 0
+        except (LedgerError, StoreError) as exc:
+            # The rows are read lazily: the database can go away mid-stream.
+            context.abort_with_status(rich_status(exc))
         if count:
             yield response

@@ -772,6 +772,10 @@ FORGED_TOKENS: Final = {
     "deep_nesting": _b64(b"[" * 50_000 + b"]" * 50_000),
     "pair_with_infinity": _b64(b'[1e400,"x"]'),
     "pair_with_huge_int": _b64(json.dumps([2**64, "x"]).encode()),
+    # The shard id of a ListShards token goes to the store: PostgreSQL text cannot hold NUL.
+    "pair_with_nul": _b64(json.dumps([1, "a\u0000b"]).encode()),
+    "pair_with_lone_surrogate": _b64(b'[1,"\\ud800"]'),
+    "pair_with_a_number_for_id": _b64(b"[1,2]"),
 }
 
 

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,7 +21,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from ledger_server.audit import verify_store
-from ledger_server.server import ServerConfig, create_server
+from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.store.base import StoreError
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
@@ -163,6 +165,31 @@ def _verdict_on(name: str, path: str, digest: str, passed: bool, reason: str = "
             name=name, path=path, blake3_hex=digest, result=result, reason=reason
         )
     )
+
+
+def test_a_database_failure_mid_resume_stream_is_unavailable_with_its_reason(
+    server: RunningServer, client: LedgerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.append([planned(shard_id=f"s{i:04d}", index=i) for i in range(2500)])
+    real = server.ledger.resume_rows
+
+    def failing_after_1500(*args: object, **kwargs: object) -> Iterator[tuple[str, int, str, str]]:
+        # A failpoint: the connection drops after the first chunks went out.
+        for count, row in enumerate(real(*args, **kwargs)):  # type: ignore[arg-type]
+            if count == 1500:
+                raise StoreError("server closed the connection unexpectedly")
+            yield row
+
+    monkeypatch.setattr(server.ledger, "resume_rows", failing_after_1500)
+    request = pb.StreamResumeListRequest(run_id="run-1")
+    received = 0
+    with pytest.raises(grpc.RpcError) as failed:
+        for chunk in client.stub.StreamResumeList(request, timeout=10):
+            received += len(chunk.entries)
+    assert received == 1000  # the first whole chunk; the failed one is not sent
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    status = rpc_status.from_call(failed.value)  # type: ignore[arg-type]
+    assert status is not None and "server closed the connection" in status.message
 
 
 def _resume(client: LedgerClient) -> list[tuple[str, str]]:
