@@ -239,6 +239,16 @@ def test_database_urls_are_redacted_for_logs() -> None:
     )
 
 
+def test_libpq_url_options_reach_the_postgresql_session_unchanged(pg_url: str) -> None:
+    # A space must travel as %20: "+" is not a space to libpq.
+    url = f"{pg_url}{'&' if '?' in pg_url else '?'}options=-c%20statement_timeout%3D12345"
+    store = open_store(url + "&pool_max_size=2")
+    try:
+        assert store.execute_raw("SHOW statement_timeout") == [("12345ms",)]  # type: ignore[attr-defined]
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -54,18 +54,29 @@ POOL_OPTIONS: Final = {"pool_min_size": 1, "pool_max_size": 16, "pool_timeout": 
 
 
 def split_url(url: str) -> tuple[str, dict[str, float]]:
-    """Returns the libpq URL without the store's own pool_* parameters, and those parameters."""
-    parts = urlsplit(url)
+    """Returns the libpq URL without the store's own pool_* parameters, and those parameters.
+
+    The other parameters are kept byte for byte (re-encoding turned the space of
+    options=-c%20x=y into a "+" libpq does not decode), and the query is found the
+    way libpq finds it: after the user information, so a "#" or "?" in a password
+    stays part of it.
+    """
+    scheme, sep, rest = url.partition("://")
+    slash = rest.find("/")
+    at = (rest if slash < 0 else rest[:slash]).rfind("@")
+    question = rest.find("?", at + 1)
+    base, query = (rest, "") if question < 0 else (rest[:question], rest[question + 1 :])
     options: dict[str, float] = dict(POOL_OPTIONS)
-    kept = []
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+    kept: list[str] = []
+    for item in filter(None, query.split("&")):
+        key, _, value = item.partition("=")
         if key in POOL_OPTIONS:
-            options[key] = float(value)
+            options[key] = float(unquote(value))
         else:
-            kept.append((key, value))
-    if not any(k == "connect_timeout" for k, _ in kept):
-        kept.append(("connect_timeout", "5"))
-    return urlunsplit(parts._replace(query=urlencode(kept))), options
+            kept.append(item)
+    if not any(item.partition("=")[0] == "connect_timeout" for item in kept):
+        kept.append("connect_timeout=5")
+    return f"{scheme}{sep}{base}?{'&'.join(kept)}", options
 
 
 def _configure(conn: Conn) -> None:
