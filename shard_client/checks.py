@@ -395,11 +395,12 @@ def _check_safetensors(path: Path) -> CheckResult | None:
     for name, info in header.items():
         width = _SAFETENSORS_WIDTH.get(info["dtype"])
         begin, end = info["data_offsets"]
-        if width is not None and math.prod(info["shape"]) * width != end - begin:
+        need = None if width is None else math.prod(info["shape"]) * width
+        if need is not None and need != end - begin:
             return _fail(
                 "tensor_unreadable",
                 f"tensor {name!r}: shape {info['shape']} of {info['dtype']} needs"
-                f" {math.prod(info['shape']) * width} bytes, the header gives {end - begin}",
+                f" {need} bytes, the header gives {end - begin}",
             )
     try:
         import numpy as np

@@ -44,6 +44,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from ledger_server.store import postgres_sql as q
+from ledger_server.store import split_libpq
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, TokenRow
 from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
 
@@ -61,14 +62,10 @@ def split_url(url: str) -> tuple[str, dict[str, float]]:
     way libpq finds it: after the user information, so a "#" or "?" in a password
     stays part of it.
     """
-    scheme, sep, rest = url.partition("://")
-    slash = rest.find("/")
-    at = (rest if slash < 0 else rest[:slash]).rfind("@")
-    question = rest.find("?", at + 1)
-    base, query = (rest, "") if question < 0 else (rest[:question], rest[question + 1 :])
+    parts = split_libpq(url)
     options: dict[str, float] = dict(POOL_OPTIONS)
     kept: list[str] = []
-    for item in filter(None, query.split("&")):
+    for item in filter(None, (parts.query or "").split("&")):
         key, _, value = item.partition("=")
         if key in POOL_OPTIONS:
             options[key] = float(unquote(value))
@@ -76,7 +73,7 @@ def split_url(url: str) -> tuple[str, dict[str, float]]:
             kept.append(item)
     if not any(item.partition("=")[0] == "connect_timeout" for item in kept):
         kept.append("connect_timeout=5")
-    return f"{scheme}{sep}{base}?{'&'.join(kept)}", options
+    return parts._replace(query="&".join(kept)).join(), options
 
 
 def _configure(conn: Conn) -> None:
