@@ -41,6 +41,8 @@ MAX_MAP_ENTRIES: Final = 256
 MAX_PAYLOAD_BYTES: Final = 64 * 1024
 MAX_HEARTBEAT_TIMEOUT_US: Final = 7 * 24 * 3600 * 1_000_000
 
+# The last microsecond a protobuf Timestamp may hold: 9999-12-31T23:59:59.999999Z.
+MAX_TIMESTAMP_US: Final = 253_402_300_799_999_999
 _ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]*")
 _NAMESPACE_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _HEX64_RE: Final = re.compile(r"[0-9a-f]{64}")
@@ -489,6 +491,9 @@ def validate(event: Event) -> Event:
     check_id("shard_id", event.shard_id)
     if event.client_time_us < 0:
         raise InvalidEvent("client_time", "must not be before 1970")
+    if event.client_time_us > MAX_TIMESTAMP_US:
+        # Beyond it a Timestamp cannot carry the value back: every read of the run would fail.
+        raise InvalidEvent("client_time", "must be before the year 10000")
     payload = _check_payload(event)
     # Only a plan or a namespace is ever normalized; every other event is encoded as sent.
     content = event.content()

@@ -398,6 +398,9 @@ MUTATIONS: list[Mutation] = [
     _set("namespace", "-lead", True),
     _set("namespace", "n" * 63, False),
     _set("client_time", Timestamp(seconds=-1), True),
+    _set("client_time", Timestamp(seconds=253_402_300_799, nanos=999_999_999), False),
+    _set("client_time", Timestamp(seconds=253_402_300_800), True),  # the year 10000
+    _set("client_time", Timestamp(seconds=INT64[1]), True),  # reads of the run failed UNKNOWN
     # planned
     _set("planned.input_ref", "", True),
     _set("planned.input_ref", "/" + "p" * 4095, False),
