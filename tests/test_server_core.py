@@ -192,6 +192,21 @@ def test_a_database_failure_mid_resume_stream_is_unavailable_with_its_reason(
     assert status is not None and "server closed the connection" in status.message
 
 
+def test_a_client_time_a_timestamp_cannot_hold_is_refused_and_the_last_one_reads_back(
+    client: LedgerClient,
+) -> None:
+    far = planned()
+    far.client_time.seconds = 253_402_300_800  # the year 10000
+    with pytest.raises(InvalidArgument) as refused:
+        client.append([far])
+    assert "client_time" in str(refused.value)
+    last = planned()
+    last.client_time.FromMicroseconds(253_402_300_799_999_999)
+    client.append([last])
+    [stored] = list(client.list_events("run-1"))  # reads of the run still answer
+    assert stored.client_time.ToMicroseconds() == 253_402_300_799_999_999
+
+
 def _resume(client: LedgerClient) -> list[tuple[str, str]]:
     return [(e.shard_id, e.reason) for e in client.resume("run-1")]
 
