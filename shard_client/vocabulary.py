@@ -1,0 +1,30 @@
+"""Names the SDK and the server share: failure tags.
+
+One home for each string a job, the ledger and the CLI must agree on. A
+`StrEnum` member compares and serializes as its string, so stored events and
+the wire format are unchanged.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+__all__ = ["FAILURE_TAGS", "FailureTag"]
+
+
+class FailureTag(StrEnum):
+    """Why an attempt failed, as the field reports' one-line logs tag it."""
+
+    OOM = "oom"
+    TIMEOUT = "timeout"
+    KILLED = "killed"
+    PREEMPTED = "preempted"
+    NCCL = "nccl"
+    DATA = "data"
+    INCOMPLETE = "incomplete"
+    UNKNOWN = "unknown"
+
+
+# In the documented order (the proto comment and docs/projections.md list them so).
+FAILURE_TAGS: Final[tuple[str, ...]] = tuple(tag.value for tag in FailureTag)
