@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm import SlurmCluster, slurm_cluster
+from tests import slurm
+from tests.slurm import SlurmCluster
 
-__all__ = ["slurm_cluster"]  # the fixture, imported for pytest
+slurm_cluster = slurm.slurm_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(60)]
 
