@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.store.base import RunRow, Store, StoredEvent
 
 

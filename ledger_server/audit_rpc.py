@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 import grpc
 
 from ledger_server.auth import AUDIT
+from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.errors import (
     EventNotFound,
     InvalidEvent,
@@ -28,11 +29,12 @@ from ledger_server.errors import (
     LedgerError,
     SigningKeyMissing,
 )
-from ledger_server.events import GENESIS_HASH, canonical_json, chain_hash, check_id
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
 from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
 from ledger_server.store.base import ReadView, RunRow, StoredEvent, StoreError
+from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import canonical_json
 
 if TYPE_CHECKING:
     from ledger_server.ledger import Ledger

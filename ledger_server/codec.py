@@ -21,16 +21,17 @@ from ledger_server.events import (
     ShardPlanned,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.vocabulary import FailureTag
 
-_TAGS: Final = {
-    pb.FAILURE_TAG_OOM: "oom",
-    pb.FAILURE_TAG_TIMEOUT: "timeout",
-    pb.FAILURE_TAG_KILLED: "killed",
-    pb.FAILURE_TAG_PREEMPTED: "preempted",
-    pb.FAILURE_TAG_NCCL: "nccl",
-    pb.FAILURE_TAG_DATA: "data",
-    pb.FAILURE_TAG_INCOMPLETE: "incomplete",
-    pb.FAILURE_TAG_UNKNOWN: "unknown",
+_TAGS: Final[dict[pb.FailureTag, str]] = {
+    pb.FAILURE_TAG_OOM: FailureTag.OOM,
+    pb.FAILURE_TAG_TIMEOUT: FailureTag.TIMEOUT,
+    pb.FAILURE_TAG_KILLED: FailureTag.KILLED,
+    pb.FAILURE_TAG_PREEMPTED: FailureTag.PREEMPTED,
+    pb.FAILURE_TAG_NCCL: FailureTag.NCCL,
+    pb.FAILURE_TAG_DATA: FailureTag.DATA,
+    pb.FAILURE_TAG_INCOMPLETE: FailureTag.INCOMPLETE,
+    pb.FAILURE_TAG_UNKNOWN: FailureTag.UNKNOWN,
 }
 _TAG_VALUES: Final = {v: k for k, v in _TAGS.items()}
 _RESULTS: Final = {pb.VERIFICATION_RESULT_PASSED: "passed", pb.VERIFICATION_RESULT_FAILED: "failed"}

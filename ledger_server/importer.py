@@ -14,16 +14,11 @@ from itertools import islice
 from typing import Final
 
 from ledger_server import projections as proj
+from ledger_server.chain import GENESIS_HASH, chain_hash, event_from_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
-from ledger_server.events import (
-    GENESIS_HASH,
-    RecordedEvent,
-    ShardPlanned,
-    chain_hash,
-    event_from_row,
-    validate,
-)
+from ledger_server.events import RecordedEvent, ShardPlanned
 from ledger_server.store.base import RunRow, Store, WriteTx
+from ledger_server.validation import validate
 
 _CHUNK: Final = 500
 
@@ -131,7 +126,7 @@ class _RunWriter:
             raise rejected(f"invalid event ({exc.message})") from None
         if (event.namespace, event.run_id, in_row) != (self.namespace, self.run_id, self.count):
             raise rejected(f"the row belongs to {event.namespace}/{event.run_id} at {in_row}")
-        if valid.content_json() != event.content_json():
+        if valid.canonical != event.content_json():
             raise rejected("the event is not in the normal form the ledger stores")
         # The global sequence is assigned on insert; 0 marks it as not yet known.
         return RecordedEvent(event, 0, in_row, receive_us, row.row_hash)

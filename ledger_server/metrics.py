@@ -34,10 +34,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ledger_server.errors import LedgerError
-from ledger_server.events import FAILURE_TAGS
 from ledger_server.ledger import Ledger
 from ledger_server.projections import DUPLICATE_KINDS
 from ledger_server.store.base import RunRow, StoreError
+from shard_client.vocabulary import FAILURE_TAGS
 
 __all__ = [
     "REJECT_REASONS",

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ledger_server.chain import event_from_parsed, parse_row
 from ledger_server.errors import LifecycleViolation, PlanConflict
 from ledger_server.events import (
     ArtifactCommitted,
@@ -30,10 +31,8 @@ from ledger_server.events import (
     Heartbeat,
     RecordedEvent,
     ShardPlanned,
-    canonical_json,
-    event_from_parsed,
-    parse_row,
 )
+from shard_client.canonical import canonical_json
 
 BASE_STATES: Final = ("planned", "running", "committed", "verified", "verify_failed", "failed")
 # The states a user can filter on; "stale" and "missing" depend on the clock.

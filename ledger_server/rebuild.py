@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ledger_server import projections as proj
-from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.store.base import RunRow, ShardRow, Store, StoredEvent
 
 PROGRESS_EVERY = 1000

@@ -36,10 +36,10 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     ShardPlanned,
-    canonical_json,
 )
 from ledger_server.ledger import Ledger
 from ledger_server.store.sqlite import SqliteStore
+from shard_client.canonical import canonical_json
 
 RUN = "r1"
 T0 = 1_000_000

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from ledger_server.audit import verify_rows
+from ledger_server.chain import GENESIS_HASH, chain_hash, event_from_row, row_bytes
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.errors import LedgerError
-from ledger_server.events import GENESIS_HASH, chain_hash, event_from_row, row_bytes
 from ledger_server.merkle import MerkleTree, verify_consistency
 from ledger_server.signing import (
     InclusionProofBundle,
