@@ -23,7 +23,7 @@ from ledger_server.events import (
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.vocabulary import FailureTag
 
-_TAGS: Final[dict[pb.FailureTag, str]] = {
+_TAGS: Final[dict[pb.FailureTag, FailureTag]] = {
     pb.FAILURE_TAG_OOM: FailureTag.OOM,
     pb.FAILURE_TAG_TIMEOUT: FailureTag.TIMEOUT,
     pb.FAILURE_TAG_KILLED: FailureTag.KILLED,
@@ -115,7 +115,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         f = msg.failed
         if f.tag not in _TAGS:
             raise InvalidEvent("failed.tag", "must be a known FailureTag other than UNSPECIFIED")
-        return AttemptFailed(tag=_TAGS[f.tag], message=f.message)
+        # The plain value: a driver would bind an Enum member by its name.
+        return AttemptFailed(tag=_TAGS[f.tag].value, message=f.message)
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 

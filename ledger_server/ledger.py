@@ -24,6 +24,7 @@ from ledger_server.errors import (
     RunNotFound,
 )
 from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.states import QUERY_STATES, stored_states
 from ledger_server.store.base import ConcurrentWriteError, RunRow, Store, StoredEvent, WriteTx
 from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
 
@@ -516,11 +517,11 @@ class Ledger:
         now: int | None = None,
     ) -> tuple[list[dict[str, Any]], tuple[int, str] | None]:
         """Returns a page of shard views (optionally one state) and the cursor for the next."""
-        if state and state not in proj.QUERY_STATES:
-            raise InvalidEvent("state", "must be one of " + ", ".join(proj.QUERY_STATES))
+        if state and state not in QUERY_STATES:
+            raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES))
         run = self.run(namespace, run_id)
         at = self.clock() if now is None else now
-        sql_states = _sql_states(state)
+        sql_states = stored_states(state)
         out: list[dict[str, Any]] = []
         cursor: tuple[int, str] | None = None
         for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
@@ -554,15 +555,3 @@ class Ledger:
         self._writer.join(timeout)
         with self._commit_cond:
             self._commit_cond.notify_all()
-
-
-def _sql_states(state: str) -> list[str] | None:
-    if state in ("stale", "live"):
-        return ["running"]
-    if state == "missing":
-        return ["planned"]
-    if state == "unconfirmed":
-        return [s for s in proj.BASE_STATES if s != "verified"]
-    if state in proj.BASE_STATES:
-        return [state]
-    return None
