@@ -33,7 +33,7 @@ _TAGS: Final[dict[pb.FailureTag, FailureTag]] = {
     pb.FAILURE_TAG_INCOMPLETE: FailureTag.INCOMPLETE,
     pb.FAILURE_TAG_UNKNOWN: FailureTag.UNKNOWN,
 }
-_TAG_VALUES: Final = {v: k for k, v in _TAGS.items()}
+_TAG_VALUES: Final[dict[str, pb.FailureTag]] = {v.value: k for k, v in _TAGS.items()}
 _RESULTS: Final = {pb.VERIFICATION_RESULT_PASSED: "passed", pb.VERIFICATION_RESULT_FAILED: "failed"}
 _RESULT_VALUES: Final = {v: k for k, v in _RESULTS.items()}
 OUTCOMES: Final = {
