@@ -16,7 +16,7 @@ from typing import Final
 from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
-from ledger_server.events import RecordedEvent, ShardPlanned
+from ledger_server.events import RecordedEvent
 from ledger_server.store.base import RunRow, Store, WriteTx
 from ledger_server.validation import validate
 
@@ -155,13 +155,8 @@ class _RunWriter:
         # The same checks as an append: a row the live ledger would refuse is refused here.
         shard_id = rec.event.shard_id
         record = self.records.get(shard_id)
-        if isinstance(rec.event.payload, ShardPlanned):
-            if proj.check_plan(record, rec.event):
-                self.records[shard_id] = proj.new_record(rec)
-            return
-        proj.check_lifecycle(record, rec.event)
-        assert record is not None
-        proj.apply(record, rec)
+        if proj.check(record, rec.event):
+            self.records[shard_id] = proj.fold(record, rec)
 
     def finish(self) -> ImportResult:
         """Saves the shard projections and counters and moves the run head."""

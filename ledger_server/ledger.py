@@ -407,12 +407,9 @@ class Ledger:
             head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
-        if is_plan:
-            if not proj.check_plan(record, event):
-                assert record is not None
-                return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
-        else:
-            proj.check_lifecycle(record, event)
+        if not proj.check(record, event):
+            assert record is not None  # only a plan identical to the stored one
+            return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
         run_sequence = head.count + 1
         row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
         row_hash = chain_hash(head.hash, row)
@@ -426,7 +423,6 @@ class Ledger:
         head.count, head.hash = run_sequence, row_hash
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         if record is None:
-            records[shard_key] = proj.new_record(rec)
             state.before[shard_key] = Counter()
             state.full.add(shard_key)
         else:
@@ -435,7 +431,7 @@ class Ledger:
                 state.before.setdefault(shard_key, proj.contributions(record))
             if not (isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt):
                 state.full.add(shard_key)
-            proj.apply(record, rec)
+        records[shard_key] = proj.fold(record, rec)
         state.dirty.add(shard_key)
         return AppendResult(event.event_id, sequence, APPENDED)
 

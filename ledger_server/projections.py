@@ -185,6 +185,31 @@ def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:
 # --- the fold ---------------------------------------------------------------
 
 
+def check(record: ShardRecord | None, event: Event) -> bool:
+    """Returns whether the event is to be appended: False for a plan identical to the stored one.
+
+    Raises PlanConflict or LifecycleViolation when the event may not follow the
+    shard's history; the writer and the importer both ask here before fold().
+    """
+    if isinstance(event.payload, ShardPlanned):
+        return check_plan(record, event)
+    check_lifecycle(record, event)
+    return True
+
+
+def fold(record: ShardRecord | None, rec: RecordedEvent) -> ShardRecord:
+    """Folds one accepted event into the shard's record (a plan creates it); returns the record.
+
+    The one fold of the writer, the importer and the replay; check() has already
+    said the event may follow, so a plan here is always the shard's first.
+    """
+    if isinstance(rec.event.payload, ShardPlanned):
+        return new_record(rec)
+    assert record is not None, "check() refuses an event of a shard never planned"
+    apply(record, rec)
+    return record
+
+
 def check_plan(record: ShardRecord | None, event: Event) -> bool:
     """Returns True when the plan is new, False when identical; raises PlanConflict otherwise."""
     assert isinstance(event.payload, ShardPlanned)
@@ -595,11 +620,13 @@ class RunReplay:
 
     def feed(self, rec: RecordedEvent) -> None:
         """Folds one stored event (already accepted by the server)."""
+        shard_id = rec.event.shard_id
         if isinstance(rec.event.payload, ShardPlanned):
-            if rec.event.shard_id not in self.records:
-                self.records[rec.event.shard_id] = new_record(rec)
+            # A stored plan is the shard's first, or one identical to it.
+            if shard_id not in self.records:
+                self.records[shard_id] = fold(None, rec)
             return
-        apply(self.records[rec.event.shard_id], rec)
+        fold(self.records[shard_id], rec)
 
     def feed_row(self, sequence: int, row: bytes, row_hash: bytes) -> None:
         """Folds one stored row; what feed(recorded(...)) does, without building a heartbeat.
