@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.chain import ChainWalker
 from ledger_server.store.base import RunRow, Store, StoredEvent
 
 
@@ -35,17 +35,18 @@ class ChainReport:
 
 def verify_rows(run: RunRow, rows: Iterable[StoredEvent]) -> ChainReport:
     """Recomputes the chain over the rows of one run and compares it with the stored head."""
-    prev, expected_index, count = GENESIS_HASH, 1, 0
+    chain = ChainWalker()
 
-    def bad(seq: int | None, problem: str) -> ChainReport:
+    def bad(seq: int | None, problem: str, *, counting_row: bool = True) -> ChainReport:
+        # A bad row counts among the events read, as far as the walk got.
+        count = chain.count + 1 if counting_row else chain.count
         return ChainReport(run.namespace, run.run_id, count, False, seq, problem)
 
     for stored in rows:
-        count += 1
-        if stored.run_sequence != expected_index:
+        if not chain.in_order(stored.run_sequence):
             return bad(
                 stored.sequence,
-                f"run_sequence {stored.run_sequence} where {expected_index} was expected"
+                f"run_sequence {stored.run_sequence} where {chain.expected} was expected"
                 " (a row was deleted, inserted or reordered)",
             )
         try:
@@ -61,17 +62,18 @@ def verify_rows(run: RunRow, rows: Iterable[StoredEvent]) -> ChainReport:
             or body.get("namespace") != run.namespace
         ):
             return bad(stored.sequence, "row columns disagree with the hashed row bytes")
-        if chain_hash(prev, stored.row) != stored.row_hash:
+        if not chain.links(stored.row, stored.row_hash):
             return bad(stored.sequence, "row hash does not match blake3(previous hash || row)")
-        prev = stored.row_hash
-        expected_index += 1
-    if count != run.event_count or prev != run.head_hash:
+        chain.advance(stored.row_hash)
+    if chain.count != run.event_count or chain.head != run.head_hash:
         return bad(
             None,
             f"run head says {run.event_count} events ending in {run.head_hash.hex()[:16]},"
-            f" the rows give {count} ending in {prev.hex()[:16]} (rows were removed or added)",
+            f" the rows give {chain.count} ending in {chain.head.hex()[:16]}"
+            " (rows were removed or added)",
+            counting_row=False,
         )
-    return ChainReport(run.namespace, run.run_id, count, True)
+    return ChainReport(run.namespace, run.run_id, chain.count, True)
 
 
 def verify_store(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 import grpc
 
 from ledger_server.auth import AUDIT
+from ledger_server.chain import ChainWalker
 from ledger_server.errors import (
     EventNotFound,
     InvalidEvent,
@@ -28,11 +29,12 @@ from ledger_server.errors import (
     LedgerError,
     SigningKeyMissing,
 )
-from ledger_server.events import GENESIS_HASH, canonical_json, chain_hash, check_id
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
 from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
 from ledger_server.store.base import ReadView, RunRow, StoredEvent, StoreError
+from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import canonical_json
 
 if TYPE_CHECKING:
     from ledger_server.ledger import Ledger
@@ -51,7 +53,8 @@ class RunTree:
 
     run_pk: int
     tree: MerkleTree = field(default_factory=MerkleTree)
-    head_hash: bytes = GENESIS_HASH
+    # Walks beside the tree: its count is always the tree size.
+    chain: ChainWalker = field(default_factory=ChainWalker)
     last_sequence: int = 0
     # event_id -> global sequence: inclusion proofs are asked for by event id.
     sequences: dict[str, int] = field(default_factory=dict)
@@ -66,18 +69,18 @@ class RunTree:
                 break
             for stored in page:
                 run = self._add(view, run, stored)
-        if (self.tree.size, self.head_hash) != (run.event_count, run.head_hash):
+        if (self.tree.size, self.chain.head) != (run.event_count, run.head_hash):
             raise LedgerCorrupt(
                 f"the stored rows and the run head disagree: the head of run {run.run_id} counts"
                 f" {run.event_count} events ending in {run.head_hash.hex()[:16]}, the rows give"
-                f" {self.tree.size} ending in {self.head_hash.hex()[:16]}",
+                f" {self.tree.size} ending in {self.chain.head.hex()[:16]}",
                 run_id=run.run_id,
             )
 
     def _add(self, view: ReadView, run: RunRow, stored: StoredEvent) -> RunRow:
         """Appends one row after checking it; returns the run head it lies within."""
-        expected = self.tree.size + 1
-        if stored.run_sequence != expected:
+        expected = self.chain.expected
+        if not self.chain.in_order(stored.run_sequence):
             raise LedgerCorrupt(
                 f"row at sequence {stored.sequence} has run_sequence"
                 f" {stored.run_sequence} where {expected} was expected",
@@ -85,13 +88,13 @@ class RunTree:
             )
         if expected > run.event_count:
             run = self._head_covering(view, run, stored)
-        if chain_hash(self.head_hash, stored.row) != stored.row_hash:
+        if not self.chain.links(stored.row, stored.row_hash):
             raise LedgerCorrupt(
                 f"row at sequence {stored.sequence} does not match its chain hash",
                 sequence=stored.sequence,
             )
         self.tree.append(stored.row)
-        self.head_hash = stored.row_hash
+        self.chain.advance(stored.row_hash)
         self.last_sequence = stored.sequence
         self.sequences[stored.event_id] = stored.sequence
         return run
@@ -121,7 +124,7 @@ class RunTree:
         rows = view.list_events(run.run_pk, after_sequence=self.last_sequence - 1, limit=1)
         if not rows or (rows[0].sequence, rows[0].row_hash) != (
             self.last_sequence,
-            self.head_hash,
+            self.chain.head,
         ):
             raise LedgerCorrupt(
                 f"the stored rows and the run head disagree: event {self.tree.size} of run"

@@ -21,18 +21,19 @@ from ledger_server.events import (
     ShardPlanned,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.vocabulary import FailureTag
 
-_TAGS: Final = {
-    pb.FAILURE_TAG_OOM: "oom",
-    pb.FAILURE_TAG_TIMEOUT: "timeout",
-    pb.FAILURE_TAG_KILLED: "killed",
-    pb.FAILURE_TAG_PREEMPTED: "preempted",
-    pb.FAILURE_TAG_NCCL: "nccl",
-    pb.FAILURE_TAG_DATA: "data",
-    pb.FAILURE_TAG_INCOMPLETE: "incomplete",
-    pb.FAILURE_TAG_UNKNOWN: "unknown",
+_TAGS: Final[dict[pb.FailureTag, FailureTag]] = {
+    pb.FAILURE_TAG_OOM: FailureTag.OOM,
+    pb.FAILURE_TAG_TIMEOUT: FailureTag.TIMEOUT,
+    pb.FAILURE_TAG_KILLED: FailureTag.KILLED,
+    pb.FAILURE_TAG_PREEMPTED: FailureTag.PREEMPTED,
+    pb.FAILURE_TAG_NCCL: FailureTag.NCCL,
+    pb.FAILURE_TAG_DATA: FailureTag.DATA,
+    pb.FAILURE_TAG_INCOMPLETE: FailureTag.INCOMPLETE,
+    pb.FAILURE_TAG_UNKNOWN: FailureTag.UNKNOWN,
 }
-_TAG_VALUES: Final = {v: k for k, v in _TAGS.items()}
+_TAG_VALUES: Final[dict[str, pb.FailureTag]] = {v.value: k for k, v in _TAGS.items()}
 _RESULTS: Final = {pb.VERIFICATION_RESULT_PASSED: "passed", pb.VERIFICATION_RESULT_FAILED: "failed"}
 _RESULT_VALUES: Final = {v: k for k, v in _RESULTS.items()}
 OUTCOMES: Final = {
@@ -114,7 +115,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         f = msg.failed
         if f.tag not in _TAGS:
             raise InvalidEvent("failed.tag", "must be a known FailureTag other than UNSPECIFIED")
-        return AttemptFailed(tag=_TAGS[f.tag], message=f.message)
+        # The plain value: a driver would bind an Enum member by its name.
+        return AttemptFailed(tag=_TAGS[f.tag].value, message=f.message)
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 

@@ -14,16 +14,11 @@ from itertools import islice
 from typing import Final
 
 from ledger_server import projections as proj
+from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
-from ledger_server.events import (
-    GENESIS_HASH,
-    RecordedEvent,
-    ShardPlanned,
-    chain_hash,
-    event_from_row,
-    validate,
-)
+from ledger_server.events import RecordedEvent
 from ledger_server.store.base import RunRow, Store, WriteTx
+from ledger_server.validation import validate
 
 _CHUNK: Final = 500
 
@@ -87,8 +82,7 @@ class _RunWriter:
         self.namespace = namespace
         self.run_id = run_id
         self.run: RunRow | None = None
-        self.head = GENESIS_HASH
-        self.count = 0
+        self.chain = ChainWalker()
         self.first_sequence = 0
         self.last_sequence = 0
         self.last_receive_us = 0
@@ -110,18 +104,16 @@ class _RunWriter:
         self.tx.flush()
 
     def _decode(self, row: ImportRow) -> RecordedEvent:
-        self.count += 1
-
         def rejected(problem: str) -> ImportRejected:
             return ImportRejected(
                 f"row {row.run_sequence}: {problem}", run_sequence=row.run_sequence
             )
 
-        if row.run_sequence != self.count:
-            raise rejected(f"run_sequence {self.count} was expected")
-        if chain_hash(self.head, row.row) != row.row_hash:
+        if not self.chain.in_order(row.run_sequence):
+            raise rejected(f"run_sequence {self.chain.expected} was expected")
+        if not self.chain.links(row.row, row.row_hash):
             raise rejected("the row does not match its chain hash")
-        self.head = row.row_hash
+        self.chain.advance(row.row_hash)
         try:
             event, in_row, receive_us = event_from_row(row.row)
             valid = validate(event)
@@ -129,9 +121,13 @@ class _RunWriter:
             raise rejected(f"not a ledger row ({exc})") from None
         except LedgerError as exc:
             raise rejected(f"invalid event ({exc.message})") from None
-        if (event.namespace, event.run_id, in_row) != (self.namespace, self.run_id, self.count):
+        if (event.namespace, event.run_id, in_row) != (
+            self.namespace,
+            self.run_id,
+            self.chain.count,
+        ):
             raise rejected(f"the row belongs to {event.namespace}/{event.run_id} at {in_row}")
-        if valid.content_json() != event.content_json():
+        if valid.canonical != event.content_json():
             raise rejected("the event is not in the normal form the ledger stores")
         # The global sequence is assigned on insert; 0 marks it as not yet known.
         return RecordedEvent(event, 0, in_row, receive_us, row.row_hash)
@@ -159,13 +155,8 @@ class _RunWriter:
         # The same checks as an append: a row the live ledger would refuse is refused here.
         shard_id = rec.event.shard_id
         record = self.records.get(shard_id)
-        if isinstance(rec.event.payload, ShardPlanned):
-            if proj.check_plan(record, rec.event):
-                self.records[shard_id] = proj.new_record(rec)
-            return
-        proj.check_lifecycle(record, rec.event)
-        assert record is not None
-        proj.apply(record, rec)
+        if proj.check(record, rec.event):
+            self.records[shard_id] = proj.fold(record, rec)
 
     def finish(self) -> ImportResult:
         """Saves the shard projections and counters and moves the run head."""
@@ -176,13 +167,16 @@ class _RunWriter:
             self.tx.save_shard(run_pk=run_pk, shard_id=shard_id, **proj.row_columns(record))
             self.tx.add_counters(run_pk, proj.contributions(record))
         self.tx.update_run(
-            run_pk, event_count=self.count, head_hash=self.head, now_us=self.last_receive_us
+            run_pk,
+            event_count=self.chain.count,
+            head_hash=self.chain.head,
+            now_us=self.last_receive_us,
         )
         return ImportResult(
             run_pk,
-            self.count,
+            self.chain.count,
             len(self.records),
-            self.head,
+            self.chain.head,
             self.first_sequence,
             self.last_sequence,
         )

@@ -14,6 +14,7 @@ from typing import Any, Final, NamedTuple
 import structlog
 
 from ledger_server import projections as proj
+from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, event_from_row
 from ledger_server.errors import (
     EventIdReused,
     EventRejected,
@@ -22,21 +23,10 @@ from ledger_server.errors import (
     LimitExceeded,
     RunNotFound,
 )
-from ledger_server.events import (
-    GENESIS_HASH,
-    CheckpointSaved,
-    Event,
-    Heartbeat,
-    RecordedEvent,
-    ShardPlanned,
-    chain_hash,
-    check_id,
-    check_namespace,
-    event_from_row,
-    row_bytes,
-    validate,
-)
+from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.states import QUERY_STATES, stored_states
 from ledger_server.store.base import ConcurrentWriteError, RunRow, Store, StoredEvent, WriteTx
+from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
 
 log = structlog.get_logger("shardledger.ledger")
 
@@ -110,7 +100,7 @@ class _BatchState:
 
 @dataclass(slots=True)
 class _Job:
-    events: list[Event]
+    events: list[ValidEvent]
     future: Future[list[AppendResult]]
 
 
@@ -158,7 +148,7 @@ class Ledger:
             raise InvalidEvent("events", "must contain at least one event")
         if len(events) > MAX_EVENTS_PER_BATCH:
             raise LimitExceeded("events_per_batch", len(events), MAX_EVENTS_PER_BATCH)
-        checked = []
+        checked: list[ValidEvent] = []
         for index, event in enumerate(events):
             try:
                 checked.append(validate(event))
@@ -242,7 +232,9 @@ class Ledger:
             # order, before any job reads: two replicas whose groups share runs then queue
             # instead of deadlocking, and every later read (stored event ids, shard records)
             # sees those runs as of holding their locks. In SQLite these are plain reads.
-            for key in sorted({(e.namespace, e.run_id) for job in jobs for e in job.events}):
+            for key in sorted(
+                {(v.event.namespace, v.event.run_id) for job in jobs for v in job.events}
+            ):
                 tx.get_run(*key)
             for job in jobs:
                 try:
@@ -263,16 +255,16 @@ class Ledger:
         return outcomes
 
     def _apply(
-        self, tx: WriteTx, events: list[Event], receive_us: int, careful: bool
+        self, tx: WriteTx, events: list[ValidEvent], receive_us: int, careful: bool
     ) -> list[AppendResult]:
         # A resent plan would answer ALREADY_PLANNED instead of DUPLICATE without a lookup.
-        if careful or any(isinstance(e.payload, ShardPlanned) for e in events):
-            stored = tx.find_events([e.event_id for e in events])
+        if careful or any(isinstance(v.event.payload, ShardPlanned) for v in events):
+            stored = tx.find_events([v.event.event_id for v in events])
         else:
             stored = {}
         runs: dict[tuple[str, str], RunRow] = {}
         wanted: dict[tuple[str, str], dict[str, None]] = {}
-        for e in events:
+        for e, _ in events:
             wanted.setdefault((e.namespace, e.run_id), {})[e.shard_id] = None
         for key in wanted:
             run = tx.get_run(*key)
@@ -326,7 +318,7 @@ class Ledger:
     def _fold_batch(
         self,
         tx: WriteTx,
-        events: list[Event],
+        events: list[ValidEvent],
         stored: dict[str, StoredEvent],
         runs: dict[tuple[str, str], RunRow],
         records: dict[tuple[int, str], proj.ShardRecord],
@@ -334,12 +326,12 @@ class Ledger:
     ) -> list[AppendResult]:
         state = _BatchState(stored, runs, records)
         results: list[AppendResult] = []
-        for index, event in enumerate(events):
+        for index, (event, content) in enumerate(events):
             try:
-                result = self._apply_one(tx, event, state, receive_us)
+                result = self._apply_one(tx, event, content, state, receive_us)
             except LedgerError as exc:
                 raise EventRejected(index, exc) from None
-            state.in_batch.setdefault(event.event_id, (event.content_json(), result))
+            state.in_batch.setdefault(event.event_id, (content, result))
             results.append(result)
         for shard_key in state.dirty:
             record = records[shard_key]
@@ -369,9 +361,8 @@ class Ledger:
         return results
 
     def _apply_one(
-        self, tx: WriteTx, event: Event, state: _BatchState, receive_us: int
+        self, tx: WriteTx, event: Event, content: str, state: _BatchState, receive_us: int
     ) -> AppendResult:
-        content = event.content_json()
         if event.event_id in state.in_batch:
             earlier_content, earlier = state.in_batch[event.event_id]
             if earlier_content != content:
@@ -416,14 +407,11 @@ class Ledger:
             head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
-        if is_plan:
-            if not proj.check_plan(record, event):
-                assert record is not None
-                return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
-        else:
-            proj.check_lifecycle(record, event)
+        if not proj.check(record, event):
+            assert record is not None  # only a plan identical to the stored one
+            return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
         run_sequence = head.count + 1
-        row = row_bytes(event, run_sequence=run_sequence, receive_time_us=receive_us)
+        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
         row_hash = chain_hash(head.hash, row)
         sequence = tx.insert_event(
             run_pk=head.run_pk,
@@ -435,7 +423,6 @@ class Ledger:
         head.count, head.hash = run_sequence, row_hash
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         if record is None:
-            records[shard_key] = proj.new_record(rec)
             state.before[shard_key] = Counter()
             state.full.add(shard_key)
         else:
@@ -444,7 +431,7 @@ class Ledger:
                 state.before.setdefault(shard_key, proj.contributions(record))
             if not (isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt):
                 state.full.add(shard_key)
-            proj.apply(record, rec)
+        records[shard_key] = proj.fold(record, rec)
         state.dirty.add(shard_key)
         return AppendResult(event.event_id, sequence, APPENDED)
 
@@ -526,11 +513,11 @@ class Ledger:
         now: int | None = None,
     ) -> tuple[list[dict[str, Any]], tuple[int, str] | None]:
         """Returns a page of shard views (optionally one state) and the cursor for the next."""
-        if state and state not in proj.QUERY_STATES:
-            raise InvalidEvent("state", "must be one of " + ", ".join(proj.QUERY_STATES))
+        if state and state not in QUERY_STATES:
+            raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES))
         run = self.run(namespace, run_id)
         at = self.clock() if now is None else now
-        sql_states = _sql_states(state)
+        sql_states = stored_states(state)
         out: list[dict[str, Any]] = []
         cursor: tuple[int, str] | None = None
         for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
@@ -564,15 +551,3 @@ class Ledger:
         self._writer.join(timeout)
         with self._commit_cond:
             self._commit_cond.notify_all()
-
-
-def _sql_states(state: str) -> list[str] | None:
-    if state in ("stale", "live"):
-        return ["running"]
-    if state == "missing":
-        return ["planned"]
-    if state == "unconfirmed":
-        return [s for s in proj.BASE_STATES if s != "verified"]
-    if state in proj.BASE_STATES:
-        return [state]
-    return None

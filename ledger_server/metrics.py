@@ -34,10 +34,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ledger_server.errors import LedgerError
-from ledger_server.events import FAILURE_TAGS
 from ledger_server.ledger import Ledger
 from ledger_server.projections import DUPLICATE_KINDS
+from ledger_server.states import ShardState
 from ledger_server.store.base import RunRow, StoreError
+from shard_client.vocabulary import FAILURE_TAGS
 
 __all__ = [
     "REJECT_REASONS",
@@ -311,7 +312,7 @@ class RunCollector(Collector):
 
     def _oldest_last_seen(self, run_pk: int) -> int | None:
         """Returns the earliest last-seen time among the run's running shards."""
-        rows = self.ledger.store.read().iter_shards(run_pk, states=["running"])
+        rows = self.ledger.store.read().iter_shards(run_pk, states=[ShardState.RUNNING.value])
         oldest: int | None = None
         for index, row in enumerate(rows):
             if index >= self.export.heartbeat_scan_limit:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ledger_server.chain import event_from_parsed, parse_row
 from ledger_server.errors import LifecycleViolation, PlanConflict
 from ledger_server.events import (
     ArtifactCommitted,
@@ -30,14 +31,10 @@ from ledger_server.events import (
     Heartbeat,
     RecordedEvent,
     ShardPlanned,
-    canonical_json,
-    event_from_parsed,
-    parse_row,
 )
+from ledger_server.states import BASE_STATES, QueryState, ShardState
+from shard_client.canonical import canonical_json
 
-BASE_STATES: Final = ("planned", "running", "committed", "verified", "verify_failed", "failed")
-# The states a user can filter on; "stale" and "missing" depend on the clock.
-QUERY_STATES: Final = (*BASE_STATES, "stale", "live", "missing", "duplicate", "unconfirmed")
 DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
 
 
@@ -84,7 +81,7 @@ class ShardRecord:
     # digest is the latest. An artifact is intact only while it is still its path's bytes.
     path_heads: dict[str, str] = field(default_factory=dict)
     # base_state's answer, kept until apply() folds an event that may change it; not stored.
-    state_memo: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+    state_memo: tuple[ShardState, str] | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> str:
         """Returns the record as canonical JSON for storage."""
@@ -186,6 +183,31 @@ def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:
 
 
 # --- the fold ---------------------------------------------------------------
+
+
+def check(record: ShardRecord | None, event: Event) -> bool:
+    """Returns whether the event is to be appended: False for a plan identical to the stored one.
+
+    Raises PlanConflict or LifecycleViolation when the event may not follow the
+    shard's history; the writer and the importer both ask here before fold().
+    """
+    if isinstance(event.payload, ShardPlanned):
+        return check_plan(record, event)
+    check_lifecycle(record, event)
+    return True
+
+
+def fold(record: ShardRecord | None, rec: RecordedEvent) -> ShardRecord:
+    """Folds one accepted event into the shard's record (a plan creates it); returns the record.
+
+    The one fold of the writer, the importer and the replay; check() has already
+    said the event may follow, so a plan here is always the shard's first.
+    """
+    if isinstance(rec.event.payload, ShardPlanned):
+        return new_record(rec)
+    assert record is not None, "check() refuses an event of a shard never planned"
+    apply(record, rec)
+    return record
 
 
 def check_plan(record: ShardRecord | None, event: Event) -> bool:
@@ -376,42 +398,42 @@ def confirmed_attempt(record: ShardRecord) -> Attempt | None:
     return None
 
 
-def base_state(record: ShardRecord) -> tuple[str, str]:
+def base_state(record: ShardRecord) -> tuple[ShardState, str]:
     """Returns the shard's time-independent state and a detail (tag or reason)."""
     if record.state_memo is None:
         record.state_memo = _base_state(record)
     return record.state_memo
 
 
-def _base_state(record: ShardRecord) -> tuple[str, str]:
+def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
     if confirmed_attempt(record) is not None:
-        return "verified", ""
+        return ShardState.VERIFIED, ""
     latest = record.attempts.get(record.latest_attempt)
     if latest is None:
-        return "planned", ""
+        return ShardState.PLANNED, ""
     if not latest.failed_tag and not _complete(record, latest):
-        return "running", ""
+        return ShardState.RUNNING, ""
     complete = [a for a in record.attempts.values() if _complete(record, a)]
     complete.sort(key=lambda a: -a.started_seq)
     intact = [a for a in complete if _intact(record, a)]
     for attempt in intact:
         verdicts = _verdicts(record, attempt)
         if all(v is None or v[0] == "passed" for v in verdicts):
-            return "committed", ""
+            return ShardState.COMMITTED, ""
     for attempt in intact:
         failing = [v for v in _verdicts(record, attempt) if v is not None and v[0] == "failed"]
         if failing:
-            return "verify_failed", failing[0][1] or "unknown"
+            return ShardState.VERIFY_FAILED, failing[0][1] or "unknown"
     if len(intact) < len(complete):
         # A finished set whose file another commit replaced (two attempts renaming onto
         # one path): what it vouched for is no longer on disk.
-        return "verify_failed", "overwritten"
-    return "failed", latest.failed_tag
+        return ShardState.VERIFY_FAILED, "overwritten"
+    return ShardState.FAILED, latest.failed_tag
 
 
 def deadline_us(record: ShardRecord) -> int | None:
     """Returns when a running shard turns stale (server clock), or None."""
-    if base_state(record)[0] != "running":
+    if base_state(record)[0] != ShardState.RUNNING:
         return None
     latest = record.attempts[record.latest_attempt]
     return latest.last_seen_us + latest.timeout_us
@@ -422,7 +444,7 @@ def row_columns(record: ShardRecord) -> dict[str, Any]:
     state, detail = base_state(record)
     return {
         "plan_index": record.plan_index,
-        "state": state,
+        "state": state.value,  # a plain str: a driver binds it as text
         "detail": detail,
         "deadline_us": deadline_us(record),
         "plan_line": record.plan_line,
@@ -453,11 +475,11 @@ def contributions(record: ShardRecord) -> Counter[str]:
     """Returns the counters one shard adds to its run's summary (time-independent)."""
     state, detail = base_state(record)
     out: Counter[str] = Counter({"submitted": 1, f"state:{state}": 1})
-    if state == "failed":
+    if state == ShardState.FAILED:
         out[f"tag:{detail}"] += 1
         if detail == "incomplete":
             out["silent"] += 1
-    if state == "verify_failed":
+    if state == ShardState.VERIFY_FAILED:
         out[f"verify_failed:{detail}"] += 1
         out["silent"] += 1
     for tag in record.failures:
@@ -477,59 +499,43 @@ def contributions(record: ShardRecord) -> Counter[str]:
 def live_state(record: ShardRecord, now_us: int) -> tuple[str, str]:
     """Returns the shard's state at now_us: base state, with stale split from running."""
     state, detail = base_state(record)
-    if state == "running":
+    if state == ShardState.RUNNING:
         deadline = deadline_us(record)
         assert deadline is not None
         if deadline < now_us:
-            return "stale", ""
+            return QueryState.STALE, ""
     return state, detail
 
 
-RESUME_REASONS: Final = {
-    "planned": "never-started",
-    "running": "running",
-    "stale": "stale",
-    "committed": "unverified",
+RESUME_REASONS: Final[dict[str, str]] = {
+    ShardState.PLANNED: "never-started",
+    ShardState.RUNNING: "running",
+    QueryState.STALE: "stale",
+    ShardState.COMMITTED: "unverified",
 }
 # These two carry the shard's detail (the failure tag, the verification reason) after them.
-RESUME_DETAIL_PREFIXES: Final = {"failed": "failed:", "verify_failed": "verify-failed:"}
-RESUME_STATES: Final = tuple(s for s in BASE_STATES if s != "verified")
+RESUME_DETAIL_PREFIXES: Final[dict[str, str]] = {
+    ShardState.FAILED: "failed:",
+    ShardState.VERIFY_FAILED: "verify-failed:",
+}
 
 
 def resume_reason(record: ShardRecord, now_us: int) -> str | None:
     """Returns why the shard must run again, or None when it is confirmed."""
     state, detail = live_state(record, now_us)
-    if state == "verified":
+    if state == ShardState.VERIFIED:
         return None
     prefix = RESUME_DETAIL_PREFIXES.get(state)
     return prefix + detail if prefix is not None else RESUME_REASONS[state]
-
-
-def resume_reason_sql(deadline: str, now: str) -> str:
-    """Returns a SQL CASE over a shard row `s` that gives resume_reason's answer.
-
-    The stores compute the reason in the query so a million-line resume list is
-    plain tuples from the cursor to the wire; `deadline` is the SQL expression of
-    the running attempt's deadline and `now` the parameter holding the instant.
-    The property tests check both paths give the same reasons.
-    """
-    r, p = RESUME_REASONS, RESUME_DETAIL_PREFIXES
-    return (
-        f"CASE s.state WHEN 'planned' THEN '{r['planned']}' WHEN 'committed' THEN '{r['committed']}'"
-        f" WHEN 'failed' THEN '{p['failed']}' || s.detail"
-        f" WHEN 'verify_failed' THEN '{p['verify_failed']}' || s.detail"
-        f" WHEN 'running' THEN CASE WHEN {deadline} < {now} THEN '{r['stale']}'"
-        f" ELSE '{r['running']}' END END"
-    )
 
 
 def summary(counters: Counter[str], *, stale: int, run_id: str, namespace: str) -> dict[str, Any]:
     """Returns the run summary from the summed counters and the stale count at some instant."""
     submitted = counters.get("submitted", 0)
     states = {s: counters.get(f"state:{s}", 0) for s in BASE_STATES}
-    running = states["running"] - stale
-    verified = states["verified"]
-    failed = states["failed"] + states["verify_failed"]
+    running = states[ShardState.RUNNING] - stale
+    verified = states[ShardState.VERIFIED]
+    failed = states[ShardState.FAILED] + states[ShardState.VERIFY_FAILED]
 
     def prefixed(prefix: str) -> dict[str, int]:
         return dict(
@@ -542,11 +548,11 @@ def summary(counters: Counter[str], *, stale: int, run_id: str, namespace: str) 
         "submitted": submitted,
         "verified": verified,
         "failed": failed,
-        "missing": states["planned"],
-        "unverified": states["committed"],
+        "missing": states[ShardState.PLANNED],
+        "unverified": states[ShardState.COMMITTED],
         "running": running,
         "stale": stale,
-        "verify_failed": states["verify_failed"],
+        "verify_failed": states[ShardState.VERIFY_FAILED],
         "completion_rate": verified / submitted if submitted else 0.0,
         "silent_errors": counters.get("silent", 0),
         "silent_error_rate": counters.get("silent", 0) / submitted if submitted else 0.0,
@@ -564,14 +570,14 @@ def summary(counters: Counter[str], *, stale: int, run_id: str, namespace: str) 
 def matches(record: ShardRecord, query: str, now_us: int) -> bool:
     """Returns whether the shard belongs to a ``shards --state`` query."""
     state, _ = live_state(record, now_us)
-    if query == "missing":
-        return state == "planned"
-    if query == "live":
-        return state == "running"
-    if query == "duplicate":
+    if query == QueryState.MISSING:
+        return state == ShardState.PLANNED
+    if query == QueryState.LIVE:
+        return state == ShardState.RUNNING
+    if query == QueryState.DUPLICATE:
         return bool(duplicate_kinds(record))
-    if query == "unconfirmed":
-        return state != "verified"
+    if query == QueryState.UNCONFIRMED:
+        return state != ShardState.VERIFIED
     return state == query
 
 
@@ -614,11 +620,13 @@ class RunReplay:
 
     def feed(self, rec: RecordedEvent) -> None:
         """Folds one stored event (already accepted by the server)."""
+        shard_id = rec.event.shard_id
         if isinstance(rec.event.payload, ShardPlanned):
-            if rec.event.shard_id not in self.records:
-                self.records[rec.event.shard_id] = new_record(rec)
+            # A stored plan is the shard's first, or one identical to it.
+            if shard_id not in self.records:
+                self.records[shard_id] = fold(None, rec)
             return
-        apply(self.records[rec.event.shard_id], rec)
+        fold(self.records[shard_id], rec)
 
     def feed_row(self, sequence: int, row: bytes, row_hash: bytes) -> None:
         """Folds one stored row; what feed(recorded(...)) does, without building a heartbeat.
@@ -649,7 +657,7 @@ class RunReplay:
 
     def stale_count(self, now_us: int) -> int:
         """Returns how many shards are stale at now_us."""
-        return sum(1 for r in self.records.values() if live_state(r, now_us)[0] == "stale")
+        return sum(1 for r in self.records.values() if live_state(r, now_us)[0] == QueryState.STALE)
 
     def ordered(self) -> Iterator[ShardRecord]:
         """Yields the records in plan order."""

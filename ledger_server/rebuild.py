@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ledger_server import projections as proj
-from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.chain import ChainWalker
 from ledger_server.store.base import RunRow, ShardRow, Store, StoredEvent
 
 PROGRESS_EVERY = 1000
@@ -123,7 +123,7 @@ def rebuild_run(
     with gc_paused():
         for _ in fold_rows(replay, chain.checked(view.iter_events(run.run_pk)), advance):
             pass
-        count, head = chain.count, chain.head
+        count, head = chain.chain.count, chain.chain.head
         replayed_at = time.monotonic()
         rows, rebuilt_counters = take_projections(replay)
         differing = _differing(rows, view.iter_shards(run.run_pk))
@@ -153,19 +153,18 @@ class _ChainCheck:
 
     def __init__(self, run: RunRow) -> None:
         self.run = run
-        self.head = GENESIS_HASH
-        self.count = 0
+        self.chain = ChainWalker()
 
     def checked(self, rows: Iterable[StoredEvent]) -> Iterator[StoredEvent]:
+        """Yields each row after it links to the chain; raises RebuildRefused at a break."""
         for stored in rows:
-            self.head = chain_hash(self.head, stored.row)
-            if self.head != stored.row_hash:
+            if not self.chain.links(stored.row, stored.row_hash):
                 raise RebuildRefused(
                     f"run {self.run.namespace}/{self.run.run_id}: the hash chain breaks at"
                     f" sequence {stored.sequence}; `shardledger audit verify --db` tells what"
                     " changed"
                 )
-            self.count += 1
+            self.chain.advance(stored.row_hash)
             yield stored
 
 

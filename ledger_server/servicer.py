@@ -34,14 +34,15 @@ from ledger_server.errors import (
     RunNotFound,
     SigningKeyMissing,
 )
-from ledger_server.events import canonical_json, check_id
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
 from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics
 from ledger_server.signing import SigningKey
 from ledger_server.store.base import StoreError
+from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
+from shard_client.canonical import canonical_json
 
 ERROR_DOMAIN: Final = "shardledger.dev"
 MAX_PAGE_SIZE: Final = 5000

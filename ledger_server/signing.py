@@ -9,7 +9,6 @@ signature, so a signature for anything else can never pass as a tree head.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import tempfile
@@ -27,6 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from ledger_server.merkle import leaf_hash, verify_inclusion
+from shard_client.atomic import fsync_directory
+from shard_client.canonical import canonical_json_bytes
 
 __all__ = [
     "TREE_HEAD_DOMAIN",
@@ -63,14 +64,6 @@ def _decode_hex(value: str) -> bytes | None:
     if not isinstance(value, str) or _LOWER_HEX_RE.fullmatch(value) is None:
         return None
     return bytes.fromhex(value)
-
-
-def _canonical_json(value: Mapping[str, Any]) -> bytes:
-    """Returns the one UTF-8 JSON encoding of a mapping: sorted keys, no spaces."""
-    text = json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
-    return text.encode("utf-8")
 
 
 def load_public_key(public_key_pem: str) -> Ed25519PublicKey:
@@ -175,20 +168,13 @@ def _publish_new_file(target: Path, data: bytes) -> None:
         except OSError:
             # Filesystems without hard links get a plain rename; only there can a race clobber.
             os.replace(tmp_name, target)
-        _fsync_directory(target.parent)
+        # Some filesystems cannot fsync a directory (EINVAL); the key file itself is
+        # fsynced, and a start must not fail for want of the directory flush.
+        with contextlib.suppress(OSError):
+            fsync_directory(target.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Flushes a directory entry so a just-published file survives a crash."""
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +192,7 @@ class TreeHead:
     def signed_message(self) -> bytes:
         """Returns the domain-separated canonical bytes that the signature covers."""
         body = {name: value for name, value in self.to_json().items() if name != "signature_hex"}
-        return TREE_HEAD_DOMAIN + _canonical_json(body)
+        return TREE_HEAD_DOMAIN + canonical_json_bytes(body)
 
     def to_json(self) -> dict[str, str | int]:
         """Returns the head as a JSON-ready mapping."""

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ledger_server.chain import chain_hash
 from ledger_server.codec import decode_event
-from ledger_server.events import chain_hash
 from ledger_server.ledger import Ledger
 from ledger_server.merkle import MerkleTree
 from ledger_server.server import RunningServer, ServerConfig, create_server

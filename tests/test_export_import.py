@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ledger_server.events import chain_hash
+from ledger_server.chain import chain_hash
 from ledger_server.ledger import Ledger
 from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.signing import SigningKey, public_key_id

@@ -19,11 +19,11 @@ import pytest
 from ledger_server import codec
 from ledger_server import projections as proj
 from ledger_server.errors import EventRejected
-from ledger_server.events import validate
 from ledger_server.ledger import DUPLICATE, Ledger
 from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.store import open_store
 from ledger_server.store.sqlite import SqliteStore
+from ledger_server.validation import validate
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.errors import Conflict, LifecycleError
@@ -150,7 +150,7 @@ def test_refused_batch_leaves_no_trace_in_the_cached_records(
 
 
 def _validated(*messages: pb.ShardEvent) -> list[object]:
-    return [validate(codec.decode_event(m)) for m in messages]
+    return [validate(codec.decode_event(m)).event for m in messages]
 
 
 def test_one_id_in_two_batches_of_one_group_is_stored_once(tmp_path: Path) -> None:

@@ -17,10 +17,11 @@ from grpc_status import rpc_status
 
 from ledger_server import codec
 from ledger_server.errors import InvalidEvent
-from ledger_server.events import MAX_PAYLOAD_BYTES, AttemptFailed, Event, validate
+from ledger_server.events import AttemptFailed, Event
 from ledger_server.ledger import MAX_EVENTS_PER_BATCH
 from ledger_server.server import MAX_MESSAGE_BYTES, RunningServer, ServerConfig, create_server
 from ledger_server.servicer import MAX_PAGE_SIZE
+from ledger_server.validation import MAX_PAYLOAD_BYTES, validate
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from tests.conftest import DIGEST_A, DIGEST_B, event, planned, started
@@ -122,7 +123,7 @@ def test_batch_of_exactly_ten_thousand_events_is_stored_and_read_back_in_capped_
 
 
 def _event_bytes(msg: pb.ShardEvent) -> int:
-    return len(validate(codec.decode_event(msg)).content_json().encode())
+    return len(validate(codec.decode_event(msg)).canonical.encode())
 
 
 def _planned_of_size(size: int) -> pb.ShardEvent:

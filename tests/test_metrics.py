@@ -224,7 +224,15 @@ def test_a_failing_store_is_reported_as_a_series_not_an_http_error(
 
 
 def test_every_reason_the_append_and_auth_paths_raise_has_its_own_label() -> None:
-    sources = ("errors.py", "events.py", "projections.py", "ledger.py", "auth.py", "servicer.py")
+    sources = (
+        "errors.py",
+        "events.py",
+        "validation.py",
+        "projections.py",
+        "ledger.py",
+        "auth.py",
+        "servicer.py",
+    )
     raised = set()
     for name in sources:
         path = Path(ledger_server.__file__).parent / name

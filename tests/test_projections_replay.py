@@ -36,10 +36,11 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     ShardPlanned,
-    canonical_json,
 )
 from ledger_server.ledger import Ledger
+from ledger_server.states import QUERY_STATES
 from ledger_server.store.sqlite import SqliteStore
+from shard_client.canonical import canonical_json
 
 RUN = "r1"
 T0 = 1_000_000
@@ -405,7 +406,7 @@ class Harness:
         assert [
             {k: v[k] for k in m} for v, m in zip(views, model_views, strict=True)
         ] == model_views
-        for state in proj.QUERY_STATES:
+        for state in QUERY_STATES:
             ids = [v["shard_id"] for v in self.ledger.shards("", RUN, state=state, now=now)[0]]
             assert ids == self.model.query(state, now), state
         resume = [

@@ -19,15 +19,9 @@ from typing import Any
 
 import pytest
 
+from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.codec import decode_event
-from ledger_server.events import (
-    GENESIS_HASH,
-    AttemptStarted,
-    Event,
-    Heartbeat,
-    ShardPlanned,
-    chain_hash,
-)
+from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
 from ledger_server.ledger import Ledger
 from ledger_server.server import ServerConfig, create_server
 from ledger_server.store.sqlite import SqliteStore

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from ledger_server.audit import verify_rows
+from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row, row_bytes
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.errors import LedgerError
-from ledger_server.events import GENESIS_HASH, chain_hash, event_from_row, row_bytes
 from ledger_server.merkle import MerkleTree, verify_consistency
 from ledger_server.signing import (
     InclusionProofBundle,
@@ -79,10 +79,10 @@ class ChainWalk:
         self.bad_sequence = sequence
 
     def _problem(self, row: bytes, row_hash: bytes, run_sequence: int) -> str:
-        expected = self.count + 1
-        if run_sequence != expected:
+        chain = ChainWalker(self.head_hash, self.count)
+        if not chain.in_order(run_sequence):
             return (
-                f"run_sequence {run_sequence} where {expected} was expected"
+                f"run_sequence {run_sequence} where {chain.expected} was expected"
                 " (a row was deleted, inserted or reordered)"
             )
         try:
@@ -97,7 +97,7 @@ class ChainWalk:
             return f"row bytes say run_sequence {in_row}, the row sits at {run_sequence}"
         if row_bytes(event, run_sequence=in_row, receive_time_us=receive_us) != row:
             return "row bytes are not canonical (edited)"
-        if chain_hash(self.head_hash, row) != row_hash:
+        if not chain.links(row, row_hash):
             return "row hash does not match blake3(previous hash || row)"
         return ""
 

@@ -18,8 +18,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
 from ledger_server import projections as proj
+from ledger_server.chain import GENESIS_HASH
 from ledger_server.codec import decode_event, timestamp_us
-from ledger_server.events import GENESIS_HASH, RecordedEvent
+from ledger_server.events import RecordedEvent
 from tools.audit_checks import open_database
 from tools.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from, print_json
 from tools.cmd_report import equation, iso_us

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 import psycopg
 
-from ledger_server.events import GENESIS_HASH, chain_hash
+from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.store.postgres import PostgresStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient

@@ -49,12 +49,12 @@ from ledger_server.events import (
     Event,
     Payload,
     ShardPlanned,
-    canonical_json,
 )
 from ledger_server.ledger import Ledger
 from ledger_server.servicer import LedgerServicer
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
 from tools.cmd_report import write_lines
 

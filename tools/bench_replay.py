@@ -37,8 +37,8 @@ from typing import Any, Final
 
 import grpc
 
+from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, parse_row
 from ledger_server.events import (
-    GENESIS_HASH,
     ArtifactCommitted,
     ArtifactVerified,
     AttemptStarted,
@@ -46,14 +46,10 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     ShardPlanned,
-    chain_hash,
-    check_namespace,
-    parse_row,
-    row_bytes,
-    validate,
 )
 from ledger_server.rebuild import rebuild_run
 from ledger_server.store.sqlite import SqliteStore
+from ledger_server.validation import check_namespace, validate
 from shard_client.client import LedgerClient
 from tools.bench_projections import save_result, shard_id
 
@@ -115,7 +111,9 @@ def write_night(store: SqliteStore, shards: int, total: int) -> int:
         run = tx.create_run(NAMESPACE, RUN, now_us=receive, genesis=GENESIS_HASH)
         for event in _events(shards, total):
             count += 1
-            row = row_bytes(validate(event), run_sequence=count, receive_time_us=receive + count)
+            row = encode_row(
+                validate(event).canonical, run_sequence=count, receive_time_us=receive + count
+            )
             head = chain_hash(head, row)
             tx.insert_event(
                 run_pk=run.run_pk,

@@ -8,7 +8,6 @@ import sys
 from typing import Any, Final
 
 from ledger_server.errors import LedgerError
-from ledger_server.events import check_namespace
 from ledger_server.signing import (
     InclusionProofBundle,
     check_inclusion_bundle,
@@ -16,6 +15,7 @@ from ledger_server.signing import (
     verify_tree_head,
 )
 from ledger_server.store import redact_url
+from ledger_server.validation import check_namespace
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerRejected
 from tools.audit_checks import (

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from ledger_server.errors import ConflictError, LedgerError
-from ledger_server.events import canonical_json, check_namespace
 from ledger_server.importer import ImportRow, import_run
 from ledger_server.signing import TreeHead, load_public_key, public_key_id
 from ledger_server.store import redact_url
 from ledger_server.store.base import WriterBusy
+from ledger_server.validation import check_namespace
+from shard_client.canonical import canonical_json
 from shard_client.errors import LedgerRejected
 from tools.audit_checks import (
     ChainWalk,

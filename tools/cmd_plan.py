@@ -242,7 +242,7 @@ def _check_server_rules(entry: PlanEntry) -> None:
     """
     from ledger_server.codec import decode_event
     from ledger_server.errors import LedgerError
-    from ledger_server.events import validate
+    from ledger_server.validation import validate
 
     try:
         validate(decode_event(plan_events(_RULES_RUN, [entry])[0]))

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Final
 
 from ledger_server.errors import LedgerError
-from ledger_server.events import check_namespace
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.store import open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
+from ledger_server.validation import check_namespace
 from tools.cli import (
     EXIT_LOCAL,
     EXIT_OK,

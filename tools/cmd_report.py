@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, Final
 
-from ledger_server.projections import QUERY_STATES
+from ledger_server.states import QUERY_STATES
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import atomic_write
 from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from, print_json

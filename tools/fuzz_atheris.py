@@ -5,7 +5,7 @@
 
 Each input's first byte picks the shape and the rest is parsed as protobuf:
 
-    even  a ShardEvent:          codec.decode_event -> events.validate -> Ledger.append([event])
+    even  a ShardEvent:          codec.decode_event -> validation.validate -> Ledger.append([event])
     odd   an AppendEventsRequest: codec.decode_event per event -> Ledger.append(events)
 
 Ledger.append runs on a SQLite store in a temporary directory, where a shard
@@ -95,7 +95,7 @@ def make_target(directory: str) -> Callable[[bytes], None]:
     """Returns the function atheris calls per input, appending to a store in directory."""
     from google.protobuf.message import DecodeError
 
-    from ledger_server import codec, events
+    from ledger_server import codec, validation
     from ledger_server.errors import LedgerError
     from ledger_server.ledger import Ledger
     from ledger_server.store.sqlite import SqliteStore
@@ -122,7 +122,7 @@ def make_target(directory: str) -> Callable[[bytes], None]:
         try:
             decoded = [codec.decode_event(m) for m in messages]
             if len(decoded) == 1:
-                events.validate(decoded[0])
+                validation.validate(decoded[0])
             before = ledger.last_sequence
             results = ledger.append(decoded, timeout=60)
         except LedgerError:

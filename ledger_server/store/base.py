@@ -183,7 +183,7 @@ class ReadView(Protocol):
     def iter_resume(self, run_pk: int, now_us: int) -> Iterator[tuple[str, int, str, str]]:
         """Yields (shard_id, plan_index, plan_line, reason) of the resume list in plan order.
 
-        Plain tuples, the reason computed in the query (projections.resume_reason_sql)
+        Plain tuples, the reason computed in the query (store.resume_sql.resume_reason_sql)
         as of now_us, for lists of a million lines.
         """
 

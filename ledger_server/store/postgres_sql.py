@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from ledger_server.projections import resume_reason_sql
+from ledger_server.states import ShardState
+from ledger_server.store.resume_sql import resume_reason_sql
 
 # Every text column that is compared or sorted uses the "C" collation, so plan order and
 # keyset cursors are byte order exactly as in SQLite, whatever the database's locale.
@@ -206,9 +207,7 @@ SQL_ITER_EVENTS: Final = (
     f"SELECT {EVENT_COLUMNS} FROM events WHERE run_pk = %s AND seq <= %s ORDER BY seq"
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = %s AND n != 0"
-SQL_COUNT_STALE: Final = (
-    f"SELECT COUNT(*){SHARD_FROM} WHERE s.run_pk = %s AND s.state = 'running' AND {DEADLINE} < %s"
-)
+SQL_COUNT_STALE: Final = f"SELECT COUNT(*){SHARD_FROM} WHERE s.run_pk = %s AND s.state = '{ShardState.RUNNING}' AND {DEADLINE} < %s"
 SQL_ITER_SHARDS: Final = (
     f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {DEADLINE}, s.plan_line,"
     f" s.record, b.beat_us, b.beat_step{SHARD_FROM}"

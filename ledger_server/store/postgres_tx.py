@@ -11,7 +11,7 @@ from psycopg import errors as pg_errors
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from ledger_server.projections import RESUME_STATES
+from ledger_server.states import RESUME_STATES
 from ledger_server.store import postgres_sql as q
 from ledger_server.store.base import (
     ConcurrentWriteError,

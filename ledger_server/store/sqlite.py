@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
-from ledger_server.projections import RESUME_STATES, resume_reason_sql
+from ledger_server.states import RESUME_STATES, ShardState
 from ledger_server.store.base import (
     DuplicateEventError,
     ImmutableRowError,
@@ -25,6 +25,7 @@ from ledger_server.store.base import (
     TokenRow,
     WriterBusy,
 )
+from ledger_server.store.resume_sql import resume_reason_sql
 
 # Each migration is a list of statements applied in one transaction together
 # with its row in schema_migrations, so a crash leaves either all or none.
@@ -218,7 +219,7 @@ SQL_ADD_COUNTERS: Final = (
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
 SQL_COUNT_STALE: Final = (
-    f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = 'running'"
+    f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = '{ShardState.RUNNING}'"
     f" AND {SQL_DEADLINE} < ?"
 )
 SQL_HAS_MIGRATIONS: Final = (

@@ -1,0 +1,244 @@
+"""Event validation: the limits a client can rely on and the checks that enforce them.
+
+Pure: no grpc, protobuf or SQL. validate() hands back the canonical JSON it had
+to compute anyway (to measure the event), so the writer never encodes an event
+twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Final, NamedTuple
+
+from ledger_server.errors import InvalidEvent, LimitExceeded
+from ledger_server.events import (
+    DEFAULT_NAMESPACE,
+    VERIFY_RESULTS,
+    ArtifactCommitted,
+    ArtifactVerified,
+    AttemptFailed,
+    AttemptStarted,
+    CheckpointSaved,
+    Event,
+    Heartbeat,
+    Payload,
+    ShardPlanned,
+    payload_dict,
+)
+from shard_client.canonical import canonical_json
+from shard_client.vocabulary import FAILURE_TAGS
+
+# Limits a client can rely on (documented in docs/limits.md).
+MAX_ID_CHARS: Final = 128
+MAX_PATH_CHARS: Final = 4096
+MAX_TEXT_CHARS: Final = 8192
+MAX_EXPECTED_OUTPUTS: Final = 256
+MAX_MAP_ENTRIES: Final = 256
+MAX_PAYLOAD_BYTES: Final = 64 * 1024
+MAX_HEARTBEAT_TIMEOUT_US: Final = 7 * 24 * 3600 * 1_000_000
+
+# The last microsecond a protobuf Timestamp may hold: 9999-12-31T23:59:59.999999Z.
+MAX_TIMESTAMP_US: Final = 253_402_300_799_999_999
+_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]*")
+_NAMESPACE_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_HEX64_RE: Final = re.compile(r"[0-9a-f]{64}")
+
+
+class ValidEvent(NamedTuple):
+    """An event that passed validate(), in normal form, with its canonical content JSON.
+
+    A tuple: the writer gets one per appended event. `canonical` is
+    `event.content_json()`, computed once.
+    """
+
+    event: Event
+    canonical: str
+
+
+def check_id(field_name: str, value: str, *, required: bool = True) -> None:
+    """Raises InvalidEvent unless value is a well-formed identifier."""
+    if not value:
+        if required:
+            raise InvalidEvent(field_name, "must not be empty")
+        return
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidEvent(field_name, f"longer than {MAX_ID_CHARS} characters")
+    if not _ID_RE.fullmatch(value):
+        raise InvalidEvent(
+            field_name,
+            "must start with a letter or digit and use only letters, digits and ._:@+=/-",
+        )
+
+
+def check_namespace(value: str) -> str:
+    """Returns the namespace, defaulted, or raises InvalidEvent."""
+    namespace = value or DEFAULT_NAMESPACE
+    if not _NAMESPACE_RE.fullmatch(namespace):
+        raise InvalidEvent("namespace", "must be 1-63 lowercase letters, digits or '-'")
+    return namespace
+
+
+def check_digest(field_name: str, value: str, *, required: bool = True) -> None:
+    """Raises InvalidEvent unless value is 64 lowercase hex characters."""
+    if not value and not required:
+        return
+    if not _HEX64_RE.fullmatch(value):
+        raise InvalidEvent(field_name, "must be a blake3 digest: 64 lowercase hex characters")
+
+
+def _check_text(field_name: str, value: str, limit: int, *, required: bool = False) -> None:
+    if required and not value:
+        raise InvalidEvent(field_name, "must not be empty")
+    if len(value) > limit:
+        raise InvalidEvent(field_name, f"longer than {limit} characters")
+    if "\x00" in value:
+        raise InvalidEvent(field_name, "must not contain NUL characters")
+
+
+def _check_size(field_name: str, value: int) -> None:
+    if value < 0:
+        raise InvalidEvent(field_name, "must not be negative")
+
+
+def _check_json_object(field_name: str, text: str) -> str:
+    if not text:
+        return "{}"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidEvent(field_name, f"is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidEvent(field_name, "must be a JSON object")
+    try:
+        text = canonical_json(value)
+        # A JSON escape may name a lone surrogate ("\\ud800"): valid JSON, but no UTF-8
+        # text can carry it, and the row must be stored as UTF-8.
+        text.encode("utf-8")
+    except ValueError as exc:  # UnicodeEncodeError is a ValueError
+        raise InvalidEvent(field_name, f"is not canonicalizable: {exc}") from None
+    return text
+
+
+def normalize_plan(p: ShardPlanned) -> ShardPlanned:
+    """Returns the plan with canonical JSON fields, or raises InvalidEvent."""
+    _check_text("planned.input_ref", p.input_ref, MAX_PATH_CHARS, required=True)
+    _check_size("planned.input_bytes", p.input_bytes)
+    check_digest("planned.input_blake3", p.input_blake3, required=False)
+    _check_size("planned.plan_index", p.plan_index)
+    if len(p.expected_outputs) > MAX_EXPECTED_OUTPUTS:
+        raise InvalidEvent("planned.expected_outputs", f"more than {MAX_EXPECTED_OUTPUTS} names")
+    for name in p.expected_outputs:
+        check_id("planned.expected_outputs", name)
+    if len(set(p.expected_outputs)) != len(p.expected_outputs):
+        raise InvalidEvent("planned.expected_outputs", "names must be unique")
+    _check_text("planned.plan_line", p.plan_line, MAX_PAYLOAD_BYTES)
+    return ShardPlanned(
+        input_ref=p.input_ref,
+        input_bytes=p.input_bytes,
+        input_blake3=p.input_blake3,
+        params_json=_check_json_object("planned.params_json", p.params_json),
+        expected_outputs=tuple(p.expected_outputs),
+        plan_line=_check_json_object("planned.plan_line", p.plan_line) if p.plan_line else "",
+        plan_index=p.plan_index,
+    )
+
+
+def _check_payload(event: Event) -> Payload:
+    p = event.payload
+    if isinstance(p, ShardPlanned):
+        if event.attempt_id:
+            raise InvalidEvent("attempt_id", "must be empty for a planned event")
+        return normalize_plan(p)
+    if isinstance(p, ArtifactVerified):
+        check_id("attempt_id", event.attempt_id, required=False)
+    else:
+        check_id("attempt_id", event.attempt_id)
+    if isinstance(p, AttemptStarted):
+        _check_text("started.host", p.host, 255)
+        _check_size("started.pid", p.pid)
+        if not 0 < p.heartbeat_timeout_us <= MAX_HEARTBEAT_TIMEOUT_US:
+            raise InvalidEvent("started.heartbeat_timeout", "must be > 0 and at most 7 days")
+        if len(p.fingerprint) > MAX_MAP_ENTRIES:
+            raise InvalidEvent("started.fingerprint", f"more than {MAX_MAP_ENTRIES} entries")
+        for key, value in p.fingerprint.items():
+            _check_text("started.fingerprint", key, 256, required=True)
+            _check_text("started.fingerprint", value, 1024)
+        check_digest("started.fingerprint_digest", p.fingerprint_digest, required=False)
+    elif isinstance(p, Heartbeat):
+        _check_size("heartbeat.step", p.step)
+        if not (math.isfinite(p.progress) and 0.0 <= p.progress <= 1.0):
+            raise InvalidEvent("heartbeat.progress", "must be a number in [0, 1]")
+        if len(p.metrics) > MAX_MAP_ENTRIES:
+            raise InvalidEvent("heartbeat.metrics", f"more than {MAX_MAP_ENTRIES} entries")
+        for metric, number in p.metrics.items():
+            _check_text("heartbeat.metrics", metric, 256, required=True)
+            if not math.isfinite(number):
+                raise InvalidEvent("heartbeat.metrics", f"{metric!r} must be finite")
+    elif isinstance(p, CheckpointSaved):
+        _check_size("checkpoint.step", p.step)
+        _check_text("checkpoint.path", p.path, MAX_PATH_CHARS, required=True)
+        _check_size("checkpoint.size_bytes", p.size_bytes)
+        check_digest("checkpoint.blake3_hex", p.blake3_hex)
+    elif isinstance(p, ArtifactCommitted):
+        check_id("artifact_committed.name", p.name)
+        _check_text("artifact_committed.path", p.path, MAX_PATH_CHARS, required=True)
+        _check_size("artifact_committed.size_bytes", p.size_bytes)
+        check_digest("artifact_committed.blake3_hex", p.blake3_hex)
+        _check_text("artifact_committed.media_type", p.media_type, 255)
+    elif isinstance(p, ArtifactVerified):
+        check_id("verified.name", p.name)
+        _check_text("verified.path", p.path, MAX_PATH_CHARS, required=True)
+        check_digest("verified.blake3_hex", p.blake3_hex)
+        if p.result not in VERIFY_RESULTS:
+            raise InvalidEvent("verified.result", "must be PASSED or FAILED")
+        _check_text("verified.reason", p.reason, 255, required=p.result == "failed")
+        _check_text("verified.detail", p.detail, MAX_TEXT_CHARS)
+    elif isinstance(p, AttemptFailed):
+        if p.tag not in FAILURE_TAGS:
+            raise InvalidEvent("failed.tag", "must be one of " + ", ".join(FAILURE_TAGS))
+        _check_text("failed.message", p.message, MAX_TEXT_CHARS)
+    return p
+
+
+def validate(event: Event) -> ValidEvent:
+    """Returns the event with defaults applied and its canonical JSON, or raises InvalidEvent."""
+    check_id("event_id", event.event_id)
+    namespace = check_namespace(event.namespace)
+    check_id("run_id", event.run_id)
+    check_id("shard_id", event.shard_id)
+    if event.client_time_us < 0:
+        raise InvalidEvent("client_time", "must not be before 1970")
+    if event.client_time_us > MAX_TIMESTAMP_US:
+        # Beyond it a Timestamp cannot carry the value back: every read of the run would fail.
+        raise InvalidEvent("client_time", "must be before the year 10000")
+    payload = _check_payload(event)
+    # Only a plan or a namespace is ever normalized; every other event is encoded as sent.
+    content = event.content()
+    if namespace != event.namespace:
+        content["namespace"] = namespace
+    if payload is not event.payload:
+        content["payload"] = payload_dict(payload)
+    try:
+        text = canonical_json(content)
+    except (TypeError, ValueError) as exc:
+        raise InvalidEvent("payload", f"is not representable: {exc}") from None
+    try:
+        size = len(text) if text.isascii() else len(text.encode())
+    except UnicodeEncodeError as exc:  # a lone surrogate from a caller that is not protobuf
+        raise InvalidEvent("payload", f"is not UTF-8 text: {exc.reason}") from None
+    if size > MAX_PAYLOAD_BYTES:
+        raise LimitExceeded("event_bytes", size, MAX_PAYLOAD_BYTES)
+    if namespace == event.namespace and payload is event.payload:
+        return ValidEvent(event, text)
+    normal = Event(
+        event.event_id,
+        namespace,
+        event.run_id,
+        event.shard_id,
+        event.attempt_id,
+        event.client_time_us,
+        payload,
+    )
+    return ValidEvent(normal, text)
