@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import IO, Any, Final
 
+from shard_client.vocabulary import FailureTag
+
 __all__ = [
     "MAX_MESSAGE_CHARS",
     "DataError",
@@ -76,20 +78,20 @@ def _is_oom(exc: BaseException) -> bool:
     return named or isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
 
 
-def failure_tag(exc: BaseException) -> str:
+def failure_tag(exc: BaseException) -> FailureTag:
     """Returns the failure tag of an exception: oom, killed, preempted, nccl, data or unknown."""
     chain = _chain(exc)
     if any(isinstance(e, Preempted) for e in chain):
-        return "preempted"
+        return FailureTag.PREEMPTED
     if isinstance(exc, KeyboardInterrupt):
-        return "killed"
+        return FailureTag.KILLED
     if any(_is_oom(e) for e in chain):
-        return "oom"
+        return FailureTag.OOM
     if any(isinstance(e, DataError | UnicodeDecodeError | json.JSONDecodeError) for e in chain):
-        return "data"
+        return FailureTag.DATA
     if any("NCCL" in str(e) or "nccl" in type(e).__name__.lower() for e in chain):
-        return "nccl"
-    return "unknown"
+        return FailureTag.NCCL
+    return FailureTag.UNKNOWN
 
 
 def describe(exc: BaseException) -> str:

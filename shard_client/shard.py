@@ -46,6 +46,7 @@ from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.ids import check_id
 from shard_client.sender import Ack, Policy, Sender, new_event_id
+from shard_client.vocabulary import FailureTag
 
 __all__ = ["Ledger", "Shard", "ShardOptions"]
 
@@ -279,8 +280,8 @@ class Shard:
         if not clean:
             assert exc is not None
             tag = failure_tag(exc)
-            if self.stopping and tag in ("unknown", "killed"):
-                tag = "preempted"
+            if self.stopping and tag in (FailureTag.UNKNOWN, FailureTag.KILLED):
+                tag = FailureTag.PREEMPTED
             self._fail(tag, describe(exc))
             return
         missing = self._missing()
@@ -293,9 +294,9 @@ class Shard:
             else "the block ended without committing any artifact"
         )
         if self.stopping:
-            self._fail("preempted", f"stopped by SIGTERM; {message}")
+            self._fail(FailureTag.PREEMPTED, f"stopped by SIGTERM; {message}")
             raise Preempted(f"shard {self.shard_id}: stopped by SIGTERM; {message}")
-        self._fail("incomplete", message)
+        self._fail(FailureTag.INCOMPLETE, message)
         raise IncompleteShard(
             f"shard {self.shard_id} of run {self.run_id}: {message}",
             run_id=self.run_id,
@@ -309,9 +310,10 @@ class Shard:
         missing = [n for n in self.options.expected_outputs or () if n not in done]
         return missing if missing or not done else None
 
-    def _fail(self, tag: str, message: str) -> None:
+    def _fail(self, tag: FailureTag, message: str) -> None:
         """Records failed(tag); an error doing so is logged, never raised over the job's own."""
-        failed = pb.AttemptFailed(tag=f"FAILURE_TAG_{tag.upper()}", message=message)
+        # The proto enum spells each tag as FAILURE_TAG_<TAG>.
+        failed = pb.AttemptFailed(tag=f"FAILURE_TAG_{tag.value.upper()}", message=message)
         try:
             self._emit(failed=failed).result(self.ledger.ack_timeout_s)
         except LedgerClientError as error:
