@@ -22,10 +22,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Unpack
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -45,41 +44,13 @@ from shard_client.failures import (
 from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.ids import check_id
+from shard_client.options import ShardOptionKwargs, ShardOptions
 from shard_client.sender import Ack, Policy, Sender, new_event_id
 from shard_client.vocabulary import FailureTag
 
-__all__ = ["Ledger", "Shard", "ShardOptions"]
+__all__ = ["Ledger", "Shard"]
 
 log = logging.getLogger("shard_client")
-MAX_HEARTBEAT_TIMEOUT_S: Final = 7 * 24 * 3600
-
-
-@dataclass(frozen=True, slots=True)
-class ShardOptions:
-    """How a shard context behaves (see Ledger.shard)."""
-
-    heartbeat_timeout: float = 60.0
-    heartbeat_interval: float | None = None
-    expected_outputs: tuple[str, ...] | None = None
-    output_dir: str | None = None
-    checkpoint_dir: str | None = None
-    orphan_age_s: float = 300.0
-    sigterm_grace: float | None = 30.0
-    fingerprint: bool | Fingerprint = True
-    progress_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
-            raise ValueError("heartbeat_timeout must be > 0 and at most 7 days")
-        if self.progress_timeout is not None and not self.progress_timeout > 0:
-            raise ValueError("progress_timeout must be > 0 (or None)")
-        for name in self.expected_outputs or ():
-            check_id("expected output", name)
-
-    @property
-    def interval(self) -> float:
-        """Returns the heartbeat interval: the given one, else a quarter of the timeout."""
-        return self.heartbeat_interval or self.heartbeat_timeout / 4
 
 
 def _now() -> Timestamp:
@@ -128,40 +99,44 @@ class Ledger:
         run_id: str,
         shard_id: str,
         *,
-        heartbeat_timeout: float = 60.0,
-        heartbeat_interval: float | None = None,
         attempt_id: str | None = None,
-        expected_outputs: Iterable[str] | None = None,
-        output_dir: str | os.PathLike[str] | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        orphan_age_s: float = 300.0,
-        sigterm_grace: float | None = 30.0,
-        fingerprint: bool | Fingerprint = True,
-        progress_timeout: float | None = None,
+        **options: Unpack[ShardOptionKwargs],
     ) -> Shard:
         """Returns a context manager for one attempt at a planned shard.
 
-        ``expected_outputs`` names the artifacts a clean exit must have committed
-        (else at least one); the server judges completeness by the plan anyway.
-        ``output_dir`` loses temp files of killed writers older than
-        ``orphan_age_s`` on entry. ``sigterm_grace=None`` leaves SIGTERM alone.
-        The background thread heartbeats while the process lives; with
-        ``progress_timeout`` it stops once no ``progress()``, checkpoint or commit
-        came for that long, so a job hung with its process alive (a deadlock, a
-        stuck collective) goes stale on the ledger; beats resume with progress.
+        Options (keyword only; defaults and types in `shard_client.options.ShardOptions`):
+
+        - ``heartbeat_timeout=60.0``: seconds without a heartbeat before the
+          ledger calls the attempt stale (at most 7 days);
+        - ``heartbeat_interval=None``: seconds between background heartbeats
+          (None: a quarter of ``heartbeat_timeout``);
+        - ``expected_outputs=None``: the artifact names a clean exit must have
+          committed (None: at least one); the server judges completeness by the
+          plan anyway;
+        - ``output_dir=None``: created on entry, and loses temp files of killed
+          writers older than ``orphan_age_s``;
+        - ``checkpoint_dir=None``: where checkpoints go (None:
+          ``output_dir/checkpoints``); its stale temp files are removed too;
+        - ``orphan_age_s=300.0``: how old a temp file must be to count as orphaned;
+        - ``sigterm_grace=30.0``: seconds between SIGTERM and Preempted
+          (None leaves SIGTERM alone);
+        - ``fingerprint=True``: record the environment fingerprint (False: none;
+          or pass a Fingerprint to record);
+        - ``progress_timeout=None``: the background thread heartbeats while the
+          process lives; with this it stops once no ``progress()``, checkpoint or
+          commit came for that long, so a job hung with its process alive (a
+          deadlock, a stuck collective) goes stale on the ledger; beats resume
+          with progress.
+
+        ``attempt_id`` defaults to a fresh random id.
         """
-        options = ShardOptions(
-            heartbeat_timeout=heartbeat_timeout,
-            heartbeat_interval=heartbeat_interval,
-            expected_outputs=None if expected_outputs is None else tuple(expected_outputs),
-            output_dir=None if output_dir is None else os.fspath(output_dir),
-            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            orphan_age_s=orphan_age_s,
-            sigterm_grace=sigterm_grace,
-            fingerprint=fingerprint,
-            progress_timeout=progress_timeout,
+        return Shard(
+            self,
+            run_id,
+            shard_id,
+            options=ShardOptions.given(**options),
+            attempt_id=attempt_id,
         )
-        return Shard(self, run_id, shard_id, options=options, attempt_id=attempt_id)
 
     def emit(self, event: pb.ShardEvent) -> Ack:
         """Queues a raw event (namespace filled in) for the background sender."""
