@@ -31,21 +31,16 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from shard_client import atomic, checkpoint
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.classify import describe, failure_tag
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerClientError
-from shard_client.failures import (
-    IncompleteShard,
-    Preempted,
-    SigtermGrace,
-    describe,
-    failure_tag,
-    stack_dumps_on_sigusr1,
-)
+from shard_client.failures import IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.ids import check_id
 from shard_client.options import ShardOptionKwargs, ShardOptions
 from shard_client.sender import Ack, Policy, Sender, new_event_id
+from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
 from shard_client.vocabulary import FailureTag
 
 __all__ = ["Ledger", "Shard"]
