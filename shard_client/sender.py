@@ -37,13 +37,11 @@ import grpc
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.delivery import MAX_BATCH_BYTES, MAX_BATCH_EVENTS, deliver
 from shard_client.errors import LedgerClientError, LedgerRejected, LedgerUnavailable
 from shard_client.spool import Spool
 from shard_client.spooldir import (
-    MAX_BATCH_BYTES,
-    MAX_BATCH_EVENTS,
     default_spool_root,
-    deliver,
     drain_spool,
     open_process_spool,
     process_spool_dir,
