@@ -35,6 +35,7 @@ from typing import Final, Literal
 
 import grpc
 
+from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.delivery import MAX_BATCH_BYTES, MAX_BATCH_EVENTS, deliver
@@ -156,7 +157,7 @@ class Sender:
         linger_s: float = 0.05,
         max_queue: int = 10_000,
         unavailable_after_s: float = 5.0,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = backoff.SENDER_MAX_DELAY_S,
         exit_timeout_s: float = 30.0,
     ) -> None:
         if policy not in ("spool", "block", "raise"):
@@ -191,7 +192,7 @@ class Sender:
         # under the lock, as spills happen, so no spill can land unseen.
         self._dirty = False
         self._retry_at = 0.0
-        self._backoff = 0.05
+        self._backoff = backoff.FIRST_DELAY_S
         self._down: LedgerClientError | None = None
         self._unsettled = 0
         self._urgent = self._closing = self._closed = False
@@ -398,7 +399,7 @@ class Sender:
                     self._wakeup.wait_for(
                         lambda: self._closing and self.policy != "block", self._backoff
                     )
-                    self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                    self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
                     continue
                 if self.policy == "spool":
                     self._spill_locked(batch[pos:])
@@ -410,7 +411,7 @@ class Sender:
         with self._cond:
             self._inflight = []
             if pos == len(batch):
-                self._down, self._backoff = None, 0.05
+                self._down, self._backoff = None, backoff.FIRST_DELAY_S
             self._cond.notify_all()
 
     def _drain_step(self) -> None:
@@ -428,11 +429,11 @@ class Sender:
             # Spills happen under this lock too, so the count and the flag agree.
             empty = spool.pending_count() == 0
             if stop is None:
-                self._backoff = 0.05
+                self._backoff = backoff.FIRST_DELAY_S
             else:
                 # While closing, one last try is all: the rest stays for `spool drain`.
                 self._retry_at = float("inf") if self._closing else time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
             self._dirty = not empty
             self._cond.notify_all()
 
