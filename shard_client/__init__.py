@@ -31,8 +31,9 @@ from shard_client.errors import (
 from shard_client.failures import DataError, IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
+from shard_client.ledger import Ledger
 from shard_client.sender import Ack, Sender
-from shard_client.shard import Ledger, Shard
+from shard_client.shard import Shard
 from shard_client.spooldir import drain_spool_dirs
 
 __all__ = [
