@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Unpack
 
+from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.options import ShardOptionKwargs, ShardOptions
-from shard_client.sender import Ack, Policy, Sender
+from shard_client.sender import Policy, Sender
 from shard_client.shard import Shard
 
 __all__ = ["Ledger"]

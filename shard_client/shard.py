@@ -30,6 +30,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from shard_client import atomic, checkpoint
+from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.classify import describe, failure_tag
 from shard_client.errors import LedgerClientError
@@ -39,7 +40,7 @@ from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
 from shard_client.options import ShardOptions
-from shard_client.sender import Ack, new_event_id
+from shard_client.sender import new_event_id
 from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
 from shard_client.vocabulary import FailureTag
 
