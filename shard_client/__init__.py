@@ -14,7 +14,9 @@ them import them when called.
 from __future__ import annotations
 
 from shard_client import determinism
+from shard_client.ack import Ack
 from shard_client.atomic import CommitInfo, atomic_write, commit_file
+from shard_client.classify import failure_tag
 from shard_client.client import LedgerClient
 from shard_client.errors import (
     Conflict,
@@ -27,11 +29,12 @@ from shard_client.errors import (
     Overloaded,
     PermissionDenied,
 )
-from shard_client.failures import DataError, IncompleteShard, Preempted, failure_tag
+from shard_client.failures import DataError, IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
-from shard_client.sender import Ack, Sender
-from shard_client.shard import Ledger, Shard
+from shard_client.ledger import Ledger
+from shard_client.sender import Sender
+from shard_client.shard import Shard
 from shard_client.spooldir import drain_spool_dirs
 
 __all__ = [

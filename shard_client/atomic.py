@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: tests/helpers/atomic_kill_writer.py loads this file alone, by path, 100+ times a run.
 """Crash-safe file commits: write to a temp file, fsync, rename, fsync the directory.
 
 The recipe, and why each step is there:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +11,7 @@ from typing import Any, Final, TypeVar
 
 import grpc
 
+from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.errors import RETRYABLE, LedgerUnavailable, from_rpc_error
@@ -114,7 +114,7 @@ class LedgerClient:
         *,
         timeout_s: float = 10.0,
         retry_deadline_s: float = 30.0,
-        max_backoff_s: float = 2.0,
+        max_backoff_s: float = backoff.CLIENT_MAX_DELAY_S,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
         tls_ca: str | None = None,
@@ -169,16 +169,16 @@ class LedgerClient:
     ) -> T:
         """Runs fn(timeout) with capped exponential backoff on UNAVAILABLE/DEADLINE_EXCEEDED."""
         give_up = time.monotonic() + (self.retry_deadline_s if deadline_s is None else deadline_s)
-        backoff = 0.05
+        delay = backoff.FIRST_DELAY_S
         while True:
             try:
                 return fn(self.timeout_s)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if not retry or code not in RETRYABLE or time.monotonic() + backoff > give_up:
+                if not retry or code not in RETRYABLE or time.monotonic() + delay > give_up:
                     raise from_rpc_error(exc) from None
-            time.sleep(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, self.max_backoff_s)
+            time.sleep(backoff.jittered(delay))
+            delay = backoff.grown(delay, self.max_backoff_s)
 
     # --- the contract, one method per RPC -----------------------------------
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import platform
 import re
@@ -21,6 +20,8 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import blake3
+
+from shard_client.canonical import fingerprint_json
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "NvmlSeam", "PynvmlSeam", "fingerprint"]
 
@@ -44,17 +45,17 @@ class Fingerprint:
     def from_fields(cls, fields: Mapping[str, str]) -> Fingerprint:
         """Builds a fingerprint; the digest covers every field but GPU identity and health."""
         copied = dict(fields)
-        return cls(fields=copied, digest=blake3.blake3(canonical_json(copied)).hexdigest())
+        return cls(fields=copied, digest=blake3.blake3(digest_material(copied)).hexdigest())
 
 
-def canonical_json(fields: Mapping[str, str]) -> bytes:
-    """Returns the canonical JSON encoding that the digest is computed over.
+def digest_material(fields: Mapping[str, str]) -> bytes:
+    """Returns the bytes the digest is computed over: the kept fields as `fingerprint_json`.
 
     GPU UUIDs and ECC counters are left out: two identical nodes, or one board
     before and after an ECC event, are one environment for numerics.
     """
     kept = {k: v for k, v in fields.items() if not _IDENTITY_KEY.fullmatch(k)}
-    return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return fingerprint_json(kept)
 
 
 class NvmlSeam(Protocol):

@@ -8,7 +8,6 @@ should not.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,12 +18,12 @@ import blake3
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import hash_file
+from shard_client.canonical import canonical_json
 
 __all__ = [
     "MAX_ID_CHARS",
     "SHARD_ID_PREFIX",
     "PlanEntry",
-    "canonical_json",
     "check_digest",
     "check_id",
     "duplicate_ids",
@@ -39,13 +38,6 @@ SHARD_ID_PREFIX: Final = "s-"
 MAX_ID_CHARS: Final = 128
 _ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]*")
 _HEX64_RE: Final = re.compile(r"[0-9a-f]{64}")
-
-
-def canonical_json(value: Any) -> str:
-    """Returns the one JSON text of a value: sorted keys, no spaces, UTF-8 kept."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
 
 
 def check_id(what: str, value: str) -> None:

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: the queue, the thread, the spill and the fork hooks share one lock and its invariants.
 """The batching sender: one daemon thread per process turns emits into batched appends.
 
 ``emit()`` only queues; the thread coalesces the events of every shard of the
@@ -35,15 +36,15 @@ from typing import Final, Literal
 
 import grpc
 
+from shard_client import backoff
+from shard_client.ack import Ack, resolve
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.delivery import MAX_BATCH_BYTES, MAX_BATCH_EVENTS, deliver
 from shard_client.errors import LedgerClientError, LedgerRejected, LedgerUnavailable
 from shard_client.spool import Spool
 from shard_client.spooldir import (
-    MAX_BATCH_BYTES,
-    MAX_BATCH_EVENTS,
     default_spool_root,
-    deliver,
     drain_spool,
     open_process_spool,
     process_spool_dir,
@@ -55,11 +56,6 @@ __all__ = ["MAX_EVENT_BYTES", "Ack", "Policy", "Sender", "new_event_id"]
 
 Policy = Literal["spool", "block", "raise"]
 log = logging.getLogger("shard_client")
-_OUTCOMES: Final = {
-    pb.APPEND_OUTCOME_APPENDED: "appended",
-    pb.APPEND_OUTCOME_DUPLICATE: "duplicate",
-    pb.APPEND_OUTCOME_ALREADY_PLANNED: "already_planned",
-}
 # An event this large can never be stored: the ledger takes at most 64 KiB of canonical
 # JSON per event, and a protobuf event is never that much bigger than its JSON (the
 # largest difference, a map entry's framing, is a few bytes per entry and at most 256
@@ -78,58 +74,6 @@ def new_event_id() -> str:
     if pid != os.getpid():
         _ids = pid, prefix, counter = os.getpid(), secrets.token_hex(10), itertools.count()
     return f"{prefix}-{next(counter):x}"
-
-
-class Ack:
-    """The fate of one emitted event: acknowledged by the ledger, spooled, or refused.
-
-    ``settled`` turns true once the ledger acknowledged the event, the spool
-    holds it durably, or it failed; ``acknowledged`` once the ledger stored it
-    (a spooled event when it drains).
-    """
-
-    __slots__ = ("_sender", "acknowledged", "error", "event_id", "outcome", "sequence", "settled")
-
-    def __init__(self, event_id: str, sender: Sender) -> None:
-        self.event_id = event_id
-        self.sequence = 0
-        # appended | duplicate | already_planned | spooled | rejected | failed
-        self.outcome = ""
-        self.error: LedgerClientError | None = None
-        self.settled = self.acknowledged = False
-        self._sender = sender
-
-    @property
-    def spooled(self) -> bool:
-        """Returns whether the event waits durably in the spool, not yet acknowledged."""
-        return self.outcome == "spooled"
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Waits until the event is settled; returns False on timeout."""
-        return self._sender._await(lambda: self.settled, timeout)
-
-    def wait_acknowledged(self, timeout: float | None = None) -> bool:
-        """Waits until the ledger itself acknowledged the event (a spooled one once drained)."""
-        return self._sender._await(lambda: self.acknowledged, timeout)
-
-    def result(self, timeout: float | None = None) -> Ack:
-        """Waits like wait(); raises the refusal, or LedgerUnavailable when time runs out."""
-        if not self.wait(timeout):
-            raise LedgerUnavailable(f"event {self.event_id} was not recorded within {timeout}s")
-        if self.error is not None:
-            raise self.error
-        return self
-
-    def _settle(
-        self, outcome: str, sequence: int = 0, error: LedgerClientError | None = None
-    ) -> bool:
-        """Records what happened (the sender's lock is held); returns whether it was news."""
-        first = not self.settled
-        if first or (outcome not in ("spooled", "failed") and not self.acknowledged):
-            self.outcome, self.sequence, self.error = outcome, sequence, error
-        self.acknowledged = self.acknowledged or sequence > 0
-        self.settled = True
-        return first
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +102,7 @@ class Sender:
         linger_s: float = 0.05,
         max_queue: int = 10_000,
         unavailable_after_s: float = 5.0,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = backoff.SENDER_MAX_DELAY_S,
         exit_timeout_s: float = 30.0,
     ) -> None:
         if policy not in ("spool", "block", "raise"):
@@ -193,7 +137,7 @@ class Sender:
         # under the lock, as spills happen, so no spill can land unseen.
         self._dirty = False
         self._retry_at = 0.0
-        self._backoff = 0.05
+        self._backoff = backoff.FIRST_DELAY_S
         self._down: LedgerClientError | None = None
         self._unsettled = 0
         self._urgent = self._closing = self._closed = False
@@ -254,7 +198,7 @@ class Sender:
         )
         record_rejection(self.spool_dir, header, refusal)
         with self._cond:
-            _resolve(item.ack, refusal)
+            resolve(item.ack, refusal)
             self._cond.notify_all()
         return item.ack
 
@@ -400,7 +344,7 @@ class Sender:
                     self._wakeup.wait_for(
                         lambda: self._closing and self.policy != "block", self._backoff
                     )
-                    self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                    self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
                     continue
                 if self.policy == "spool":
                     self._spill_locked(batch[pos:])
@@ -412,7 +356,7 @@ class Sender:
         with self._cond:
             self._inflight = []
             if pos == len(batch):
-                self._down, self._backoff = None, 0.05
+                self._down, self._backoff = None, backoff.FIRST_DELAY_S
             self._cond.notify_all()
 
     def _drain_step(self) -> None:
@@ -430,11 +374,11 @@ class Sender:
             # Spills happen under this lock too, so the count and the flag agree.
             empty = spool.pending_count() == 0
             if stop is None:
-                self._backoff = 0.05
+                self._backoff = backoff.FIRST_DELAY_S
             else:
                 # While closing, one last try is all: the rest stays for `spool drain`.
                 self._retry_at = float("inf") if self._closing else time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
             self._dirty = not empty
             self._cond.notify_all()
 
@@ -442,7 +386,7 @@ class Sender:
         with self._cond:
             ack = self._spooled.pop(event_id, None)
             if ack is not None:
-                _resolve(ack, result)
+                resolve(ack, result)
 
     # --- settling: always under the lock, so that each ack counts once ------------
 
@@ -454,7 +398,7 @@ class Sender:
                 record_rejection(self.spool_dir, item.event, result)
         with self._cond:
             for item, result in zip(items, results, strict=True):
-                self._unsettled -= _resolve(item.ack, result)
+                self._unsettled -= resolve(item.ack, result)
                 self._spooled.pop(item.ack.event_id, None)
             self._cond.notify_all()
 
@@ -491,12 +435,6 @@ class Sender:
         self._dirty = True
         self._cond.notify_all()
         self._wakeup.notify()
-
-
-def _resolve(ack: Ack, result: pb.AppendResult | LedgerRejected) -> bool:
-    if isinstance(result, LedgerRejected):
-        return ack._settle("rejected", 0, result)
-    return ack._settle(_OUTCOMES.get(result.outcome, "appended"), result.sequence)
 
 
 _SENDERS: weakref.WeakSet[Sender] = weakref.WeakSet()

@@ -1,4 +1,4 @@
-"""The job-facing API: one Ledger per process, one ``with ledger.shard(...)`` per attempt.
+"""One attempt at a shard: the context that ``with ledger.shard(...)`` enters.
 
 A shard context never ends in a bare success. It emits ``started``, heartbeats
 from a background thread, an ``artifact_committed`` for every file it commits,
@@ -22,165 +22,40 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from shard_client import atomic, checkpoint
+from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.client import LedgerClient
+from shard_client.classify import describe, failure_tag
 from shard_client.errors import LedgerClientError
-from shard_client.failures import (
-    IncompleteShard,
-    Preempted,
-    SigtermGrace,
-    describe,
-    failure_tag,
-    stack_dumps_on_sigusr1,
-)
+from shard_client.failures import IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
+from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
-from shard_client.sender import Ack, Policy, Sender, new_event_id
+from shard_client.options import ShardOptions
+from shard_client.sender import new_event_id
+from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
+from shard_client.vocabulary import FailureTag
 
-__all__ = ["Ledger", "Shard", "ShardOptions"]
+if TYPE_CHECKING:
+    from shard_client.ledger import Ledger
+
+__all__ = ["Shard"]
 
 log = logging.getLogger("shard_client")
-MAX_HEARTBEAT_TIMEOUT_S: Final = 7 * 24 * 3600
-
-
-@dataclass(frozen=True, slots=True)
-class ShardOptions:
-    """How a shard context behaves (see Ledger.shard)."""
-
-    heartbeat_timeout: float = 60.0
-    heartbeat_interval: float | None = None
-    expected_outputs: tuple[str, ...] | None = None
-    output_dir: str | None = None
-    checkpoint_dir: str | None = None
-    orphan_age_s: float = 300.0
-    sigterm_grace: float | None = 30.0
-    fingerprint: bool | Fingerprint = True
-    progress_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
-            raise ValueError("heartbeat_timeout must be > 0 and at most 7 days")
-        if self.progress_timeout is not None and not self.progress_timeout > 0:
-            raise ValueError("progress_timeout must be > 0 (or None)")
-        for name in self.expected_outputs or ():
-            check_id("expected output", name)
-
-    @property
-    def interval(self) -> float:
-        """Returns the heartbeat interval: the given one, else a quarter of the timeout."""
-        return self.heartbeat_interval or self.heartbeat_timeout / 4
 
 
 def _now() -> Timestamp:
     stamp = Timestamp()
     stamp.FromNanoseconds(time.time_ns())
     return stamp
-
-
-class Ledger:
-    """The job's handle on a ledger: one per process (module level), shared by every shard.
-
-    ``target`` defaults to $SHARDLEDGER_SERVER; pass ``client=`` for TLS or a
-    token. ``spool_dir`` is the root under which each process keeps its own
-    spool (default $SHARDLEDGER_SPOOL_DIR or ~/.cache/shardledger/spool/<target>);
-    ``policy`` says what happens while the ledger is unreachable (see
-    shard_client.sender). Waits for commits are bounded by ``ack_timeout_s``
-    (None: as long as the policy takes); the end of a shard waits at most
-    ``flush_timeout_s`` for its remaining heartbeats.
-    """
-
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        namespace: str = "",
-        spool_dir: str | None = None,
-        policy: Policy = "spool",
-        client: LedgerClient | None = None,
-        unavailable_after_s: float = 5.0,
-        ack_timeout_s: float | None = None,
-        flush_timeout_s: float = 30.0,
-    ) -> None:
-        self.client = client or LedgerClient(target)
-        self.namespace = namespace
-        self.ack_timeout_s = ack_timeout_s
-        self.flush_timeout_s = flush_timeout_s
-        self.sender = Sender(
-            self.client,
-            spool_root=spool_dir,
-            policy=policy,
-            unavailable_after_s=unavailable_after_s,
-        )
-
-    def shard(
-        self,
-        run_id: str,
-        shard_id: str,
-        *,
-        heartbeat_timeout: float = 60.0,
-        heartbeat_interval: float | None = None,
-        attempt_id: str | None = None,
-        expected_outputs: Iterable[str] | None = None,
-        output_dir: str | os.PathLike[str] | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        orphan_age_s: float = 300.0,
-        sigterm_grace: float | None = 30.0,
-        fingerprint: bool | Fingerprint = True,
-        progress_timeout: float | None = None,
-    ) -> Shard:
-        """Returns a context manager for one attempt at a planned shard.
-
-        ``expected_outputs`` names the artifacts a clean exit must have committed
-        (else at least one); the server judges completeness by the plan anyway.
-        ``output_dir`` loses temp files of killed writers older than
-        ``orphan_age_s`` on entry. ``sigterm_grace=None`` leaves SIGTERM alone.
-        The background thread heartbeats while the process lives; with
-        ``progress_timeout`` it stops once no ``progress()``, checkpoint or commit
-        came for that long, so a job hung with its process alive (a deadlock, a
-        stuck collective) goes stale on the ledger; beats resume with progress.
-        """
-        options = ShardOptions(
-            heartbeat_timeout=heartbeat_timeout,
-            heartbeat_interval=heartbeat_interval,
-            expected_outputs=None if expected_outputs is None else tuple(expected_outputs),
-            output_dir=None if output_dir is None else os.fspath(output_dir),
-            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            orphan_age_s=orphan_age_s,
-            sigterm_grace=sigterm_grace,
-            fingerprint=fingerprint,
-            progress_timeout=progress_timeout,
-        )
-        return Shard(self, run_id, shard_id, options=options, attempt_id=attempt_id)
-
-    def emit(self, event: pb.ShardEvent) -> Ack:
-        """Queues a raw event (namespace filled in) for the background sender."""
-        if not event.namespace:
-            event.namespace = self.namespace
-        return self.sender.emit(event)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Waits until every emitted event is acknowledged, spooled or refused."""
-        return self.sender.flush(timeout)
-
-    def close(self) -> None:
-        """Delivers or spools what is queued and stops the sender."""
-        self.sender.close()
-
-    def __enter__(self) -> Ledger:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class Shard:
@@ -207,14 +82,20 @@ class Shard:
         self._lock = threading.Lock()
         self._committed: list[str] = []
         self._state = "new"  # new -> active -> closed
-        self._step, self._progress, self._last_beat = 0, 0.0, 0.0
-        self._last_progress = time.monotonic()  # progress(), a checkpoint or a commit
-        self._quiet_logged = False
-        self._wake = threading.Event()
-        self._beater: threading.Thread | None = None
         self._diagnostics = contextlib.ExitStack()
+        wake = threading.Event()
         self._sigterm = SigtermGrace(
-            grace_s=self.options.sigterm_grace, label=f"shard {shard_id}", on_term=self._wake.set
+            grace_s=self.options.sigterm_grace, label=f"shard {shard_id}", on_term=wake.set
+        )
+        self._heartbeats = Heartbeats(
+            interval_s=self.options.interval,
+            progress_timeout_s=self.options.progress_timeout,
+            sigterm=self._sigterm,
+            wake=wake,
+            send=lambda beat: self._emit(heartbeat=beat),
+            active=lambda: self._state == "active",
+            shard_id=shard_id,
+            attempt_id=self.attempt_id,
         )
 
     @property
@@ -254,13 +135,9 @@ class Shard:
         # Waiting here turns a wrong run or shard id into an error before any work.
         self._emit(started=started).result(self.ledger.ack_timeout_s)
         self._state = "active"
-        self._last_beat = time.monotonic()
         self._sigterm.install()
         self._diagnostics.enter_context(stack_dumps_on_sigusr1(self.attempt_id))
-        self._beater = threading.Thread(
-            target=self._beat, name=f"shard_client-heartbeat-{self.shard_id}", daemon=True
-        )
-        self._beater.start()
+        self._heartbeats.start()
         return self
 
     def __exit__(
@@ -272,15 +149,13 @@ class Shard:
         self._state = "closed"  # from here on a late SIGTERM is ignored, not raised
         self._sigterm.restore()
         self._diagnostics.close()
-        self._wake.set()
-        if self._beater is not None:
-            self._beater.join(5.0)
+        self._heartbeats.stop()
         clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
         if not clean:
             assert exc is not None
             tag = failure_tag(exc)
-            if self.stopping and tag in ("unknown", "killed"):
-                tag = "preempted"
+            if self.stopping and tag in (FailureTag.UNKNOWN, FailureTag.KILLED):
+                tag = FailureTag.PREEMPTED
             self._fail(tag, describe(exc))
             return
         missing = self._missing()
@@ -293,9 +168,9 @@ class Shard:
             else "the block ended without committing any artifact"
         )
         if self.stopping:
-            self._fail("preempted", f"stopped by SIGTERM; {message}")
+            self._fail(FailureTag.PREEMPTED, f"stopped by SIGTERM; {message}")
             raise Preempted(f"shard {self.shard_id}: stopped by SIGTERM; {message}")
-        self._fail("incomplete", message)
+        self._fail(FailureTag.INCOMPLETE, message)
         raise IncompleteShard(
             f"shard {self.shard_id} of run {self.run_id}: {message}",
             run_id=self.run_id,
@@ -309,9 +184,10 @@ class Shard:
         missing = [n for n in self.options.expected_outputs or () if n not in done]
         return missing if missing or not done else None
 
-    def _fail(self, tag: str, message: str) -> None:
+    def _fail(self, tag: FailureTag, message: str) -> None:
         """Records failed(tag); an error doing so is logged, never raised over the job's own."""
-        failed = pb.AttemptFailed(tag=f"FAILURE_TAG_{tag.upper()}", message=message)
+        # The proto enum spells each tag as FAILURE_TAG_<TAG>.
+        failed = pb.AttemptFailed(tag=f"FAILURE_TAG_{tag.value.upper()}", message=message)
         try:
             self._emit(failed=failed).result(self.ledger.ack_timeout_s)
         except LedgerClientError as error:
@@ -354,45 +230,9 @@ class Shard:
         values = {k: float(v) for k, v in metrics.items()}
         if any(v != v or v in (float("inf"), float("-inf")) for v in values.values()):
             raise ValueError("metrics must be finite numbers")
-        self._step, self._progress = step, progress
-        self._last_beat = self._last_progress = time.monotonic()
+        self._heartbeats.beat_sent(step, progress)
         heartbeat = pb.Heartbeat(step=step, progress=progress, metrics=values)
         return self._emit(heartbeat=heartbeat)
-
-    def _beat(self) -> None:
-        """Sends a heartbeat whenever the job was quiet for an interval; ends the grace period."""
-        while True:
-            due = min(self._last_beat + self.options.interval, self._sigterm.deadline())
-            if self._wake.wait(max(due - time.monotonic(), 0.0)):
-                self._wake.clear()
-            if self._state != "active":
-                return
-            now = time.monotonic()
-            if now >= self._sigterm.deadline():
-                self._sigterm.expire()
-            if now >= self._last_beat + self.options.interval:
-                self._last_beat = now
-                if self._stalled(now):
-                    continue  # no beat: the ledger marks the shard stale after its timeout
-                beat = pb.Heartbeat(step=self._step, progress=self._progress)
-                with contextlib.suppress(LedgerClientError, RuntimeError):
-                    self._emit(heartbeat=beat)
-
-    def _stalled(self, now: float) -> bool:
-        """Whether progress_timeout passed without progress (logged once per stall)."""
-        limit = self.options.progress_timeout
-        if limit is None or now - self._last_progress <= limit:
-            self._quiet_logged = False
-            return False
-        if not self._quiet_logged:
-            self._quiet_logged = True
-            log.warning(
-                "no_progress shard=%s attempt=%s seconds=%.0f: heartbeats stop until it resumes",
-                self.shard_id,
-                self.attempt_id,
-                now - self._last_progress,
-            )
-        return True
 
     # --- artifacts --------------------------------------------------------------
 
@@ -414,7 +254,7 @@ class Shard:
         self._emit(artifact_committed=event).result(self.ledger.ack_timeout_s)
         with self._lock:
             self._committed.append(name)
-        self._last_progress = time.monotonic()
+        self._heartbeats.made_progress()
 
     @contextlib.contextmanager
     def atomic_write(
@@ -469,8 +309,7 @@ class Shard:
             step=step, path=info.path, size_bytes=info.size_bytes, blake3_hex=info.blake3_hex
         )
         self._emit(checkpoint=saved).result(self.ledger.ack_timeout_s)
-        self._step = max(self._step, step)
-        self._last_progress = time.monotonic()
+        self._heartbeats.made_progress(step)
 
     @contextlib.contextmanager
     def checkpoint_write(
@@ -518,7 +357,7 @@ class Shard:
                 )
                 first_error = first_error or exc
                 continue
-            self._step = max(self._step, loaded.step)
+            self._heartbeats.step = max(self._heartbeats.step, loaded.step)
             return loaded
         if first_error is not None:
             raise first_error

@@ -6,11 +6,9 @@ Layout of a spool directory::
     acked                       decimal count of records drained, replaced atomically
     seg-<base:020d>.log         records numbered from <base>, appended in batches
 
-A record on disk is ``<u32 length><u8 flags><u32 crc32>`` followed by the
-payload; the CRC covers length, flags and payload, so a torn or corrupt header
-is caught as surely as a torn payload. The last record of each ``append()``
-carries the end-of-batch flag and a batch counts only once that record is
-intact: a crash mid-append loses the whole unfinished batch and nothing else.
+Records are framed by `shard_client.spool_records` (length, flags, CRC, with an
+end-of-batch flag): a crash mid-append loses the whole unfinished batch and
+nothing else.
 Reading stops at the first bad record of a segment and, on open, the last
 segment is truncated there so that new batches follow intact data. A crash
 leaves nothing intact after its unfinished batch (a warning says how many
@@ -30,19 +28,22 @@ import fcntl
 import logging
 import os
 import re
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from types import TracebackType
 
 from shard_client.atomic import atomic_write, fsync_directory, makedirs_durable
+from shard_client.spool_records import (
+    MAX_RECORD_BYTES,
+    decode_records,
+    encode_batch,
+    intact_record_after,
+)
 
 __all__ = [
     "DAMAGED_SUFFIX",
     "DEFAULT_SEGMENT_BYTES",
-    "MAX_RECORD_BYTES",
     "Spool",
     "SpoolLockedError",
 ]
@@ -50,11 +51,6 @@ __all__ = [
 log = logging.getLogger("shard_client")
 
 DEFAULT_SEGMENT_BYTES = 16 * 1024 * 1024
-MAX_RECORD_BYTES = 64 * 1024 * 1024
-_PREFIX = struct.Struct("<IB")  # length, flags
-_CRC = struct.Struct("<I")
-_HEADER = struct.Struct("<IBI")
-_END_OF_BATCH = 0x01
 _SEGMENT_NAME = re.compile(r"^seg-(\d{20})\.log$")
 # A copy of a segment whose intact batches followed a corrupt record, kept for an operator.
 DAMAGED_SUFFIX = ".damaged"
@@ -86,59 +82,6 @@ class _Segment:
     def end(self) -> int:
         """Returns the number one past this segment's last record."""
         return self.base + self.count
-
-
-def _checksum(length_and_flags: bytes, payload: bytes) -> int:
-    """Returns the CRC32 that guards one record's header fields and payload."""
-    return zlib.crc32(payload, zlib.crc32(length_and_flags))
-
-
-def _encode_batch(records: Sequence[bytes]) -> bytes:
-    """Returns the on-disk bytes of one batch, the last record flagged as its end."""
-    parts: list[bytes] = []
-    for position, record in enumerate(records):
-        flags = _END_OF_BATCH if position == len(records) - 1 else 0
-        prefix = _PREFIX.pack(len(record), flags)
-        parts += [prefix, _CRC.pack(_checksum(prefix, record)), record]
-    return b"".join(parts)
-
-
-def _decode(data: bytes) -> tuple[list[bytes], int]:
-    """Returns the records of complete batches and the offset where intact data ends."""
-    records: list[bytes] = []
-    batch: list[bytes] = []
-    offset = intact_end = 0
-    while offset + _HEADER.size <= len(data):
-        length, flags, crc = _HEADER.unpack_from(data, offset)
-        start = offset + _HEADER.size
-        if length > MAX_RECORD_BYTES or start + length > len(data):
-            break
-        payload = data[start : start + length]
-        if crc != _checksum(data[offset : offset + _PREFIX.size], payload):
-            break
-        batch.append(payload)
-        offset = start + length
-        if flags & _END_OF_BATCH:
-            records += batch
-            batch = []
-            intact_end = offset
-    return records, intact_end
-
-
-def _intact_record_after(data: bytes, offset: int) -> int | None:
-    """Returns the offset of the first record after ``offset`` whose CRC holds, if any.
-
-    A crash leaves at most an unfinished batch at a segment's end, with nothing intact
-    after it; an intact record further on means the bytes in between were damaged.
-    """
-    for start in range(offset + 1, len(data) - _HEADER.size + 1):
-        length, _, crc = _HEADER.unpack_from(data, start)
-        end = start + _HEADER.size + length
-        if end <= len(data) and crc == _checksum(
-            data[start : start + _PREFIX.size], data[start + _HEADER.size : end]
-        ):
-            return start
-    return None
 
 
 def _read(path: str) -> bytes:
@@ -233,7 +176,7 @@ class Spool:
                 raise ValueError(f"record of {len(record)} bytes exceeds {MAX_RECORD_BYTES}")
         if not records:
             return
-        frame = _encode_batch([bytes(r) for r in records])
+        frame = encode_batch([bytes(r) for r in records])
         with self._mutex:
             self._check_open()
             segment, fd = self._writable_segment(len(frame))
@@ -255,7 +198,7 @@ class Spool:
             for segment in self._segments:
                 if segment.end <= self._acked:
                     continue
-                records, _ = _decode(_read(segment.path))
+                records, _ = decode_records(_read(segment.path))
                 skip = max(0, self._acked - segment.base)
                 out += records[skip : segment.count]
                 if limit is not None and len(out) >= limit:
@@ -343,7 +286,7 @@ class Spool:
         for position, (base, name) in enumerate(found):
             path = os.path.join(self._dir, name)
             data = _read(path)
-            records, intact_end = _decode(data)
+            records, intact_end = decode_records(data)
             count, size = len(records), len(data)
             if position + 1 < len(found):
                 # Records past the next segment's base were abandoned by a failed append.
@@ -357,7 +300,7 @@ class Spool:
 
     def _keep_damage(self, path: str, data: bytes, intact_end: int) -> None:
         """Says what a trim cuts; keeps a copy when intact data follows the bad bytes."""
-        later = _intact_record_after(data, intact_end)
+        later = intact_record_after(data, intact_end)
         if later is None:  # an append a crash interrupted: its batch never counted
             log.warning("spool_torn_tail_trimmed segment=%s bytes=%d", path, len(data) - intact_end)
             return

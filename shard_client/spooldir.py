@@ -11,7 +11,6 @@ directory of a process that died while the ledger was away is drained by
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime as dt
 import json
 import logging
@@ -30,11 +29,11 @@ import grpc
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import fsync_directory, makedirs_durable
 from shard_client.client import LedgerClient, default_target
+from shard_client.delivery import MAX_BATCH_BYTES, MAX_BATCH_EVENTS, Result, deliver
 from shard_client.errors import (
     LedgerClientError,
     LedgerRejected,
     LedgerUnavailable,
-    Overloaded,
     PermissionDenied,
 )
 from shard_client.spool import DAMAGED_SUFFIX, Spool, SpoolLockedError
@@ -44,7 +43,6 @@ __all__ = [
     "DrainResult",
     "SpoolStatus",
     "default_spool_root",
-    "deliver",
     "drain_spool",
     "drain_spool_dirs",
     "find_spool_dirs",
@@ -56,15 +54,8 @@ __all__ = [
 ENV_SPOOL_DIR: Final = "SHARDLEDGER_SPOOL_DIR"
 REJECTED_FILE: Final = "rejected.jsonl"
 TARGET_FILE: Final = "target"
-MAX_BATCH_EVENTS: Final = 500
-# Well under the 16 MiB message limit whatever the events weigh (each is <= 64 KiB).
-MAX_BATCH_BYTES: Final = 4 * 1024 * 1024
-# Refusals that say nothing about the event itself: keep it and try again later.
-_TRANSIENT: Final = (LedgerUnavailable, Overloaded, PermissionDenied)
 _SPOOL_FILES: Final = ("lock", "acked", REJECTED_FILE)
 log = logging.getLogger("shard_client")
-
-Result = pb.AppendResult | LedgerRejected
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,48 +118,6 @@ def open_process_spool(directory: str, *, target: str) -> Spool:
         os.fsync(f.fileno())
     fsync_directory(directory)  # `spool drain` finds the target after a power cut too
     return spool
-
-
-def _guarded(gate: threading.Lock | None) -> contextlib.AbstractContextManager[object]:
-    return gate if gate is not None else contextlib.nullcontext()
-
-
-def deliver(
-    client: LedgerClient,
-    events: Sequence[pb.ShardEvent],
-    *,
-    gate: threading.Lock | None = None,
-    retry: bool = False,
-) -> tuple[list[Result], LedgerClientError | None]:
-    """Appends events in order, isolating refused ones; returns results for a prefix and why it stopped."""
-    done: list[Result] = []
-    # A stack of (start, end) slices to send, or (index, index, refusal) to record.
-    todo: list[tuple[int, int, LedgerRejected | None]] = [(0, len(events), None)]
-    while todo:
-        start, end, refusal = todo.pop()
-        if refusal is not None:
-            done.append(refusal)
-            continue
-        if start >= end:
-            continue
-        try:
-            with _guarded(gate):
-                done.extend(client.append(events[start:end], retry=retry))
-        except _TRANSIENT as exc:
-            return done, exc
-        except LedgerRejected as exc:
-            index = int(exc.metadata.get("event_index", -1))
-            if 0 <= index < end - start:
-                # The batch is atomic: nothing was stored, and what precedes the
-                # refused event is fine to send again.
-                cut = start + index
-                todo += [(cut + 1, end, None), (cut, cut, exc), (start, cut, None)]
-            elif end - start > 1:
-                mid = (start + end) // 2
-                todo += [(mid, end, None), (start, mid, None)]
-            else:
-                done.append(exc)
-    return done, None
 
 
 def record_rejection(directory: str, event: pb.ShardEvent | bytes, exc: LedgerRejected) -> None:

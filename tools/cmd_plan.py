@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
+from shard_client.delivery import deliver
 from shard_client.errors import LedgerRejected
 from shard_client.ids import (
     PlanEntry,
-    canonical_json,
     check_digest,
     check_id,
     duplicate_ids,
@@ -27,7 +28,6 @@ from shard_client.ids import (
     plan_events,
     shard_id_for,
 )
-from shard_client.spooldir import deliver
 from tools.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,

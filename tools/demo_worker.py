@@ -26,8 +26,8 @@ import torch
 import torch._inductor.config
 
 from shard_client import IncompleteShard, Ledger, Shard, determinism
-from shard_client.failures import DIAG_ENV
 from shard_client.fingerprint import IMAGE_DIGEST_ENV
+from shard_client.signals import DIAG_ENV
 from tools.demo_faults import EMPTY_OUTPUT, HANG, LETHAL, NAN_WEIGHTS, SILENT_MISSING, TRUNCATION
 
 OUTPUTS: Final = ("weights", "metrics")

@@ -1,0 +1,142 @@
+"""Content checks for tensor files (torch, numpy, safetensors): readable, and no NaN or Inf.
+
+Registered into `shard_client.checks.CONTENT_CHECKS` on import, after the zip
+check (``.pt`` and ``.npz`` files are zip archives); `shard_client.checks`
+imports this module, so importing that one is enough.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from shard_client.checks import CheckResult, content_check
+
+__all__: list[str] = []
+
+
+def _fail(reason: str, detail: str) -> CheckResult:
+    return CheckResult(passed=False, reason=reason, detail=detail)
+
+
+def _key_paths(obj: object, key: str = "") -> Iterator[tuple[str, object]]:
+    # Bracketed keys, because state-dict keys themselves contain dots.
+    if isinstance(obj, Mapping):
+        for name, value in obj.items():
+            yield from _key_paths(value, f"{key}[{name!r}]")
+    elif isinstance(obj, list | tuple):
+        for index, value in enumerate(obj):
+            yield from _key_paths(value, f"{key}[{index}]")
+    else:
+        yield key or "<root>", obj
+
+
+def _first_nonfinite(counts: Iterable[tuple[str, int]]) -> CheckResult | None:
+    # Counts are lazy, so scanning stops at the first tensor holding a NaN or Inf.
+    key, bad = next(((key, bad) for key, bad in counts if bad), ("", 0))
+    return _fail("nan_or_inf", f"{bad} NaN/Inf values in {key}") if bad else None
+
+
+@content_check("tensor_unreadable", ext=".pt .pth .ckpt", media="application/x-torch")
+def _check_torch(path: Path) -> CheckResult | None:
+    try:
+        import torch
+    except ImportError:
+        return CheckResult(True, "ok", "torch not installed, tensors not checked")
+    # mmap keeps multi-gigabyte checkpoints out of RAM; only the zip format supports it.
+    loaded = torch.load(path, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    tensors = (
+        (key, value)
+        for key, value in _key_paths(loaded)
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+    )
+    return _first_nonfinite((key, int(torch.isfinite(t).logical_not().sum())) for key, t in tensors)
+
+
+def _numpy_nonfinite(arrays: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, int]]:
+    import numpy as np
+
+    for key, array in arrays:
+        for field in array.dtype.names or ():
+            yield from _numpy_nonfinite([(f"{key}[{field!r}]", array[field])])
+        if array.dtype.kind in "fc":
+            yield key, int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+@content_check(
+    "tensor_unreadable", ext=".npy .npz", media="application/x-npy", magic=(b"\x93NUMPY",)
+)
+def _check_numpy(path: Path) -> CheckResult | None:
+    try:
+        import numpy as np
+    except ImportError:
+        return CheckResult(True, "ok", "numpy not installed, arrays not checked")
+    loaded = np.load(path, allow_pickle=False, mmap_mode="r")
+    if isinstance(loaded, np.ndarray):
+        return _first_nonfinite(_numpy_nonfinite([("<root>", loaded)]))
+    with loaded:
+        return _first_nonfinite(_numpy_nonfinite((repr(n), loaded[n]) for n in loaded.files))
+
+
+# Bytes per element of each safetensors dtype.
+_SAFETENSORS_WIDTH = {
+    **dict.fromkeys(("F64", "I64", "U64"), 8),
+    **dict.fromkeys(("F32", "I32", "U32"), 4),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
+    **dict.fromkeys(("F8_E5M2", "F8_E4M3", "I8", "U8", "BOOL"), 1),
+}
+
+# An element is NaN or Inf exactly when every bit of the mask is set (E4M3 has no Inf).
+_SAFETENSORS_NONFINITE_MASKS = {
+    "F64": ("<u8", 0x7FF0_0000_0000_0000),
+    "F32": ("<u4", 0x7F80_0000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F8_E5M2": ("u1", 0x7C),
+    "F8_E4M3": ("u1", 0x7F),
+}
+
+
+@content_check("tensor_unreadable", ext=".safetensors", media="application/x-safetensors")
+def _check_safetensors(path: Path) -> CheckResult | None:
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        base = 8 + int.from_bytes(fh.read(8), "little")
+        if size < 8 or base > size:
+            return _fail("truncated", "safetensors header runs past the end of the file")
+        header = json.loads(fh.read(base - 8))
+    header.pop("__metadata__", None)
+    spans = {repr(name): (info["dtype"], *info["data_offsets"]) for name, info in header.items()}
+    for name, (_, begin, end) in spans.items():
+        if not 0 <= begin <= end or base + end > size:
+            return _fail("truncated", f"tensor {name} runs past the end of the file")
+    for name, info in header.items():
+        width = _SAFETENSORS_WIDTH.get(info["dtype"])
+        begin, end = info["data_offsets"]
+        need = None if width is None else math.prod(info["shape"]) * width
+        if need is not None and need != end - begin:
+            return _fail(
+                "tensor_unreadable",
+                f"tensor {name!r}: shape {info['shape']} of {info['dtype']} needs"
+                f" {need} bytes, the header gives {end - begin}",
+            )
+    try:
+        import numpy as np
+    except ImportError:
+        return CheckResult(True, "ok", "numpy not installed, tensor values not checked")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return _first_nonfinite(
+        (name, _count_nonfinite_bits(data[base + begin : base + end], dtype))
+        for name, (dtype, begin, end) in spans.items()
+    )
+
+
+def _count_nonfinite_bits(raw: Any, dtype: str) -> int:
+    if dtype not in _SAFETENSORS_NONFINITE_MASKS:
+        return 0
+    view_dtype, mask = _SAFETENSORS_NONFINITE_MASKS[dtype]
+    return int(((raw.view(view_dtype) & mask) == mask).sum())

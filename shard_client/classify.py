@@ -1,0 +1,52 @@
+"""What a failed event says about an exception: its failure tag and a one-line message."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from typing import Final
+
+from shard_client.failures import DataError, Preempted
+from shard_client.vocabulary import FailureTag
+
+__all__ = ["MAX_MESSAGE_CHARS", "describe", "failure_tag"]
+
+MAX_MESSAGE_CHARS: Final = 8000
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in out and len(out) < 16:
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
+def _is_oom(exc: BaseException) -> bool:
+    # By class name, so that torch's OutOfMemoryError counts without importing torch.
+    named = any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
+    return named or isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+
+
+def failure_tag(exc: BaseException) -> FailureTag:
+    """Returns the failure tag of an exception: oom, killed, preempted, nccl, data or unknown."""
+    chain = _chain(exc)
+    if any(isinstance(e, Preempted) for e in chain):
+        return FailureTag.PREEMPTED
+    if isinstance(exc, KeyboardInterrupt):
+        return FailureTag.KILLED
+    if any(_is_oom(e) for e in chain):
+        return FailureTag.OOM
+    if any(isinstance(e, DataError | UnicodeDecodeError | json.JSONDecodeError) for e in chain):
+        return FailureTag.DATA
+    if any("NCCL" in str(e) or "nccl" in type(e).__name__.lower() for e in chain):
+        return FailureTag.NCCL
+    return FailureTag.UNKNOWN
+
+
+def describe(exc: BaseException) -> str:
+    """Returns "Type: message (at file:line)" for a failed event, within the server's limit."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}"[:MAX_MESSAGE_CHARS]

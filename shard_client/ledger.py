@@ -1,0 +1,114 @@
+"""The job's handle on a ledger: one `Ledger` per process, one ``with ledger.shard(...)`` per attempt."""
+
+from __future__ import annotations
+
+from typing import Unpack
+
+from shard_client.ack import Ack
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+from shard_client.options import ShardOptionKwargs, ShardOptions
+from shard_client.sender import Policy, Sender
+from shard_client.shard import Shard
+
+__all__ = ["Ledger"]
+
+
+class Ledger:
+    """The job's handle on a ledger: one per process (module level), shared by every shard.
+
+    ``target`` defaults to $SHARDLEDGER_SERVER; pass ``client=`` for TLS or a
+    token. ``spool_dir`` is the root under which each process keeps its own
+    spool (default $SHARDLEDGER_SPOOL_DIR or ~/.cache/shardledger/spool/<target>);
+    ``policy`` says what happens while the ledger is unreachable (see
+    shard_client.sender). Waits for commits are bounded by ``ack_timeout_s``
+    (None: as long as the policy takes); the end of a shard waits at most
+    ``flush_timeout_s`` for its remaining heartbeats.
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        namespace: str = "",
+        spool_dir: str | None = None,
+        policy: Policy = "spool",
+        client: LedgerClient | None = None,
+        unavailable_after_s: float = 5.0,
+        ack_timeout_s: float | None = None,
+        flush_timeout_s: float = 30.0,
+    ) -> None:
+        self.client = client or LedgerClient(target)
+        self.namespace = namespace
+        self.ack_timeout_s = ack_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        self.sender = Sender(
+            self.client,
+            spool_root=spool_dir,
+            policy=policy,
+            unavailable_after_s=unavailable_after_s,
+        )
+
+    def shard(
+        self,
+        run_id: str,
+        shard_id: str,
+        *,
+        attempt_id: str | None = None,
+        **options: Unpack[ShardOptionKwargs],
+    ) -> Shard:
+        """Returns a context manager for one attempt at a planned shard.
+
+        Options (keyword only; defaults and types in `shard_client.options.ShardOptions`):
+
+        - ``heartbeat_timeout=60.0``: seconds without a heartbeat before the
+          ledger calls the attempt stale (at most 7 days);
+        - ``heartbeat_interval=None``: seconds between background heartbeats
+          (None: a quarter of ``heartbeat_timeout``);
+        - ``expected_outputs=None``: the artifact names a clean exit must have
+          committed (None: at least one); the server judges completeness by the
+          plan anyway;
+        - ``output_dir=None``: created on entry, and loses temp files of killed
+          writers older than ``orphan_age_s``;
+        - ``checkpoint_dir=None``: where checkpoints go (None:
+          ``output_dir/checkpoints``); its stale temp files are removed too;
+        - ``orphan_age_s=300.0``: how old a temp file must be to count as orphaned;
+        - ``sigterm_grace=30.0``: seconds between SIGTERM and Preempted
+          (None leaves SIGTERM alone);
+        - ``fingerprint=True``: record the environment fingerprint (False: none;
+          or pass a Fingerprint to record);
+        - ``progress_timeout=None``: the background thread heartbeats while the
+          process lives; with this it stops once no ``progress()``, checkpoint or
+          commit came for that long, so a job hung with its process alive (a
+          deadlock, a stuck collective) goes stale on the ledger; beats resume
+          with progress.
+
+        ``attempt_id`` defaults to a fresh random id.
+        """
+        return Shard(
+            self,
+            run_id,
+            shard_id,
+            options=ShardOptions.given(**options),
+            attempt_id=attempt_id,
+        )
+
+    def emit(self, event: pb.ShardEvent) -> Ack:
+        """Queues a raw event (namespace filled in) for the background sender."""
+        if not event.namespace:
+            event.namespace = self.namespace
+        return self.sender.emit(event)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every emitted event is acknowledged, spooled or refused."""
+        return self.sender.flush(timeout)
+
+    def close(self) -> None:
+        """Delivers or spools what is queued and stops the sender."""
+        self.sender.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
