@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from shardledger_cli.cli import COMMAND_MODULES, build_parser
 from tools import gen_cli_docs
-from tools.cli import COMMAND_MODULES, build_parser
 
 
 def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
@@ -28,7 +28,10 @@ def test_every_command_module_registers_a_documented_command() -> None:
 
 def test_console_script_help_lists_commands_and_exit_codes() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "shardledger_cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "exit codes: 0 ok, 1 problems found" in out.stdout
     for name in ("serve", "plan", "status", "resume", "verify", "audit", "demo", "watch", "token"):

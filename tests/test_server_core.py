@@ -523,7 +523,7 @@ def test_serve_command_drains_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "serve",
             "--db",
             str(tmp_path / "l.db"),
@@ -564,7 +564,7 @@ def test_serve_refuses_plaintext_on_a_public_address(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "serve",
             "--db",
             str(tmp_path / "l.db"),

@@ -20,9 +20,9 @@ from typing import Any, Final, TypeVar
 from ledger_server import projections as proj
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.events import GENESIS_HASH, RecordedEvent
-from tools.audit_checks import open_database
-from tools.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from, print_json
-from tools.cmd_report import equation, iso_us
+from shardledger_cli.audit_checks import open_database
+from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from, print_json
+from shardledger_cli.commands.report import equation, iso_us
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
 LIST_QUERIES: Final = ("missing", "stale", "failed", "verify_failed", "duplicate")

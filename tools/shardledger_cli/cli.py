@@ -35,18 +35,18 @@ EXIT_LOCAL: Final = 5
 
 # Each module defines register(subparsers, common) and sets args.func.
 COMMAND_MODULES: Final = (
-    "tools.cmd_serve",
-    "tools.cmd_plan",
-    "tools.cmd_report",
-    "tools.cmd_verify",
-    "tools.cmd_spool",
-    "tools.cmd_audit",
-    "tools.cmd_watch",
-    "tools.cmd_demo",
-    "tools.cmd_token",
-    "tools.cmd_export",
-    "tools.cmd_trend",
-    "tools.cmd_db",
+    "shardledger_cli.commands.serve",
+    "shardledger_cli.commands.plan",
+    "shardledger_cli.commands.report",
+    "shardledger_cli.commands.verify",
+    "shardledger_cli.commands.spool",
+    "shardledger_cli.commands.audit",
+    "shardledger_cli.commands.watch",
+    "shardledger_cli.demo.command",
+    "shardledger_cli.commands.token",
+    "shardledger_cli.commands.export",
+    "shardledger_cli.commands.trend",
+    "shardledger_cli.commands.db",
 )
 
 EPILOG: Final = """\
@@ -307,11 +307,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc.__context__, BrokenPipeError):
             return EXIT_OK
         raise
-
-
-if __name__ == "__main__":
-    # Run as `python -m tools.cli`, this file is __main__, a second copy of the module:
-    # the commands raise tools.cli.CommandError, which only tools.cli.main catches.
-    from tools.cli import main as cli_main
-
-    raise SystemExit(cli_main())

@@ -23,7 +23,7 @@ from ledger_server.signing import TreeHead, load_public_key, public_key_id
 from ledger_server.store import redact_url
 from ledger_server.store.base import WriterBusy
 from shard_client.errors import LedgerRejected
-from tools.audit_checks import (
+from shardledger_cli.audit_checks import (
     ChainWalk,
     event_row,
     head_problem,
@@ -31,7 +31,7 @@ from tools.audit_checks import (
     rpc_public_key,
     rpc_tree_head,
 )
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -42,7 +42,7 @@ from tools.cli import (
     open_ledger,
     print_json,
 )
-from tools.cmd_report import atomic_output
+from shardledger_cli.commands.report import atomic_output
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
 

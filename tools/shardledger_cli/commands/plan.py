@@ -28,7 +28,7 @@ from shard_client.ids import (
     shard_id_for,
 )
 from shard_client.spooldir import deliver
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
     EXIT_REJECTED,

@@ -11,7 +11,7 @@ from ledger_server.events import check_namespace
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.store import open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
     EXIT_PROBLEMS,

@@ -18,7 +18,14 @@ from typing import IO, Any, Final
 from ledger_server.projections import QUERY_STATES
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import atomic_write
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from, print_json
+from shardledger_cli.cli import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CommandError,
+    at_least,
+    client_from,
+    print_json,
+)
 
 RESUME_FORMATS: Final = ("jsonl", "ids", "slurm-array")
 REASON_KEY: Final = "_resume_reason"

@@ -16,7 +16,7 @@ from shard_client.spooldir import (
     spool_base,
     spool_status,
 )
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
     EXIT_REJECTED,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
     EXIT_PROBLEMS,
