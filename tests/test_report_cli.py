@@ -25,7 +25,8 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shardledger_cli.cli import main
-from shardledger_cli.commands.report import slurm_ranges, with_resume_reason
+from shardledger_cli.commands.report import slurm_ranges
+from shardledger_cli.output import with_resume_reason
 
 RUN = "night-01"
 DIGEST = "d" * 64

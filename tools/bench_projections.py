@@ -56,7 +56,7 @@ from ledger_server.servicer import LedgerServicer
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from shardledger_cli.commands.report import write_lines
+from shardledger_cli.output import write_lines
 
 RUN: Final = "bench-run"
 SUMMARY_KEYS: Final = (

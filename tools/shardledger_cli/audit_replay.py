@@ -21,8 +21,8 @@ from ledger_server import projections as proj
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.events import GENESIS_HASH, RecordedEvent
 from shardledger_cli.audit_checks import open_database
-from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from, print_json
-from shardledger_cli.commands.report import equation, iso_us
+from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
+from shardledger_cli.output import equation, iso_us, print_json
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
 LIST_QUERIES: Final = ("missing", "stale", "failed", "verify_failed", "duplicate")

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from shard_client.errors import LedgerRejected, LedgerUnavailable
@@ -226,28 +224,6 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
             else f"cannot open the ledger at {redact_url(spec)}: {exc}"
         )
         raise CommandError(text) from None
-
-
-def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
-    """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
-    if not sys.stderr.isatty() or total < 2:
-        return nullcontext(lambda n: None)
-
-    @contextmanager
-    def bar() -> Iterator[Callable[[int], None]]:
-        from rich.console import Console
-        from rich.progress import Progress
-
-        with Progress(console=Console(stderr=True), transient=True) as shown:
-            task = shown.add_task(label, total=total)
-            yield lambda n: shown.advance(task, n)
-
-    return bar()
-
-
-def print_json(value: Any) -> None:
-    """Prints one JSON document on stdout."""
-    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:

@@ -44,9 +44,8 @@ from shardledger_cli.cli import (
     EXIT_USAGE,
     CommandError,
     client_from,
-    print_json,
 )
-from shardledger_cli.commands.report import atomic_output
+from shardledger_cli.output import atomic_output, print_json
 
 CHECKPOINT_FORMAT: Final = "shardledger-checkpoint-v1"
 

@@ -16,8 +16,9 @@ from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
-from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json, progress
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError
 from shardledger_cli.commands import rebuild as rebuild_command
+from shardledger_cli.output import print_json, progress
 
 if TYPE_CHECKING:
     from ledger_server.store.postgres import PostgresStore

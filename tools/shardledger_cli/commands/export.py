@@ -40,9 +40,8 @@ from shardledger_cli.cli import (
     CommandError,
     client_from,
     open_ledger,
-    print_json,
 )
-from shardledger_cli.commands.report import atomic_output
+from shardledger_cli.output import atomic_output, print_json
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
 

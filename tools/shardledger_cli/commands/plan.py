@@ -35,9 +35,8 @@ from shardledger_cli.cli import (
     EXIT_USAGE,
     CommandError,
     client_from,
-    print_json,
-    progress,
 )
+from shardledger_cli.output import print_json, progress
 
 BATCH: Final = 1000
 MAX_ERRORS_SHOWN: Final = 20

@@ -37,8 +37,8 @@ from shardledger_cli.cli import (
     EXIT_USAGE,
     CommandError,
     client_from,
-    print_json,
 )
+from shardledger_cli.output import print_json
 
 DIAG_ENV = "SHARDLEDGER_DIAG_DIR"
 LOG_FIELDS = "{shard_id}, {attempt_id}, {pid}"

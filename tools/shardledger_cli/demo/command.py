@@ -14,14 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from shardledger_cli.cli import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    EXIT_USAGE,
-    CommandError,
-    at_least,
-    print_json,
-)
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, at_least
 from shardledger_cli.demo.faults import (
     DUPLICATE_RETRY,
     ENV_DRIFT,
@@ -37,6 +30,7 @@ from shardledger_cli.demo.faults import (
     check_summary,
 )
 from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
+from shardledger_cli.output import print_json
 
 if TYPE_CHECKING:  # demo_run needs numpy; the CLI must load without the [torch] extra
     from shardledger_cli.demo.run import Demo, Outage

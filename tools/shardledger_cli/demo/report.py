@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
-from shardledger_cli.commands.report import equation, render_summary
+from shardledger_cli.commands.report import render_summary
 from shardledger_cli.demo.faults import (
     DUPLICATE_RETRY,
     EMPTY_OUTPUT,
@@ -17,6 +17,7 @@ from shardledger_cli.demo.faults import (
     SILENT_MISSING,
     TRUNCATION,
 )
+from shardledger_cli.output import equation
 
 LABELS: Final = {
     SILENT_MISSING: "silent missing",
