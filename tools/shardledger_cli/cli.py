@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
 import os
 import sys
@@ -46,6 +47,18 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.trend",
     "shardledger_cli.commands.db",
 )
+
+# Import names of the server extra's packages: the server's (see ledger_server/__init__.py)
+# and rich. ledger_server is not imported to learn them: without the extra it cannot be.
+SERVER_EXTRA_MODULES: Final = (
+    "cryptography",
+    "grpc_health",
+    "grpc_reflection",
+    "prometheus_client",
+    "rich",
+    "structlog",
+)
+INSTALL_HINT: Final = "pip install 'shardledger[server]'"
 
 EPILOG: Final = """\
 typical night:
@@ -248,8 +261,24 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
     return parser
 
 
+def missing_server_extra() -> list[str]:
+    """Returns the import names of the server extra's packages that are not installed."""
+    return [name for name in SERVER_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+
+
+def server_extra_message(missing: Sequence[str]) -> str:
+    """Returns what a base install tells the user: which packages are missing, what to run."""
+    return (
+        f"shardledger: the command line needs {', '.join(missing)} (not installed): {INSTALL_HINT}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI and returns its exit code."""
+    missing = missing_server_extra()
+    if missing:
+        print(server_extra_message(missing), file=sys.stderr)
+        return EXIT_LOCAL
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
