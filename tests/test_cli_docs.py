@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -17,13 +18,13 @@ def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
 
 def test_every_command_module_registers_a_documented_command() -> None:
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    names = set(sub.choices)  # type: ignore[attr-defined]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    names = set(sub.choices)
     assert len(names) >= len(COMMAND_MODULES)
     text = gen_cli_docs.DOC.read_text()
     for name in names:
         assert f"## `shardledger {name}`" in text
-        assert sub.choices[name].description or sub.choices[name].format_help()  # type: ignore[attr-defined]
+        assert sub.choices[name].description or sub.choices[name].format_help()
 
 
 def test_console_script_help_lists_commands_and_exit_codes() -> None:

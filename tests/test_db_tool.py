@@ -261,6 +261,7 @@ def test_a_database_password_never_reaches_an_error_message(
     argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = "postgresql://owner:S3cret#pw@127.0.0.1:1/ledger?connect_timeout=1&pool_timeout=2"
+    code: int | str | None
     try:
         code = main([*argv, url])
     except SystemExit as exc:  # argparse-level refusals exit through SystemExit
