@@ -149,7 +149,7 @@ def test_watchdog_dumped_the_hung_jobs_stack_before_killing_it(
     _, report, _ = demo
     steps = sorted(tuple(a["steps"]) for a in report["watchdog"])
     assert steps == [("diagnostics", "SIGTERM", "SIGKILL"), ("process already gone",)]
-    # faulthandler writes "line N in _hang", py-spy (when installed) "_hang (demo_worker.py:N)".
+    # faulthandler writes "line N in _hang", py-spy (when installed) "_hang (worker.py:N)".
     assert any("_hang" in line for line in report["hang_stack"])
 
 

@@ -32,7 +32,7 @@ from shardledger_cli.demo.faults import (
 from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
 from shardledger_cli.output import print_json
 
-if TYPE_CHECKING:  # demo_run needs numpy; the CLI must load without the [torch] extra
+if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch] extra
     from shardledger_cli.demo.run import Demo, Outage
 
 DESCRIPTION: Final = """\
@@ -277,7 +277,7 @@ def _hang_stack(demo: Demo) -> list[str]:
     for action in demo.watchdog.actions if demo.watchdog else []:
         if action.diagnostics and os.path.exists(action.diagnostics):
             lines = Path(action.diagnostics).read_text(errors="replace").splitlines()
-            frames = [ln.strip() for ln in lines if "demo_worker.py" in ln]
+            frames = [ln.strip() for ln in lines if "worker.py" in ln]
             if frames:
                 return frames[:4]
     return []
