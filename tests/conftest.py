@@ -31,7 +31,7 @@ def quiet_logs() -> Iterator[None]:
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """Runs the CLI in process; returns (exit code, stdout, stderr), usage errors included."""
-    from tools.cli import main
+    from shardledger_cli.cli import main
 
     capsys.readouterr()
     try:

@@ -27,9 +27,9 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import LedgerClient
 from shard_client.errors import InvalidArgument, LedgerRejected, NotFound
+from shardledger_cli.audit_replay import LIST_QUERIES
+from shardledger_cli.cli import main
 from tests.conftest import DIGEST_A, DIGEST_B, committed, event, planned, run_cli, started
-from tools.audit_replay import LIST_QUERIES
-from tools.cli import main
 
 RUN = "run-1"
 BASE_US = 1_700_000_000_000_000

@@ -24,12 +24,12 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerRejected
+from shardledger_cli import audit_checks
+from shardledger_cli.audit_checks import ChainWalk, rpc_public_key, signed_head_check, walk_server
+from shardledger_cli.cli import EXIT_REJECTED, main
 from tests.conftest import planned, started
 from tests.test_audit import tree_head
 from tests.test_tamper import EVENTS, RUN, attack, build, checkpoint, cli, rows
-from tools import audit_checks
-from tools.audit_checks import ChainWalk, rpc_public_key, signed_head_check, walk_server
-from tools.cli import EXIT_REJECTED, main
 
 DELETE_THE_RUN = (
     "DELETE FROM events WHERE run_pk = (SELECT run_pk FROM runs WHERE run_id = ?)",

@@ -33,8 +33,8 @@ from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import channel_credentials
+from shardledger_cli.cli import main as cli_main
 from tests.conftest import committed, planned, started
-from tools.cli import main as cli_main
 
 NS = "alpha"
 OTHER_NS = "beta"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+from shardledger_cli.cli import COMMAND_MODULES, build_parser
 from tools import gen_cli_docs
-from tools.cli import COMMAND_MODULES, build_parser
 
 
 def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
@@ -17,18 +18,21 @@ def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
 
 def test_every_command_module_registers_a_documented_command() -> None:
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    names = set(sub.choices)  # type: ignore[attr-defined]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    names = set(sub.choices)
     assert len(names) >= len(COMMAND_MODULES)
     text = gen_cli_docs.DOC.read_text()
     for name in names:
         assert f"## `shardledger {name}`" in text
-        assert sub.choices[name].description or sub.choices[name].format_help()  # type: ignore[attr-defined]
+        assert sub.choices[name].description or sub.choices[name].format_help()
 
 
 def test_console_script_help_lists_commands_and_exit_codes() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "shardledger_cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "exit codes: 0 ok, 1 problems found" in out.stdout
     for name in ("serve", "plan", "status", "resume", "verify", "audit", "demo", "watch", "token"):

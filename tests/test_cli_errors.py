@@ -25,8 +25,8 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.startup import StartupError
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from tests.conftest import planned, run_cli
-from tools.cli import EXIT_LOCAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
 ENTRY_POINT = Path(sys.executable).parent / "shardledger"
 
@@ -38,9 +38,9 @@ cli = run_cli
 
 
 def run_module(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Runs `python -m tools.cli ARGV` as a real process."""
+    """Runs `python -m shardledger_cli ARGV` as a real process."""
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli", *argv],
+        [sys.executable, "-m", "shardledger_cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -58,7 +58,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-# --- python -m tools.cli and the entry point agree ---------------------------------
+# --- python -m shardledger_cli and the entry point agree ---------------------------------
 
 
 @pytest.mark.parametrize("runner", ["module", "entry_point"])
@@ -67,7 +67,7 @@ def test_a_command_error_is_one_line_and_its_exit_code_under_both_entry_points(
 ) -> None:
     if runner == "entry_point" and not ENTRY_POINT.exists():
         pytest.skip("the shardledger script is not installed beside this interpreter")
-    head = [sys.executable, "-m", "tools.cli"] if runner == "module" else [str(ENTRY_POINT)]
+    head = [sys.executable, "-m", "shardledger_cli"] if runner == "module" else [str(ENTRY_POINT)]
     argv = ["token", "create", "--role", "reader", "--expires-in", "soon"]
     done = subprocess.run(
         [*head, *argv, "--db", str(tmp_path / "l.db")],
@@ -481,7 +481,14 @@ def test_trend_into_a_closed_pipe_exits_0_like_the_other_commands(server: Runnin
     os.close(read_end)  # like `| head -1` after its line: every write now fails with EPIPE
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "trend", "--server", f"127.0.0.1:{server.port}"],
+            [
+                sys.executable,
+                "-m",
+                "shardledger_cli",
+                "trend",
+                "--server",
+                f"127.0.0.1:{server.port}",
+            ],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,

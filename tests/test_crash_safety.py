@@ -30,7 +30,7 @@ def _start_server(db: Path, port_file: Path) -> tuple[subprocess.Popen[bytes], i
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "serve",
             "--db",
             str(db),

@@ -20,9 +20,16 @@ from ledger_server.server import ServerConfig, create_server
 from ledger_server.store import open_store
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import (
+    EXIT_LOCAL,
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    CommandError,
+    build_parser,
+)
 from tests import pg
 from tests.conftest import DIGEST_B, committed, event, planned, started
-from tools.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, build_parser
 
 pg_cluster = pg.pg_cluster
 pg_url = pg.pg_url
@@ -31,7 +38,7 @@ pg_url = pg.pg_url
 def _db(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
     """Runs `shardledger db ...`; returns the exit code and the parsed JSON it printed."""
     capsys.readouterr()
-    args = build_parser(("tools.cmd_db",)).parse_args(["db", *argv])
+    args = build_parser(("shardledger_cli.commands.db",)).parse_args(["db", *argv])
     code: int = args.func(args)
     out = capsys.readouterr().out
     return code, json.loads(out) if "--json" in argv else out

@@ -18,9 +18,9 @@ from ledger_server.store.base import StoredEvent, TokenRow
 from ledger_server.store.postgres import PostgresStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import EXIT_OK, CommandError, build_parser, main
 from tests import pg
 from tests.conftest import DIGEST_B, committed, event, planned, started
-from tools.cli import EXIT_OK, CommandError, build_parser, main
 
 # The PostgreSQL fixtures, found by pytest under these names.
 pg_cluster = pg.pg_cluster
@@ -28,7 +28,7 @@ pg_url = pg.pg_url
 
 
 def _db(*argv: str) -> int:
-    args = build_parser(("tools.cmd_db",)).parse_args(["db", *argv])
+    args = build_parser(("shardledger_cli.commands.db",)).parse_args(["db", *argv])
     code: int = args.func(args)
     return code
 
@@ -261,6 +261,7 @@ def test_a_database_password_never_reaches_an_error_message(
     argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = "postgresql://owner:S3cret#pw@127.0.0.1:1/ledger?connect_timeout=1&pool_timeout=2"
+    code: int | str | None
     try:
         code = main([*argv, url])
     except SystemExit as exc:  # argparse-level refusals exit through SystemExit

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from ledger_server.server import ServerConfig, create_server
-from tools.cli import main as cli
-from tools.cmd_plan import entries_from_manifest
-from tools.demo_faults import EXPECTED_REASON, FORMS, MIN_SHARDS, FaultPlan
-from tools.demo_report import render
+from shardledger_cli.cli import main as cli
+from shardledger_cli.commands.plan import entries_from_manifest
+from shardledger_cli.demo.faults import EXPECTED_REASON, FORMS, MIN_SHARDS, FaultPlan
+from shardledger_cli.demo.report import render
 
 DEMO_ARGS = ["--shards", "40", "--workers", "2", "--steps", "3", "--seed", "7"]
 EXTERNAL_ARGS = ["--shards", "20", "--workers", "2", "--steps", "2", "--seed", "3"]
@@ -48,10 +48,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     work = base / "kept"
     server = create_server(ServerConfig(database=str(base / "external.db"), listen="127.0.0.1:0"))
     embedded = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "demo", *DEMO_ARGS, "--json", "--keep", str(work)],
+        [
+            sys.executable,
+            "-m",
+            "shardledger_cli",
+            "demo",
+            *DEMO_ARGS,
+            "--json",
+            "--keep",
+            str(work),
+        ],
         **PIPES,
     )
-    external_argv = [sys.executable, "-m", "tools.cli", "demo", *EXTERNAL_ARGS]
+    external_argv = [sys.executable, "-m", "shardledger_cli", "demo", *EXTERNAL_ARGS]
     external = subprocess.Popen([*external_argv, "--server", f"127.0.0.1:{server.port}"], **PIPES)
     try:
         out, err = embedded.communicate(timeout=240)
@@ -140,7 +149,7 @@ def test_watchdog_dumped_the_hung_jobs_stack_before_killing_it(
     _, report, _ = demo
     steps = sorted(tuple(a["steps"]) for a in report["watchdog"])
     assert steps == [("diagnostics", "SIGTERM", "SIGKILL"), ("process already gone",)]
-    # faulthandler writes "line N in _hang", py-spy (when installed) "_hang (demo_worker.py:N)".
+    # faulthandler writes "line N in _hang", py-spy (when installed) "_hang (worker.py:N)".
     assert any("_hang" in line for line in report["hang_stack"])
 
 

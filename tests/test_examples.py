@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shard_client import LedgerClient
-from tools.cli import main as cli
+from shardledger_cli.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -24,7 +24,14 @@ EXAMPLES = REPO / "examples"
 def ledger(tmp_path: Path) -> Iterator[str]:
     """Starts `shardledger serve` as a subprocess; yields its HOST:PORT."""
     port_file = tmp_path / "port"
-    command = [sys.executable, "-m", "tools.cli", "serve", "--db", str(tmp_path / "ledger.db")]
+    command = [
+        sys.executable,
+        "-m",
+        "shardledger_cli",
+        "serve",
+        "--db",
+        str(tmp_path / "ledger.db"),
+    ]
     command += ["--listen", "127.0.0.1:0", "--port-file", str(port_file), "--log-level", "warning"]
     proc = subprocess.Popen(
         command,
@@ -52,7 +59,16 @@ def plan_lines(run: str, manifest: Path, server: str, out: Path) -> list[str]:
     """Plans the manifest and writes its plan lines (plan --dry-run) to out; returns them."""
     assert cli(["plan", run, "--manifest", str(manifest), "--server", server]) == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "plan", run, "--manifest", str(manifest), "--dry-run"],
+        [
+            sys.executable,
+            "-m",
+            "shardledger_cli",
+            "plan",
+            run,
+            "--manifest",
+            str(manifest),
+            "--dry-run",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

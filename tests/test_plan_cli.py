@@ -12,7 +12,7 @@ import pytest
 
 from ledger_server.server import RunningServer
 from shard_client import LedgerClient, shard_id_for
-from tools.cli import main as cli
+from shardledger_cli.cli import main as cli
 
 RUN = "night-03"
 

@@ -24,8 +24,9 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
-from tools.cli import main
-from tools.cmd_report import slurm_ranges, with_resume_reason
+from shardledger_cli.cli import main
+from shardledger_cli.commands.report import slurm_ranges
+from shardledger_cli.output import with_resume_reason
 
 RUN = "night-01"
 DIGEST = "d" * 64
@@ -410,7 +411,7 @@ def test_events_follow_streams_new_events_until_ctrl_c(running: RunningServer) -
     client = LedgerClient(f"127.0.0.1:{running.port}")
     first = life("t0", 0, "planned", run="tail-run")
     client.append(first)
-    argv = [sys.executable, "-m", "tools.cli", "events", "tail-run", "--follow", "--json"]
+    argv = [sys.executable, "-m", "shardledger_cli", "events", "tail-run", "--follow", "--json"]
     argv += ["--server", f"127.0.0.1:{running.port}"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shard_client import LedgerClient, Sender
+from shard_client import LedgerClient, LedgerRejected, Sender
 from shard_client.sender import MAX_EVENT_BYTES, new_event_id
 from shard_client.spooldir import REJECTED_FILE, drain_spool_dirs
 from tests.test_sender_spool import RUN, Servers, beat, plan, started, stored_ids
@@ -104,7 +104,7 @@ def test_an_event_no_ledger_could_store_is_refused_at_emit_and_the_rest_flows(
     with caplog.at_level(logging.WARNING, logger="shard_client"):
         refused = sender.emit(big)
     assert refused.settled and refused.outcome == "rejected"
-    assert refused.error is not None and refused.error.reason == "LIMIT_EXCEEDED"
+    assert isinstance(refused.error, LedgerRejected) and refused.error.reason == "LIMIT_EXCEEDED"
     ok = sender.emit(beat("w", "att", 2))
     assert ok.wait_acknowledged(10) and sender.drain(10)
     [line] = (Path(sender.spool_dir) / REJECTED_FILE).read_text().splitlines()

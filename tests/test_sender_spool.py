@@ -24,7 +24,7 @@ from shard_client import plan_events as make_plan_events
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.spool import Spool
 from shard_client.spooldir import drain_spool_dirs
-from tools.cli import main as cli
+from shardledger_cli.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "night-02"

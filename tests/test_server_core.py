@@ -242,6 +242,7 @@ def test_a_finished_set_whose_file_was_replaced_is_verify_failed_overwritten(
 
 
 def _details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    assert isinstance(exc, grpc.Call)  # a failed call's RpcError is also its Call
     status = rpc_status.from_call(exc)
     assert status is not None, "every error carries a google.rpc.Status"
     for detail in status.details:
@@ -252,7 +253,10 @@ def _details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     raise AssertionError("no ErrorInfo in status details")
 
 
-def _bad_cases() -> list[tuple[str, list[pb.ShardEvent], grpc.StatusCode, str, str | None]]:
+BadCase = tuple[str, list[pb.ShardEvent], grpc.StatusCode, str, str | None]
+
+
+def _bad_cases() -> tuple[list[BadCase], pb.ShardEvent]:
     plan = planned(shard_id="shard-9")
     reused = pb.ShardEvent()
     reused.CopyFrom(plan)
@@ -297,7 +301,7 @@ def _bad_cases() -> list[tuple[str, list[pb.ShardEvent], grpc.StatusCode, str, s
         ),
         (
             "unknown enum",
-            [event(attempt_id="a", failed=pb.AttemptFailed(tag=99))],
+            [event(attempt_id="a", failed=pb.AttemptFailed(tag=99))],  # type: ignore[arg-type]
             invalid,
             "INVALID_FIELD",
             "failed.tag",
@@ -523,7 +527,7 @@ def test_serve_command_drains_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "serve",
             "--db",
             str(tmp_path / "l.db"),
@@ -564,7 +568,7 @@ def test_serve_refuses_plaintext_on_a_public_address(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "serve",
             "--db",
             str(tmp_path / "l.db"),

@@ -11,6 +11,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -233,10 +234,11 @@ def test_checkpoint_orphans_of_a_preempted_save_are_removed_on_enter(
     orphan.write_bytes(b"half a checkpoint")
     kept = checkpoints / "ckpt-00000050.pt"
     kept.write_bytes(b"a committed checkpoint")
+    place: dict[str, Any] = {where: checkpoints if where == "checkpoint_dir" else tmp_path}
     with ledger.shard(
         RUN,
         "go",
-        **{where: checkpoints if where == "checkpoint_dir" else tmp_path},
+        **place,
         orphan_age_s=0,
         fingerprint=False,
     ) as shard:

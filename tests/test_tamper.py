@@ -27,8 +27,8 @@ from ledger_server.server import ServerConfig, create_server
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import main
 from tests.conftest import committed, event, planned, started
-from tools.cli import main
 
 RUN = "run-1"
 EVENTS = 30

@@ -12,9 +12,9 @@ from google.protobuf.duration_pb2 import Duration
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, build_parser
+from shardledger_cli.commands.trend import ShardArtifacts, compare_rulers
 from tests.conftest import DIGEST_B, committed, event, planned, started
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, build_parser
-from tools.cmd_trend import ShardArtifacts, compare_rulers
 
 FP_OLD = "1" * 64  # driver 550, the fingerprint group of every ruler run so far
 FP_NEW = "2" * 64  # driver 560: numbers are not comparable across it
@@ -34,7 +34,7 @@ def digest(n: int) -> str:
 
 def trend(server: RunningServer, *argv: str) -> int:
     """Runs `shardledger trend` against the server and returns its exit code."""
-    args = build_parser(("tools.cmd_trend",)).parse_args(
+    args = build_parser(("shardledger_cli.commands.trend",)).parse_args(
         ["trend", "--server", f"127.0.0.1:{server.port}", *argv]
     )
     code: int = args.func(args)

@@ -17,8 +17,8 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import CheckResult
 from shard_client.client import LedgerClient
-from tools.cli import main
-from tools.cmd_verify import Commit, Recorder, verdict_event
+from shardledger_cli.cli import main
+from shardledger_cli.commands.verify import Commit, Recorder, verdict_event
 
 _IDS = itertools.count()
 

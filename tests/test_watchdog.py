@@ -19,8 +19,8 @@ from google.protobuf.duration_pb2 import Duration
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import main
 from tests.conftest import event, planned, started
-from tools.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -235,7 +235,7 @@ def test_watch_interval_json_prints_json_lines_one_object_per_stale_attempt(
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "watch",
             "run-1",
             "--server",

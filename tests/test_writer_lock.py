@@ -24,14 +24,14 @@ from ledger_server.server import RunningServer, ServerConfig, create_server
 from ledger_server.store.base import WriterBusy
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
+from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, CommandError, build_parser
 from tests.conftest import committed, planned, started
-from tools.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, CommandError, build_parser
 
 
 def _serve_cli(db: Path, port_file: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "tools.cli", "serve", "--db", str(db)),
+            *(sys.executable, "-m", "shardledger_cli", "serve", "--db", str(db)),
             *("--listen", "127.0.0.1:0", "--port-file", str(port_file), "--log-level", "warning"),
         ],
         stdout=subprocess.PIPE,
@@ -109,7 +109,7 @@ def test_the_lock_goes_with_the_server_even_on_sigkill(tmp_path: Path) -> None:
 
 def _db(*argv: str) -> int:
     """Runs `shardledger db ...` in process; a refusal raises CommandError."""
-    args = build_parser(("tools.cmd_db",)).parse_args(["db", *argv])
+    args = build_parser(("shardledger_cli.commands.db",)).parse_args(["db", *argv])
     code: int = args.func(args)
     return code
 

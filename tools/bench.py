@@ -389,7 +389,7 @@ def bench_sdk(seconds: float = 10.0, events: int = 20_000) -> dict[str, Any]:
         cmd = [
             sys.executable,
             "-m",
-            "tools.cli",
+            "shardledger_cli",
             "serve",
             "--db",
             f"{tmp}/l.db",

@@ -138,7 +138,7 @@ def _replicas(url: str, count: int, workdir: Path) -> Iterator[list[str]]:
             procs.append(
                 subprocess.Popen(
                     [
-                        *(sys.executable, "-m", "tools.cli", "serve", "--db", url),
+                        *(sys.executable, "-m", "shardledger_cli", "serve", "--db", url),
                         *("--listen", "127.0.0.1:0", "--port-file", str(port_file)),
                         *("--signing-key", str(workdir / "key.pem"), "--log-level", "warning"),
                     ],

@@ -56,7 +56,7 @@ from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
-from tools.cmd_report import write_lines
+from shardledger_cli.output import write_lines
 
 RUN: Final = "bench-run"
 SUMMARY_KEYS: Final = (
@@ -239,7 +239,16 @@ def server_process(db: str) -> Iterator[str]:
     process would share one GIL with the client and halve both.
     """
     port_file = db + ".port"
-    command = [sys.executable, "-m", "tools.cli", "serve", "--db", db, "--listen", "127.0.0.1:0"]
+    command = [
+        sys.executable,
+        "-m",
+        "shardledger_cli",
+        "serve",
+        "--db",
+        db,
+        "--listen",
+        "127.0.0.1:0",
+    ]
     command += ["--port-file", port_file, "--log-level", "warning"]
     proc = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     try:

@@ -163,7 +163,7 @@ def _vm(pid: int, key: str) -> int:
 def serve_checks(db: str, shards: int) -> dict[str, Any]:
     """Runs `shardledger serve` on the file; measures status, resume and the server's RSS."""
     port_file = Path(db).with_suffix(".port")
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--db", db, "--listen", "127.0.0.1:0"]
+    cmd = [sys.executable, "-m", "shardledger_cli", "serve", "--db", db, "--listen", "127.0.0.1:0"]
     cmd += ["--port-file", str(port_file), "--log-level", "warning"]
     server = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from tools.cli import build_parser
+from shardledger_cli.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "cli.md"

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from shard_client.errors import LedgerRejected, LedgerUnavailable
@@ -35,19 +34,31 @@ EXIT_LOCAL: Final = 5
 
 # Each module defines register(subparsers, common) and sets args.func.
 COMMAND_MODULES: Final = (
-    "tools.cmd_serve",
-    "tools.cmd_plan",
-    "tools.cmd_report",
-    "tools.cmd_verify",
-    "tools.cmd_spool",
-    "tools.cmd_audit",
-    "tools.cmd_watch",
-    "tools.cmd_demo",
-    "tools.cmd_token",
-    "tools.cmd_export",
-    "tools.cmd_trend",
-    "tools.cmd_db",
+    "shardledger_cli.commands.serve",
+    "shardledger_cli.commands.plan",
+    "shardledger_cli.commands.report",
+    "shardledger_cli.commands.verify",
+    "shardledger_cli.commands.spool",
+    "shardledger_cli.commands.audit",
+    "shardledger_cli.commands.watch",
+    "shardledger_cli.demo.command",
+    "shardledger_cli.commands.token",
+    "shardledger_cli.commands.export",
+    "shardledger_cli.commands.trend",
+    "shardledger_cli.commands.db",
 )
+
+# Import names of the server extra's packages: the server's (see ledger_server/__init__.py)
+# and rich. ledger_server is not imported to learn them: without the extra it cannot be.
+SERVER_EXTRA_MODULES: Final = (
+    "cryptography",
+    "grpc_health",
+    "grpc_reflection",
+    "prometheus_client",
+    "rich",
+    "structlog",
+)
+INSTALL_HINT: Final = "pip install 'shardledger[server]'"
 
 EPILOG: Final = """\
 typical night:
@@ -228,28 +239,6 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
         raise CommandError(text) from None
 
 
-def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
-    """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
-    if not sys.stderr.isatty() or total < 2:
-        return nullcontext(lambda n: None)
-
-    @contextmanager
-    def bar() -> Iterator[Callable[[int], None]]:
-        from rich.console import Console
-        from rich.progress import Progress
-
-        with Progress(console=Console(stderr=True), transient=True) as shown:
-            task = shown.add_task(label, total=total)
-            yield lambda n: shown.advance(task, n)
-
-    return bar()
-
-
-def print_json(value: Any) -> None:
-    """Prints one JSON document on stdout."""
-    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
 def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
     """Returns the full parser with every available command group."""
     parser = argparse.ArgumentParser(
@@ -272,8 +261,24 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
     return parser
 
 
+def missing_server_extra() -> list[str]:
+    """Returns the import names of the server extra's packages that are not installed."""
+    return [name for name in SERVER_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+
+
+def server_extra_message(missing: Sequence[str]) -> str:
+    """Returns what a base install tells the user: which packages are missing, what to run."""
+    return (
+        f"shardledger: the command line needs {', '.join(missing)} (not installed): {INSTALL_HINT}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI and returns its exit code."""
+    missing = missing_server_extra()
+    if missing:
+        print(server_extra_message(missing), file=sys.stderr)
+        return EXIT_LOCAL
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
@@ -307,11 +312,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc.__context__, BrokenPipeError):
             return EXIT_OK
         raise
-
-
-if __name__ == "__main__":
-    # Run as `python -m tools.cli`, this file is __main__, a second copy of the module:
-    # the commands raise tools.cli.CommandError, which only tools.cli.main catches.
-    from tools.cli import main as cli_main
-
-    raise SystemExit(cli_main())

@@ -16,8 +16,8 @@ from typing import IO, Any, Final
 
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerClientError
-from tools.cmd_watch import Action, handle_stale, stale_checker
-from tools.demo_faults import Check
+from shardledger_cli.commands.watch import Action, handle_stale, stale_checker
+from shardledger_cli.demo.faults import Check
 
 START_TIMEOUT_S: Final = 30.0
 COUNTED_KINDS: Final = ("started", "checkpoint", "artifact_committed", "failed")
@@ -45,7 +45,7 @@ class LedgerProcess:
             self.port_file.unlink()
         if self._log is None:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
-        command = [sys.executable, "-m", "tools.cli", "serve", "--db", str(self.db)]
+        command = [sys.executable, "-m", "shardledger_cli", "serve", "--db", str(self.db)]
         command += ["--listen", f"127.0.0.1:{self.port}", "--port-file", str(self.port_file)]
         command += ["--log-level", "warning", "--grace", "1"]
         self._proc = subprocess.Popen(

@@ -11,15 +11,8 @@ from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.store import open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from ledger_server.validation import check_namespace
-from tools.cli import (
-    EXIT_LOCAL,
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    EXIT_USAGE,
-    CommandError,
-    print_json,
-    progress,
-)
+from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
+from shardledger_cli.output import print_json, progress
 
 DESCRIPTION: Final = """\
 Replay each run's events and compare the result with its stored projections

@@ -18,7 +18,7 @@ from ledger_server.store import redact_url
 from ledger_server.validation import check_namespace
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerRejected
-from tools.audit_checks import (
+from shardledger_cli.audit_checks import (
     ChainWalk,
     Checkpoint,
     check_proof,
@@ -37,16 +37,15 @@ from tools.audit_checks import (
     walk_server,
     walk_store,
 )
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
     EXIT_REJECTED,
     EXIT_USAGE,
     CommandError,
     client_from,
-    print_json,
 )
-from tools.cmd_report import atomic_output
+from shardledger_cli.output import atomic_output, print_json
 
 CHECKPOINT_FORMAT: Final = "shardledger-checkpoint-v1"
 
@@ -119,7 +118,7 @@ def register(
     p.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
     p.set_defaults(func=run_public_key)
 
-    from tools.audit_replay import register_replay
+    from shardledger_cli.audit_replay import register_replay
 
     register_replay(cmds, common)
 

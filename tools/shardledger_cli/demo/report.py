@@ -6,8 +6,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
-from tools.cmd_report import equation, render_summary
-from tools.demo_faults import (
+from shardledger_cli.commands.report import render_summary
+from shardledger_cli.demo.faults import (
     DUPLICATE_RETRY,
     EMPTY_OUTPUT,
     ENV_DRIFT,
@@ -17,6 +17,7 @@ from tools.demo_faults import (
     SILENT_MISSING,
     TRUNCATION,
 )
+from shardledger_cli.output import equation
 
 LABELS: Final = {
     SILENT_MISSING: "silent missing",

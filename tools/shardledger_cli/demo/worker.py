@@ -28,7 +28,14 @@ import torch._inductor.config
 from shard_client import IncompleteShard, Ledger, Shard, determinism
 from shard_client.fingerprint import IMAGE_DIGEST_ENV
 from shard_client.signals import DIAG_ENV
-from tools.demo_faults import EMPTY_OUTPUT, HANG, LETHAL, NAN_WEIGHTS, SILENT_MISSING, TRUNCATION
+from shardledger_cli.demo.faults import (
+    EMPTY_OUTPUT,
+    HANG,
+    LETHAL,
+    NAN_WEIGHTS,
+    SILENT_MISSING,
+    TRUNCATION,
+)
 
 OUTPUTS: Final = ("weights", "metrics")
 # Catastrophic backtracking: 2**64 ways to split the a's, explored inside the C

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Final
 
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from, print_json
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
+from shardledger_cli.output import print_json
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp

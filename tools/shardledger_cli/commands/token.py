@@ -12,7 +12,8 @@ from ledger_server.auth import ROLES, new_token
 from ledger_server.errors import InvalidEvent
 from ledger_server.startup import DEFAULT_DB
 from ledger_server.validation import check_namespace
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger, print_json
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger
+from shardledger_cli.output import print_json
 
 _DURATION = re.compile(r"(\d+)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

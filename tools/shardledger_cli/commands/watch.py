@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
     EXIT_PROBLEMS,
     EXIT_USAGE,
     CommandError,
     client_from,
-    print_json,
 )
+from shardledger_cli.output import print_json
 
 DIAG_ENV = "SHARDLEDGER_DIAG_DIR"
 LOG_FIELDS = "{shard_id}, {attempt_id}, {pid}"

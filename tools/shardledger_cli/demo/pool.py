@@ -6,7 +6,7 @@ injected faults do. So each worker gets its own pipe and one task at a time:
 the pool always knows which task a dead worker held, reports it as ``died`` and
 forks a replacement.
 
-Workers come from the "forkserver" context with ``tools.demo_worker`` (and so
+Workers come from the "forkserver" context with ``shardledger_cli.demo.worker`` (and so
 torch) preloaded: torch is imported once for the pool, not per worker or per
 shard. A forkserver's children are not the demo's children, which also keeps
 the watchdog's ``waitpid`` from reaping them behind multiprocessing's back.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Final
 
-PRELOAD: Final = ["tools.demo_worker"]
+PRELOAD: Final = ["shardledger_cli.demo.worker"]
 POLL_S: Final = 0.2
 # A last resort: no demo shard takes a minute, and a wedged one must not hang the demo.
 TASK_TIMEOUT_S: Final = 120.0
@@ -31,7 +31,7 @@ TASK_TIMEOUT_S: Final = 120.0
 
 def _entry(conn: Connection, config: dict[str, Any]) -> None:
     # Imported here so that the demo's own process never imports torch for the pool.
-    from tools.demo_worker import worker_main
+    from shardledger_cli.demo.worker import worker_main
 
     worker_main(conn, config)
 

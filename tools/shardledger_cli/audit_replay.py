@@ -21,9 +21,9 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.events import RecordedEvent
-from tools.audit_checks import open_database
-from tools.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from, print_json
-from tools.cmd_report import equation, iso_us
+from shardledger_cli.audit_checks import open_database
+from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
+from shardledger_cli.output import equation, iso_us, print_json
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
 LIST_QUERIES: Final = ("missing", "stale", "failed", "verify_failed", "duplicate")

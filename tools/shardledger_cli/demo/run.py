@@ -18,13 +18,13 @@ import numpy as np
 from shard_client.atomic import atomic_write
 from shard_client.client import LedgerClient
 from shard_client.spooldir import drain_spool_dirs
-from tools.cli import CommandError
-from tools.cli import main as cli_main
-from tools.cmd_plan import entries_from_manifest, send_plan
-from tools.demo_faults import DUPLICATE_RETRY, ENV_DRIFT, LETHAL, FaultPlan
-from tools.demo_infra import LedgerProcess, Watchdog
-from tools.demo_pool import PoolHooks, WorkerPool
-from tools.demo_report import Ui
+from shardledger_cli.cli import CommandError
+from shardledger_cli.cli import main as cli_main
+from shardledger_cli.commands.plan import entries_from_manifest, send_plan
+from shardledger_cli.demo.faults import DUPLICATE_RETRY, ENV_DRIFT, LETHAL, FaultPlan
+from shardledger_cli.demo.infra import LedgerProcess, Watchdog
+from shardledger_cli.demo.pool import PoolHooks, WorkerPool
+from shardledger_cli.demo.report import Ui
 
 HEARTBEAT_TIMEOUT_S: Final = 3.0
 WATCHDOG_GRACE_S: Final = 1.0

@@ -10,7 +10,7 @@ import sys
 from ledger_server.server import DEFAULT_LISTEN, ServerConfig, configure_logging, serve
 from ledger_server.startup import DEFAULT_DB, StartupError
 from ledger_server.store import redact_url
-from tools.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
+from shardledger_cli.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
 
 
 def positive_int(text: str) -> int:

@@ -16,14 +16,8 @@ from shard_client.spooldir import (
     spool_base,
     spool_status,
 )
-from tools.cli import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    EXIT_REJECTED,
-    EXIT_UNAVAILABLE,
-    client_from,
-    print_json,
-)
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_REJECTED, EXIT_UNAVAILABLE, client_from
+from shardledger_cli.output import print_json
 
 DESCRIPTION: Final = f"""\
 When a job cannot reach the ledger it keeps its events in a durable spool on the

@@ -16,8 +16,9 @@ from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
-from tools import cmd_rebuild
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, print_json, progress
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError
+from shardledger_cli.commands import rebuild as rebuild_command
+from shardledger_cli.output import print_json, progress
 
 if TYPE_CHECKING:
     from ledger_server.store.postgres import PostgresStore
@@ -89,7 +90,7 @@ def register(
     )
     g.add_argument("--role", required=True, type=role_name, help="the role the replicas connect as")
     g.set_defaults(func=run_grants)
-    cmd_rebuild.register(dbsub, default_url)
+    rebuild_command.register(dbsub, default_url)
 
 
 def role_name(text: str) -> str:

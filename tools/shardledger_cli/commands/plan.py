@@ -28,16 +28,15 @@ from shard_client.ids import (
     plan_events,
     shard_id_for,
 )
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
     EXIT_REJECTED,
     EXIT_USAGE,
     CommandError,
     client_from,
-    print_json,
-    progress,
 )
+from shardledger_cli.output import print_json, progress
 
 BATCH: Final = 1000
 MAX_ERRORS_SHOWN: Final = 20

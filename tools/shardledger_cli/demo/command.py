@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, at_least, print_json
-from tools.demo_faults import (
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, at_least
+from shardledger_cli.demo.faults import (
     DUPLICATE_RETRY,
     ENV_DRIFT,
     EXPECTED_REASON,
@@ -29,10 +29,11 @@ from tools.demo_faults import (
     check_resume_list,
     check_summary,
 )
-from tools.demo_infra import check_accounting, count_events, late_arrivals, overlapping
+from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
+from shardledger_cli.output import print_json
 
-if TYPE_CHECKING:  # demo_run needs numpy; the CLI must load without the [torch] extra
-    from tools.demo_run import Demo, Outage
+if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch] extra
+    from shardledger_cli.demo.run import Demo, Outage
 
 DESCRIPTION: Final = """\
 Run "Project X" from the field report on this machine, end to end:
@@ -100,8 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise CommandError(
             f"the demo trains with torch: pip install 'shardledger[torch]' ({missing})"
         )
-    from tools.demo_report import Ui
-    from tools.demo_run import Demo, Settings
+    from shardledger_cli.demo.report import Ui
+    from shardledger_cli.demo.run import Demo, Settings
 
     settings = Settings(
         shards=args.shards,
@@ -124,7 +125,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        from tools.demo_report import render
+        from shardledger_cli.demo.report import render
 
         render(report)
     return int(report["exit_code"])
@@ -132,7 +133,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _run(demo: Demo) -> dict[str, Any]:
     """Runs every phase and returns the report (JSON-ready)."""
-    from tools.demo_run import HEARTBEAT_TIMEOUT_S, WATCHDOG_GRACE_S
+    from shardledger_cli.demo.run import HEARTBEAT_TIMEOUT_S, WATCHDOG_GRACE_S
 
     began = time.time()
     demo.start()
@@ -276,7 +277,7 @@ def _hang_stack(demo: Demo) -> list[str]:
     for action in demo.watchdog.actions if demo.watchdog else []:
         if action.diagnostics and os.path.exists(action.diagnostics):
             lines = Path(action.diagnostics).read_text(errors="replace").splitlines()
-            frames = [ln.strip() for ln in lines if "demo_worker.py" in ln]
+            frames = [ln.strip() for ln in lines if "worker.py" in ln]
             if frames:
                 return frames[:4]
     return []

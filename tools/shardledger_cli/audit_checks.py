@@ -28,8 +28,8 @@ from ledger_server.signing import (
 from ledger_server.store.base import RunRow, Store, StoredEvent, StoreError
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerRejected
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, print_json
-from tools.cmd_report import iso_us
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
+from shardledger_cli.output import iso_us, print_json
 
 # Codes with which a server says it cannot read its own rows: findings, not refusals.
 _UNREADABLE: Final = ("DATA_LOSS", "INTERNAL", "UNKNOWN")

@@ -24,7 +24,7 @@ from ledger_server.store.base import WriterBusy
 from ledger_server.validation import check_namespace
 from shard_client.canonical import canonical_json
 from shard_client.errors import LedgerRejected
-from tools.audit_checks import (
+from shardledger_cli.audit_checks import (
     ChainWalk,
     event_row,
     head_problem,
@@ -32,7 +32,7 @@ from tools.audit_checks import (
     rpc_public_key,
     rpc_tree_head,
 )
-from tools.cli import (
+from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -41,9 +41,8 @@ from tools.cli import (
     CommandError,
     client_from,
     open_ledger,
-    print_json,
 )
-from tools.cmd_report import atomic_output
+from shardledger_cli.output import atomic_output, print_json
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
 

@@ -17,7 +17,8 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.checks import CheckResult, load_entry_point_validators, verify_artifact
 from shard_client.errors import LedgerRejected
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from, print_json
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from
+from shardledger_cli.output import print_json
 
 APPEND_BATCH: Final = 500
 MAX_REASON_CHARS: Final = 255

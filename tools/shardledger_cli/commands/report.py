@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import os
 import signal
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, Final
 
 from ledger_server.states import QUERY_STATES
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.atomic import atomic_write
-from tools.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from, print_json
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from
+from shardledger_cli.output import (
+    REASON_KEY,
+    atomic_output,
+    equation,
+    iso_us,
+    print_json,
+    ts_us,
+    write_lines,
+)
 
 RESUME_FORMATS: Final = ("jsonl", "ids", "slurm-array")
-REASON_KEY: Final = "_resume_reason"
 
 
 HELP: Final = {
@@ -97,16 +101,6 @@ def register(
     parsers["runs"].add_argument("--limit", type=at_least(1), default=100, help="at most N runs")
 
 
-def ts_us(ts: Any) -> int:
-    """Returns a protobuf Timestamp as microseconds since the epoch."""
-    return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
-
-
-def iso_us(us: int | None) -> str:
-    """Returns microseconds since the epoch as an ISO-8601 UTC time ("-" for None)."""
-    return "-" if us is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(us // 1_000_000))
-
-
 def run_status(args: argparse.Namespace) -> int:
     """Prints the run summary; exits 0 only when every planned shard is verified."""
     summary: dict[str, Any] = json.loads(
@@ -118,12 +112,6 @@ def run_status(args: argparse.Namespace) -> int:
         render_summary(summary)
     done = summary["submitted"] > 0 and summary["verified"] == summary["submitted"]
     return EXIT_OK if done else EXIT_PROBLEMS
-
-
-def equation(s: dict[str, Any]) -> str:
-    """Returns the reconciliation line: submitted = verified + failed + missing + ..."""
-    parts = ("verified", "failed", "missing", "running", "stale", "unverified")
-    return f"submitted {s['submitted']} = " + " + ".join(f"{k} {s[k]}" for k in parts)
 
 
 def render_summary(s: dict[str, Any]) -> None:
@@ -246,21 +234,6 @@ def run_resume(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if total else EXIT_OK
 
 
-def write_lines(
-    entries: Iterable[Any], out: IO[str], reasons: Counter[str], *, ids: bool, with_reason: bool
-) -> None:
-    """Writes one plan line (or shard id) per entry, counting reasons."""
-    batch: list[str] = []
-    for entry in entries:
-        reasons[entry.reason] += 1
-        line = entry.shard_id if ids else entry.plan_line
-        batch.append((with_resume_reason(line, entry.reason) if with_reason else line) + "\n")
-        if len(batch) >= 4096:
-            out.writelines(batch)
-            batch.clear()
-    out.writelines(batch)
-
-
 def write_entries_json(entries: Iterable[Any], out: IO[str], reasons: Counter[str]) -> None:
     """Writes one JSON object per entry: shard id, plan index, reason, the parsed plan line."""
     for entry in entries:
@@ -272,18 +245,6 @@ def write_entries_json(entries: Iterable[Any], out: IO[str], reasons: Counter[st
             "plan_line": json.loads(entry.plan_line) if entry.plan_line else None,
         }
         out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
-
-
-def with_resume_reason(line: str, reason: str) -> str:
-    """Returns the plan line with a _resume_reason key, its other bytes unchanged."""
-    stripped = line.rstrip()
-    if f'"{REASON_KEY}"' in stripped or not stripped.endswith("}"):
-        obj = json.loads(stripped)
-        obj[REASON_KEY] = reason
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    # Appending before the closing brace keeps the stored line byte for byte.
-    sep = "" if stripped[:-1].rstrip().endswith("{") else ","
-    return f'{stripped[:-1]}{sep}"{REASON_KEY}":{json.dumps(reason)}}}'
 
 
 def slurm_ranges(indexes: Iterable[int]) -> Iterator[str]:
@@ -316,26 +277,6 @@ def write_slurm_array(entries: Iterable[Any], out: IO[str], reasons: Counter[str
         first = False
     if not first:
         out.write("\n")
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | None) -> Iterator[IO[str]]:
-    """Yields stdout, or a file whose contents replace path atomically and durably on success."""
-    if path is None or path == "-":
-        yield sys.stdout
-        sys.stdout.flush()
-        return
-    try:
-        if os.path.exists(path) and not os.path.isfile(path):
-            # A device or FIFO (-o /dev/null, a named pipe) is written in place:
-            # renaming a temp file over it would replace the device node itself.
-            with open(path, "w", encoding="utf-8") as fh:
-                yield fh
-        else:
-            with atomic_write(path, mode="w") as fh:
-                yield fh
-    except OSError as exc:
-        raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def run_events(args: argparse.Namespace) -> int:

@@ -1,0 +1,1 @@
+"""`shardledger demo`: a real batch of small torch shards with every failure form injected."""

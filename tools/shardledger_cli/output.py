@@ -1,0 +1,103 @@
+"""Output helpers every command shares: JSON, times, plan lines, atomic files, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import IO, Any, Final
+
+from shard_client.atomic import atomic_write
+from shardledger_cli.cli import CommandError
+
+REASON_KEY: Final = "_resume_reason"
+
+
+def print_json(value: Any) -> None:
+    """Prints one JSON document on stdout."""
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
+    """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
+    if not sys.stderr.isatty() or total < 2:
+        return nullcontext(lambda n: None)
+
+    @contextmanager
+    def bar() -> Iterator[Callable[[int], None]]:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), transient=True) as shown:
+            task = shown.add_task(label, total=total)
+            yield lambda n: shown.advance(task, n)
+
+    return bar()
+
+
+def ts_us(ts: Any) -> int:
+    """Returns a protobuf Timestamp as microseconds since the epoch."""
+    return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
+
+
+def iso_us(us: int | None) -> str:
+    """Returns microseconds since the epoch as an ISO-8601 UTC time ("-" for None)."""
+    return "-" if us is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(us // 1_000_000))
+
+
+def equation(s: dict[str, Any]) -> str:
+    """Returns the reconciliation line: submitted = verified + failed + missing + ..."""
+    parts = ("verified", "failed", "missing", "running", "stale", "unverified")
+    return f"submitted {s['submitted']} = " + " + ".join(f"{k} {s[k]}" for k in parts)
+
+
+def write_lines(
+    entries: Iterable[Any], out: IO[str], reasons: Counter[str], *, ids: bool, with_reason: bool
+) -> None:
+    """Writes one plan line (or shard id) per entry, counting reasons."""
+    batch: list[str] = []
+    for entry in entries:
+        reasons[entry.reason] += 1
+        line = entry.shard_id if ids else entry.plan_line
+        batch.append((with_resume_reason(line, entry.reason) if with_reason else line) + "\n")
+        if len(batch) >= 4096:
+            out.writelines(batch)
+            batch.clear()
+    out.writelines(batch)
+
+
+def with_resume_reason(line: str, reason: str) -> str:
+    """Returns the plan line with a _resume_reason key, its other bytes unchanged."""
+    stripped = line.rstrip()
+    if f'"{REASON_KEY}"' in stripped or not stripped.endswith("}"):
+        obj = json.loads(stripped)
+        obj[REASON_KEY] = reason
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    # Appending before the closing brace keeps the stored line byte for byte.
+    sep = "" if stripped[:-1].rstrip().endswith("{") else ","
+    return f'{stripped[:-1]}{sep}"{REASON_KEY}":{json.dumps(reason)}}}'
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | None) -> Iterator[IO[str]]:
+    """Yields stdout, or a file whose contents replace path atomically and durably on success."""
+    if path is None or path == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    try:
+        if os.path.exists(path) and not os.path.isfile(path):
+            # A device or FIFO (-o /dev/null, a named pipe) is written in place:
+            # renaming a temp file over it would replace the device node itself.
+            with open(path, "w", encoding="utf-8") as fh:
+                yield fh
+        else:
+            with atomic_write(path, mode="w") as fh:
+                yield fh
+    except OSError as exc:
+        raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
