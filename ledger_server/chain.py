@@ -71,6 +71,8 @@ def event_from_parsed(outer: Any) -> tuple[Event, int, int]:
     payload_data = dict(data["payload"])
     if kind == "planned":
         payload_data["expected_outputs"] = tuple(payload_data["expected_outputs"])
+    elif kind == "heartbeat" and "nonfinite_metrics" in payload_data:
+        payload_data["nonfinite_metrics"] = tuple(payload_data["nonfinite_metrics"])
     payload = PAYLOAD_TYPES[kind](**payload_data)
     event = Event(
         event_id=data["event_id"],

@@ -9,6 +9,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ledger_server.errors import InvalidEvent
 from ledger_server.events import (
+    SCHEDULER_FIELDS,
     ArtifactCommitted,
     ArtifactVerified,
     AttemptFailed,
@@ -78,13 +79,20 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             heartbeat_timeout_us=_duration_us(s.heartbeat_timeout),
             fingerprint=dict(sorted(s.fingerprint.items())),
             fingerprint_digest=s.fingerprint_digest,
+            scheduler=_scheduler_dict(s.scheduler) if s.HasField("scheduler") else {},
+            process_start_ticks=s.process_start_ticks,
         )
     if case == "heartbeat":
         h = msg.heartbeat
         # dict(map) goes through the Mapping ABC's Python-level keys view; iterating the map
         # and indexing it stays in C (half the time). An empty map costs nothing.
         metrics = h.metrics
-        return Heartbeat(step=h.step, progress=h.progress, metrics={k: metrics[k] for k in metrics})
+        return Heartbeat(
+            step=h.step,
+            progress=h.progress,
+            metrics={k: metrics[k] for k in metrics},
+            nonfinite_metrics=tuple(h.nonfinite_metrics),
+        )
     if case == "checkpoint":
         c = msg.checkpoint
         return CheckpointSaved(
@@ -116,8 +124,18 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         if f.tag not in _TAGS:
             raise InvalidEvent("failed.tag", "must be a known FailureTag other than UNSPECIFIED")
         # The plain value: a driver would bind an Enum member by its name.
-        return AttemptFailed(tag=_TAGS[f.tag].value, message=f.message)
+        return AttemptFailed(
+            tag=_TAGS[f.tag].value,
+            message=f.message,
+            diagnostics_path=f.diagnostics_path,
+            diagnostics_blake3_hex=f.diagnostics_blake3_hex,
+        )
     raise InvalidEvent("payload", "exactly one payload kind must be set")
+
+
+def _scheduler_dict(s: pb.SchedulerIdentity) -> dict[str, str]:
+    """Returns the scheduler identity's set fields (empty strings left out)."""
+    return {name: getattr(s, name) for name in SCHEDULER_FIELDS if getattr(s, name)}
 
 
 def decode_event(msg: pb.ShardEvent) -> Event:
@@ -168,10 +186,19 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 heartbeat_timeout=timeout,
                 fingerprint=p.fingerprint,
                 fingerprint_digest=p.fingerprint_digest,
+                scheduler=pb.SchedulerIdentity(**p.scheduler) if p.scheduler else None,
+                process_start_ticks=p.process_start_ticks,
             )
         )
     elif isinstance(p, Heartbeat):
-        out.heartbeat.CopyFrom(pb.Heartbeat(step=p.step, progress=p.progress, metrics=p.metrics))
+        out.heartbeat.CopyFrom(
+            pb.Heartbeat(
+                step=p.step,
+                progress=p.progress,
+                metrics=p.metrics,
+                nonfinite_metrics=p.nonfinite_metrics,
+            )
+        )
     elif isinstance(p, CheckpointSaved):
         out.checkpoint.CopyFrom(
             pb.CheckpointSaved(
@@ -200,7 +227,14 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
             )
         )
     elif isinstance(p, AttemptFailed):
-        out.failed.CopyFrom(pb.AttemptFailed(tag=_TAG_VALUES[p.tag], message=p.message))
+        out.failed.CopyFrom(
+            pb.AttemptFailed(
+                tag=_TAG_VALUES[p.tag],
+                message=p.message,
+                diagnostics_path=p.diagnostics_path,
+                diagnostics_blake3_hex=p.diagnostics_blake3_hex,
+            )
+        )
     return out
 
 

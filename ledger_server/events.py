@@ -6,7 +6,7 @@ canonical row bytes and the hash chain in chain.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final, NamedTuple
 
 from shard_client.canonical import canonical_json
@@ -39,6 +39,18 @@ class ShardPlanned:
         }
 
 
+# The fields of a scheduler identity (the proto's SchedulerIdentity), in its order.
+SCHEDULER_FIELDS: Final = (
+    "kind",
+    "job_id",
+    "array_job_id",
+    "array_task_id",
+    "cluster",
+    "node",
+    "namespace",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class AttemptStarted:
     """An attempt at the shard started."""
@@ -49,6 +61,10 @@ class AttemptStarted:
     heartbeat_timeout_us: int
     fingerprint: dict[str, str]
     fingerprint_digest: str
+    # Scheduler identity (kind, job_id, array_job_id, array_task_id, cluster, node,
+    # namespace; only the set ones) and the process start time in clock ticks since boot.
+    scheduler: dict[str, str] = field(default_factory=dict)
+    process_start_ticks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +75,8 @@ class Heartbeat:
     step: int
     progress: float
     metrics: dict[str, float]
+    # Metrics that were NaN or infinite at this step, by name (left out of metrics).
+    nonfinite_metrics: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +122,8 @@ class AttemptFailed:
     KIND: ClassVar[str] = "failed"
     tag: str
     message: str
+    diagnostics_path: str = ""
+    diagnostics_blake3_hex: str = ""
 
 
 Payload = (
@@ -129,6 +149,13 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 }
 
 
+# Fields added after the first contract version: left out of the canonical JSON when
+# unset (empty or zero), so older rows and events keep their bytes.
+_LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
+    AttemptStarted: ("scheduler", "process_start_ticks"),
+    Heartbeat: ("nonfinite_metrics",),
+    AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
+}
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()
 }
@@ -184,7 +211,13 @@ class RecordedEvent(NamedTuple):
 
 
 def payload_dict(payload: Payload) -> dict[str, Any]:
-    """Returns the payload's fields as a JSON-ready dict."""
+    """Returns the payload's fields as a JSON-ready dict (fields added later only when set)."""
     # Fields are JSON-ready already (str, int, float, flat dicts, a tuple that encodes as a
     # list), so a shallow read is enough; dataclasses.asdict would deep-copy every value.
-    return {name: getattr(payload, name) for name in _FIELD_NAMES[type(payload)]}
+    out = {name: getattr(payload, name) for name in _FIELD_NAMES[type(payload)]}
+    for name in _LATER_FIELDS.get(type(payload), ()):
+        if not out[name]:
+            # A row written before the field existed encodes without it; so does every
+            # event that leaves it unset, and their canonical bytes stay what they were.
+            del out[name]
+    return out

@@ -15,6 +15,7 @@ from typing import Final, NamedTuple
 from ledger_server.errors import InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
+    SCHEDULER_FIELDS,
     VERIFY_RESULTS,
     ArtifactCommitted,
     ArtifactVerified,
@@ -166,6 +167,13 @@ def _check_payload(event: Event) -> Payload:
             _check_text("started.fingerprint", key, 256, required=True)
             _check_text("started.fingerprint", value, 1024)
         check_digest("started.fingerprint_digest", p.fingerprint_digest, required=False)
+        for key, value in p.scheduler.items():
+            if key not in SCHEDULER_FIELDS:
+                raise InvalidEvent("started.scheduler", f"unknown field {key!r}")
+            _check_text(f"started.scheduler.{key}", value, 255)
+        if p.scheduler and not p.scheduler.get("kind"):
+            raise InvalidEvent("started.scheduler.kind", "must name the scheduler")
+        _check_size("started.process_start_ticks", p.process_start_ticks)
     elif isinstance(p, Heartbeat):
         _check_size("heartbeat.step", p.step)
         if not (math.isfinite(p.progress) and 0.0 <= p.progress <= 1.0):
@@ -175,7 +183,14 @@ def _check_payload(event: Event) -> Payload:
         for metric, number in p.metrics.items():
             _check_text("heartbeat.metrics", metric, 256, required=True)
             if not math.isfinite(number):
-                raise InvalidEvent("heartbeat.metrics", f"{metric!r} must be finite")
+                raise InvalidEvent(
+                    "heartbeat.metrics",
+                    f"{metric!r} must be finite (name it in nonfinite_metrics instead)",
+                )
+        if len(p.nonfinite_metrics) > MAX_MAP_ENTRIES:
+            raise InvalidEvent("heartbeat.nonfinite_metrics", f"more than {MAX_MAP_ENTRIES}")
+        for metric in p.nonfinite_metrics:
+            _check_text("heartbeat.nonfinite_metrics", metric, 256, required=True)
     elif isinstance(p, CheckpointSaved):
         _check_size("checkpoint.step", p.step)
         _check_text("checkpoint.path", p.path, MAX_PATH_CHARS, required=True)
@@ -199,6 +214,14 @@ def _check_payload(event: Event) -> Payload:
         if p.tag not in FAILURE_TAGS:
             raise InvalidEvent("failed.tag", "must be one of " + ", ".join(FAILURE_TAGS))
         _check_text("failed.message", p.message, MAX_TEXT_CHARS)
+        _check_text("failed.diagnostics_path", p.diagnostics_path, MAX_PATH_CHARS)
+        check_digest(
+            "failed.diagnostics_blake3_hex",
+            p.diagnostics_blake3_hex,
+            required=bool(p.diagnostics_path),
+        )
+        if p.diagnostics_blake3_hex and not p.diagnostics_path:
+            raise InvalidEvent("failed.diagnostics_path", "must be set with its digest")
     return p
 
 

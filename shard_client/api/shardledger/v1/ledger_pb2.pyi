@@ -109,7 +109,7 @@ class ShardPlanned(_message.Message):
     def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
-    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest")
+    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,15 +122,37 @@ class AttemptStarted(_message.Message):
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
     host: str
     pid: int
     heartbeat_timeout: _duration_pb2.Duration
     fingerprint: _containers.ScalarMap[str, str]
     fingerprint_digest: str
-    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ...) -> None: ...
+    scheduler: SchedulerIdentity
+    process_start_ticks: int
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ...) -> None: ...
+
+class SchedulerIdentity(_message.Message):
+    __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    job_id: str
+    array_job_id: str
+    array_task_id: str
+    cluster: str
+    node: str
+    namespace: str
+    def __init__(self, kind: _Optional[str] = ..., job_id: _Optional[str] = ..., array_job_id: _Optional[str] = ..., array_task_id: _Optional[str] = ..., cluster: _Optional[str] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "progress", "metrics")
+    __slots__ = ("step", "progress", "metrics", "nonfinite_metrics")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,10 +163,12 @@ class Heartbeat(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_METRICS_FIELD_NUMBER: _ClassVar[int]
     step: int
     progress: float
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    nonfinite_metrics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., nonfinite_metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
     __slots__ = ("step", "path", "size_bytes", "blake3_hex")
@@ -189,12 +213,16 @@ class ArtifactVerified(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., blake3_hex: _Optional[str] = ..., result: _Optional[_Union[VerificationResult, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AttemptFailed(_message.Message):
-    __slots__ = ("tag", "message")
+    __slots__ = ("tag", "message", "diagnostics_path", "diagnostics_blake3_hex")
     TAG_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSTICS_PATH_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSTICS_BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     tag: FailureTag
     message: str
-    def __init__(self, tag: _Optional[_Union[FailureTag, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    diagnostics_path: str
+    diagnostics_blake3_hex: str
+    def __init__(self, tag: _Optional[_Union[FailureTag, str]] = ..., message: _Optional[str] = ..., diagnostics_path: _Optional[str] = ..., diagnostics_blake3_hex: _Optional[str] = ...) -> None: ...
 
 class AppendEventsRequest(_message.Message):
     __slots__ = ("events",)
