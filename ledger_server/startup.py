@@ -14,20 +14,17 @@ import os
 import shlex
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
+from ledger_server.config import DEFAULT_DB, ServerConfig
 from ledger_server.signing import SigningKey
-from ledger_server.store import Store, open_store, redact_url, sqlite_path
+from ledger_server.store import Store, open_store
 from ledger_server.store.base import StoreError
-
-if TYPE_CHECKING:
-    from ledger_server.server import ServerConfig
-
-DEFAULT_DB: Final = "ledger.db"
+from ledger_server.store.urls import redact_url, sqlite_path
 
 
 class StartupError(SystemExit):

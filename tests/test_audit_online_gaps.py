@@ -18,9 +18,10 @@ import pytest
 
 from ledger_server.chain import chain_hash
 from ledger_server.codec import decode_event
+from ledger_server.config import ServerConfig
 from ledger_server.ledger import Ledger
 from ledger_server.merkle import MerkleTree
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.server import RunningServer, create_server
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerRejected

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from ledger_server.server import ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import create_server
 from tools.cli import main as cli
 from tools.cmd_plan import entries_from_manifest
 from tools.demo_faults import EXPECTED_REASON, FORMS, MIN_SHARDS, FaultPlan

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from ledger_server.chain import chain_hash
+from ledger_server.config import ServerConfig
 from ledger_server.ledger import Ledger
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.server import RunningServer, create_server
 from ledger_server.signing import SigningKey, public_key_id
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb

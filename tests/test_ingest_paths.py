@@ -18,9 +18,10 @@ import pytest
 
 from ledger_server import codec
 from ledger_server import projections as proj
+from ledger_server.config import ServerConfig
 from ledger_server.errors import EventRejected
 from ledger_server.ledger import DUPLICATE, Ledger
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.server import RunningServer, create_server
 from ledger_server.store import open_store
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import validate

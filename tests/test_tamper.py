@@ -21,9 +21,10 @@ import pytest
 
 from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.codec import decode_event
+from ledger_server.config import ServerConfig
 from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
 from ledger_server.ledger import Ledger
-from ledger_server.server import ServerConfig, create_server
+from ledger_server.server import create_server
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
