@@ -32,7 +32,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 
 if TYPE_CHECKING:
-    from ledger_server.ledger import Ledger
+    from ledger_server.service import LedgerService
 
 MAX_CACHED_RUNS: Final = 64
 # About 130 bytes per leaf (tree levels plus the event-id index): ~500 MiB at most.
@@ -184,7 +184,7 @@ _CACHE_INIT_LOCK: Final = threading.Lock()
 class AuditRpcMixin:
     """Serves the audit RPCs of the v1 contract (mixed into LedgerServicer)."""
 
-    ledger: Ledger
+    ledger: LedgerService
     signing_key: SigningKey | None
 
     def GetTreeHead(

@@ -2,7 +2,7 @@
 
 The rows keep their original bytes and hashes, so the imported chain and
 Merkle tree are the exported ones and a head signed by the source server
-still vouches for them. Projections are folded exactly as ``Ledger._apply``
+still vouches for them. Projections are folded exactly as ``BatchFolder.apply``
 folds an append; only the global sequences are new.
 """
 

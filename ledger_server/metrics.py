@@ -34,8 +34,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ledger_server.errors import LedgerError
-from ledger_server.ledger import Ledger
 from ledger_server.projections import DUPLICATE_KINDS
+from ledger_server.service import LedgerService
 from ledger_server.states import ShardState
 from ledger_server.store.base import RunRow, StoreError
 from shard_client.vocabulary import FAILURE_TAGS
@@ -229,7 +229,7 @@ def _families() -> dict[str, GaugeMetricFamily]:
 class RunCollector(Collector):
     """Computes per-run gauges from the ledger's projections at each scrape."""
 
-    def __init__(self, ledger: Ledger, export: RunExport | None = None) -> None:
+    def __init__(self, ledger: LedgerService, export: RunExport | None = None) -> None:
         self.ledger = ledger
         self.export = export if export is not None else RunExport()
 
@@ -374,7 +374,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
 
 
 def start_metrics_server(
-    metrics: LedgerMetrics, ledger: Ledger, listen: str, *, export: RunExport | None = None
+    metrics: LedgerMetrics, ledger: LedgerService, listen: str, *, export: RunExport | None = None
 ) -> tuple[WSGIServer, int]:
     """Serves /metrics for the ledger on a background thread; returns the server and bound port."""
     metrics.registry.register(RunCollector(ledger, export))

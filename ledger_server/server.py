@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.interceptor import RequestInterceptor
-from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
+from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
 from ledger_server.startup import (
@@ -48,7 +48,7 @@ class RunningServer:
 
     server: grpc.Server
     port: int
-    ledger: Ledger
+    ledger: LedgerService
     health: health.HealthServicer
     interceptor: RequestInterceptor
     metrics: LedgerMetrics
@@ -89,7 +89,7 @@ def create_server(config: ServerConfig) -> RunningServer:
         if key is None:
             key = create_signing_key(key_path)
         metrics = LedgerMetrics()
-        ledger = Ledger(store, on_group=metrics.observe_group)
+        ledger = LedgerService(store, on_group=metrics.observe_group)
     except BaseException:
         store.close()
         raise
@@ -103,7 +103,7 @@ def create_server(config: ServerConfig) -> RunningServer:
 
 def _start(
     config: ServerConfig,
-    ledger: Ledger,
+    ledger: LedgerService,
     metrics: LedgerMetrics,
     *,
     key: SigningKey,

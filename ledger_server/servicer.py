@@ -14,9 +14,9 @@ from ledger_server.audit_rpc import AuditRpcMixin
 from ledger_server.auth import APPEND, READ, Forbidden, authorize, effective_namespace
 from ledger_server.errors import EventRejected, InvalidEvent, LedgerError
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
-from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics
 from ledger_server.rpc_status import abort_on_error
+from ledger_server.service import LedgerService
 from ledger_server.signing import SigningKey
 from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -58,11 +58,11 @@ def _page_size(value: int) -> int:
 
 
 class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
-    """Thin adapter from the v1 contract to the Ledger."""
+    """Thin adapter from the v1 contract to the LedgerService."""
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: LedgerService,
         *,
         signing_key: SigningKey | None = None,
         interceptor: RequestInterceptor | None = None,

@@ -229,7 +229,9 @@ def test_every_reason_the_append_and_auth_paths_raise_has_its_own_label() -> Non
         "events.py",
         "validation.py",
         "projections.py",
-        "ledger.py",
+        "service.py",
+        "committer.py",
+        "batch.py",
         "auth.py",
         "servicer.py",
     )
