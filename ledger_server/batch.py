@@ -15,7 +15,7 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
 from ledger_server.errors import EventIdReused, EventRejected, LedgerError, RunNotFound
 from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
-from ledger_server.store.base import RunRow, StoredEvent, WriteTx
+from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
 from ledger_server.validation import ValidEvent
 
 # Event kinds that never change a shard's contribution to the run counters.
@@ -177,7 +177,7 @@ class BatchFolder:
                     beat_step=latest.last_step,
                 )
                 continue
-            tx.save_shard(run_pk=run_pk, shard_id=shard_id, **proj.row_columns(record))
+            tx.save_shard(run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record)))
             # Heartbeats and checkpoints never change a shard's summary counters, so a
             # shard touched only by them skips the recount (the hot path of a busy fleet).
             if shard_key in state.before:
