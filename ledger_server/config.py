@@ -47,3 +47,22 @@ def default_key_path(database: str) -> str:
     if path is None or path == ":memory:":
         return "shardledger-signing-key.pem"
     return path + ".signing-key.pem"
+
+
+def split_listen(listen: str, option: str = "--listen") -> tuple[str, int]:
+    """Returns (host, port) of a HOST:PORT address, or raises ValueError naming the option.
+
+    An empty host (":9464") means every interface.
+    """
+    host, sep, port = listen.rpartition(":")
+    bare = host.strip("[]")
+    if not sep or not port.isdigit() or (":" in bare and host != f"[{bare}]"):
+        raise ValueError(
+            f"{option} {listen!r} is not HOST:PORT (e.g. 127.0.0.1:50551, [::1]:0;"
+            " IPv6 addresses go in brackets)"
+        )
+    if int(port) > 65535:
+        raise ValueError(
+            f"{option} {listen}: port {port} is out of range 0-65535 (0 picks a free one)"
+        )
+    return bare, int(port)

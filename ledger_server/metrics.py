@@ -33,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ledger_server.config import split_listen
 from ledger_server.errors import LedgerError
 from ledger_server.projections import DUPLICATE_KINDS
 from ledger_server.service import LedgerService
@@ -46,7 +47,7 @@ __all__ = [
     "LedgerMetrics",
     "RunCollector",
     "RunExport",
-    "parse_listen",
+    "bind_address",
     "start_metrics_server",
     "stop_metrics_server",
 ]
@@ -365,12 +366,10 @@ class _IPv6Server(_IPv4Server):
     address_family = socket.AF_INET6
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """Returns (host, port) of a HOST:PORT address ("[::1]:9464", ":9464" for all interfaces)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"metrics listen address {listen!r} is not HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
+def bind_address(listen: str) -> tuple[str, int]:
+    """Returns the (host, port) /metrics binds: an empty host (":9464") is every IPv4 interface."""
+    host, port = split_listen(listen, "--metrics-listen")
+    return host or "0.0.0.0", port
 
 
 def start_metrics_server(
@@ -378,7 +377,7 @@ def start_metrics_server(
 ) -> tuple[WSGIServer, int]:
     """Serves /metrics for the ledger on a background thread; returns the server and bound port."""
     metrics.registry.register(RunCollector(ledger, export))
-    host, port = parse_listen(listen)
+    host, port = bind_address(listen)
     server_class = _IPv6Server if ":" in host else _IPv4Server
     httpd = make_server(
         host,
