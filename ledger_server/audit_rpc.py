@@ -13,38 +13,31 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, TypeVar
+from typing import TYPE_CHECKING, Final
 
 import grpc
 
 from ledger_server.auth import AUDIT
 from ledger_server.chain import ChainWalker
-from ledger_server.errors import (
-    EventNotFound,
-    InvalidEvent,
-    LedgerCorrupt,
-    LedgerError,
-    SigningKeyMissing,
-)
+from ledger_server.errors import EventNotFound, InvalidEvent, LedgerCorrupt, SigningKeyMissing
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
+from ledger_server.rpc_status import abort_on_error
 from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
-from ledger_server.store.base import ReadView, RunRow, StoredEvent, StoreError
+from ledger_server.store.base import ReadView, RunRow, StoredEvent
 from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 
 if TYPE_CHECKING:
-    from ledger_server.ledger import Ledger
+    from ledger_server.service import LedgerService
 
 MAX_CACHED_RUNS: Final = 64
 # About 130 bytes per leaf (tree levels plus the event-id index): ~500 MiB at most.
 MAX_CACHED_LEAVES: Final = 4_000_000
 _PAGE: Final = 5000
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -191,35 +184,31 @@ _CACHE_INIT_LOCK: Final = threading.Lock()
 class AuditRpcMixin:
     """Serves the audit RPCs of the v1 contract (mixed into LedgerServicer)."""
 
-    ledger: Ledger
+    ledger: LedgerService
     signing_key: SigningKey | None
 
     def GetTreeHead(
         self, request: pb.GetTreeHeadRequest, context: grpc.ServicerContext
     ) -> pb.GetTreeHeadResponse:
-        def call() -> pb.GetTreeHeadResponse:
+        with abort_on_error(context):
             with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 size = _size("tree_size", request.tree_size, entry.tree.size)
                 head = self._sign(run, size, entry.tree.root(size))
             return pb.GetTreeHeadResponse(tree_head_json=canonical_json(head.to_json()))
 
-        return _guard(context, call)
-
     def GetInclusionProof(
         self, request: pb.GetInclusionProofRequest, context: grpc.ServicerContext
     ) -> pb.GetInclusionProofResponse:
-        def call() -> pb.GetInclusionProofResponse:
+        with abort_on_error(context):
             check_id("event_id", request.event_id)
             with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 bundle = self._inclusion(run, entry, request.event_id, request.tree_size)
             return pb.GetInclusionProofResponse(proof_bundle_json=canonical_json(bundle.to_json()))
 
-        return _guard(context, call)
-
     def GetConsistencyProof(
         self, request: pb.GetConsistencyProofRequest, context: grpc.ServicerContext
     ) -> pb.GetConsistencyProofResponse:
-        def call() -> pb.GetConsistencyProofResponse:
+        with abort_on_error(context):
             with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 new = _size("new_size", request.new_size, entry.tree.size)
                 if not 0 <= request.old_size <= new:
@@ -230,16 +219,12 @@ class AuditRpcMixin:
                 proof=proof, tree_head_json=canonical_json(head.to_json())
             )
 
-        return _guard(context, call)
-
     def GetPublicKey(
         self, request: pb.GetPublicKeyRequest, context: grpc.ServicerContext
     ) -> pb.GetPublicKeyResponse:
-        def call() -> pb.GetPublicKeyResponse:
+        with abort_on_error(context):
             key = self._key()
             return pb.GetPublicKeyResponse(public_key_pem=key.public_key_pem(), key_id=key.key_id)
-
-        return _guard(context, call)
 
     # --- helpers ---------------------------------------------------------------
 
@@ -327,13 +312,3 @@ def _size(field_name: str, requested: int, current: int) -> int:
             field_name, f"is {requested}, beyond the run's current size {current}", current=current
         )
     return requested or current
-
-
-def _guard(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
-    try:
-        return call()
-    except (LedgerError, StoreError) as exc:
-        from ledger_server.servicer import rich_status  # servicer imports this module
-
-        context.abort_with_status(rich_status(exc))
-        raise AssertionError("unreachable") from exc  # abort_with_status always raises

@@ -13,7 +13,8 @@ from typing import Any, Final
 
 import blake3
 
-from ledger_server.events import PAYLOAD_TYPES, Event
+from ledger_server.events import PAYLOAD_TYPES, Event, RecordedEvent
+from ledger_server.store.base import StoredEvent
 
 GENESIS_HASH: Final = bytes(32)
 
@@ -84,6 +85,12 @@ def event_from_parsed(outer: Any) -> tuple[Event, int, int]:
         payload=payload,
     )
     return event, outer["run_sequence"], outer["receive_time_us"]
+
+
+def recorded(stored: StoredEvent) -> RecordedEvent:
+    """Decodes a stored row into a RecordedEvent."""
+    event, run_sequence, receive_time_us = event_from_row(stored.row)
+    return RecordedEvent(event, stored.sequence, run_sequence, receive_time_us, stored.row_hash)
 
 
 @dataclass(slots=True)

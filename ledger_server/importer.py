@@ -2,7 +2,7 @@
 
 The rows keep their original bytes and hashes, so the imported chain and
 Merkle tree are the exported ones and a head signed by the source server
-still vouches for them. Projections are folded exactly as ``Ledger._apply``
+still vouches for them. Projections are folded exactly as ``BatchFolder.apply``
 folds an append; only the global sequences are new.
 """
 
@@ -17,7 +17,7 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
 from ledger_server.events import RecordedEvent
-from ledger_server.store.base import RunRow, Store, WriteTx
+from ledger_server.store.base import RunRow, ShardRow, Store, WriteTx
 from ledger_server.validation import validate
 
 _CHUNK: Final = 500
@@ -164,7 +164,7 @@ class _RunWriter:
             raise ImportRejected("the export holds no events")
         run_pk = self.run.run_pk
         for shard_id, record in self.records.items():
-            self.tx.save_shard(run_pk=run_pk, shard_id=shard_id, **proj.row_columns(record))
+            self.tx.save_shard(run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record)))
             self.tx.add_counters(run_pk, proj.contributions(record))
         self.tx.update_run(
             run_pk,

@@ -15,6 +15,7 @@ import structlog
 
 from ledger_server.auth import Principal, TokenSource, Unauthenticated, authenticate
 from ledger_server.errors import InvalidEvent
+from ledger_server.rpc_status import rich_status
 
 log = structlog.get_logger("shardledger.server")
 
@@ -53,8 +54,6 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
     if request is _MALFORMED:
-        from ledger_server.servicer import rich_status
-
         context.abort_with_status(rich_status(MalformedRequest()))
 
 
@@ -108,8 +107,6 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     def _behavior_factory(
         self, method: str, principal: Principal | None, failure: Unauthenticated | None
     ) -> Callable[[Callable[..., Any], bool], Callable[..., Any]]:
-        from ledger_server.servicer import rich_status
-
         def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
             if not log.is_enabled_for(logging.INFO):
                 return  # context.peer() and the rest cost more than a filtered-out line

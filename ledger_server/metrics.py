@@ -33,9 +33,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ledger_server.config import split_listen
 from ledger_server.errors import LedgerError
-from ledger_server.ledger import Ledger
 from ledger_server.projections import DUPLICATE_KINDS
+from ledger_server.service import LedgerService
 from ledger_server.states import ShardState
 from ledger_server.store.base import RunRow, StoreError
 from shard_client.vocabulary import FAILURE_TAGS
@@ -46,7 +47,7 @@ __all__ = [
     "LedgerMetrics",
     "RunCollector",
     "RunExport",
-    "parse_listen",
+    "bind_address",
     "start_metrics_server",
     "stop_metrics_server",
 ]
@@ -229,7 +230,7 @@ def _families() -> dict[str, GaugeMetricFamily]:
 class RunCollector(Collector):
     """Computes per-run gauges from the ledger's projections at each scrape."""
 
-    def __init__(self, ledger: Ledger, export: RunExport | None = None) -> None:
+    def __init__(self, ledger: LedgerService, export: RunExport | None = None) -> None:
         self.ledger = ledger
         self.export = export if export is not None else RunExport()
 
@@ -365,20 +366,18 @@ class _IPv6Server(_IPv4Server):
     address_family = socket.AF_INET6
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """Returns (host, port) of a HOST:PORT address ("[::1]:9464", ":9464" for all interfaces)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"metrics listen address {listen!r} is not HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
+def bind_address(listen: str) -> tuple[str, int]:
+    """Returns the (host, port) /metrics binds: an empty host (":9464") is every IPv4 interface."""
+    host, port = split_listen(listen, "--metrics-listen")
+    return host or "0.0.0.0", port
 
 
 def start_metrics_server(
-    metrics: LedgerMetrics, ledger: Ledger, listen: str, *, export: RunExport | None = None
+    metrics: LedgerMetrics, ledger: LedgerService, listen: str, *, export: RunExport | None = None
 ) -> tuple[WSGIServer, int]:
     """Serves /metrics for the ledger on a background thread; returns the server and bound port."""
     metrics.registry.register(RunCollector(ledger, export))
-    host, port = parse_listen(listen)
+    host, port = bind_address(listen)
     server_class = _IPv6Server if ":" in host else _IPv4Server
     httpd = make_server(
         host,

@@ -222,16 +222,7 @@ def _rewrite(
         tx.clear_projections(run.run_pk)
         for n, row in enumerate(rows, 1):
             assert row.record is not None  # a rebuilt row always carries its record
-            tx.save_shard(
-                run_pk=run.run_pk,
-                shard_id=row.shard_id,
-                plan_index=row.plan_index,
-                state=row.state,
-                detail=row.detail,
-                deadline_us=row.deadline_us,
-                plan_line=row.plan_line,
-                record=row.record,
-            )
+            tx.save_shard(run.run_pk, row)
             if n % WRITE_CHUNK == 0:
                 tx.flush()
         tx.add_counters(run.run_pk, rebuilt_counters)

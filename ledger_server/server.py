@@ -8,7 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import grpc
@@ -18,13 +18,13 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.interceptor import RequestInterceptor
-from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
+from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
 from ledger_server.startup import (
-    DEFAULT_DB,
     StartupError,
     check_config,
     check_free,
@@ -34,52 +34,12 @@ from ledger_server.startup import (
     open_database,
     read_pem,
 )
-from ledger_server.store import redact_url, sqlite_path
 from ledger_server.store.base import StoreError
+from ledger_server.store.urls import redact_url
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
-DEFAULT_LISTEN: Final = "127.0.0.1:50551"
-MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
-
 log = structlog.get_logger("shardledger.server")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Everything `shardledger serve` can set."""
-
-    database: str = DEFAULT_DB
-    listen: str = DEFAULT_LISTEN
-    max_workers: int = 32
-    # In-flight RPCs beyond this are refused with RESOURCE_EXHAUSTED instead
-    # of queueing without bound (memory growth under overload).
-    max_concurrent_rpcs: int = 256
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    reflection: bool = True
-    insecure: bool = False
-    grace_s: float = 10.0
-    # Ed25519 key that signs tree heads; created on first start (default: beside the database).
-    signing_key: str | None = None
-    # TLS: server certificate chain and key (PEM files); with client_ca, clients must
-    # present a certificate signed by it (mutual TLS).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    client_ca: str | None = None
-    # "tokens": every call but health/reflection needs a bearer token; "off": open;
-    # "auto": tokens unless listening on loopback.
-    auth: str = "auto"
-    # Prometheus /metrics (plain HTTP): HOST:PORT, port 0 picks one; None turns it off.
-    metrics_listen: str | None = None
-    extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
-
-
-def default_key_path(database: str) -> str:
-    """Returns where the signing key lives by default: beside the SQLite file."""
-    path = sqlite_path(database)
-    if path is None or path == ":memory:":
-        return "shardledger-signing-key.pem"
-    return path + ".signing-key.pem"
 
 
 @dataclass(slots=True)
@@ -88,7 +48,7 @@ class RunningServer:
 
     server: grpc.Server
     port: int
-    ledger: Ledger
+    ledger: LedgerService
     health: health.HealthServicer
     interceptor: RequestInterceptor
     metrics: LedgerMetrics
@@ -129,7 +89,7 @@ def create_server(config: ServerConfig) -> RunningServer:
         if key is None:
             key = create_signing_key(key_path)
         metrics = LedgerMetrics()
-        ledger = Ledger(store, on_group=metrics.observe_group)
+        ledger = LedgerService(store, on_group=metrics.observe_group)
     except BaseException:
         store.close()
         raise
@@ -143,7 +103,7 @@ def create_server(config: ServerConfig) -> RunningServer:
 
 def _start(
     config: ServerConfig,
-    ledger: Ledger,
+    ledger: LedgerService,
     metrics: LedgerMetrics,
     *,
     key: SigningKey,

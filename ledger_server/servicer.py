@@ -1,106 +1,31 @@
-"""The gRPC servicer: decode, call the ledger, encode; errors mapped in one table."""
+"""The gRPC servicer: decode, call the ledger, encode; errors become statuses in rpc_status."""
 
 from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterator
-from typing import Any, Final, TypeVar
+from collections.abc import Iterator
+from typing import Any, Final
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
 from ledger_server import codec
 from ledger_server.audit_rpc import AuditRpcMixin
-from ledger_server.auth import (
-    APPEND,
-    READ,
-    Forbidden,
-    Unauthenticated,
-    authorize,
-    effective_namespace,
-)
-from ledger_server.errors import (
-    ConflictError,
-    EventNotFound,
-    EventRejected,
-    InvalidEvent,
-    LedgerCorrupt,
-    LedgerError,
-    LifecycleViolation,
-    LimitExceeded,
-    RunNotFound,
-    SigningKeyMissing,
-)
+from ledger_server.auth import APPEND, READ, Forbidden, authorize, effective_namespace
+from ledger_server.errors import EventRejected, InvalidEvent, LedgerError
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
-from ledger_server.ledger import Ledger
 from ledger_server.metrics import LedgerMetrics
+from ledger_server.rpc_status import abort_on_error
+from ledger_server.service import LedgerService
 from ledger_server.signing import SigningKey
-from ledger_server.store.base import StoreError
 from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.canonical import canonical_json
 
-ERROR_DOMAIN: Final = "shardledger.dev"
 MAX_PAGE_SIZE: Final = 5000
 RESUME_CHUNK: Final = 1000
 TAIL_POLL_S: Final = 1.0
-
-# The one table from domain errors to gRPC codes (checked in order: subclasses first).
-ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
-    (InvalidEvent, grpc.StatusCode.INVALID_ARGUMENT),
-    (LimitExceeded, grpc.StatusCode.INVALID_ARGUMENT),
-    (RunNotFound, grpc.StatusCode.NOT_FOUND),
-    (EventNotFound, grpc.StatusCode.NOT_FOUND),
-    (LedgerCorrupt, grpc.StatusCode.DATA_LOSS),
-    (SigningKeyMissing, grpc.StatusCode.FAILED_PRECONDITION),
-    (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
-    (LifecycleViolation, grpc.StatusCode.FAILED_PRECONDITION),
-    (StoreError, grpc.StatusCode.UNAVAILABLE),
-    (LedgerError, grpc.StatusCode.UNAVAILABLE),
-]
-
-T = TypeVar("T")
-
-
-def code_for(exc: Exception) -> grpc.StatusCode:
-    """Returns the gRPC code of a domain error."""
-    cause = exc.cause if isinstance(exc, EventRejected) else exc
-    for cls, code in ERROR_CODES:
-        if isinstance(cause, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def rich_status(exc: LedgerError | StoreError) -> grpc.Status:
-    """Returns a google.rpc.Status with ErrorInfo (and BadRequest for a bad field)."""
-    code = code_for(exc)
-    reason = exc.reason if isinstance(exc, LedgerError) else "STORE_UNAVAILABLE"
-    metadata = exc.metadata if isinstance(exc, LedgerError) else {}
-    info = any_pb2.Any()
-    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
-    details = [info]
-    field = metadata.get("field")
-    if field:
-        bad = any_pb2.Any()
-        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=str(exc))
-        bad.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
-        details.append(bad)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(exc), details=details)
-    return rpc_status.to_status(status)
-
-
-def _guard(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
-    try:
-        return call()
-    except (LedgerError, StoreError) as exc:
-        context.abort_with_status(rich_status(exc))
-        raise AssertionError("unreachable") from exc  # abort_with_status always raises
 
 
 def _token(value: Any) -> str:
@@ -133,11 +58,11 @@ def _page_size(value: int) -> int:
 
 
 class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
-    """Thin adapter from the v1 contract to the Ledger."""
+    """Thin adapter from the v1 contract to the LedgerService."""
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: LedgerService,
         *,
         signing_key: SigningKey | None = None,
         interceptor: RequestInterceptor | None = None,
@@ -165,7 +90,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     def AppendEvents(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
     ) -> pb.AppendEventsResponse:
-        def call() -> pb.AppendEventsResponse:
+        with abort_on_error(context), self.metrics.timed_append(len(request.events)):
             events = []
             # One authorization per (namespace, run) of the batch, not one per event.
             scopes: dict[tuple[str, str], str] = {}
@@ -186,16 +111,10 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 add(event_id=event_id, sequence=sequence, outcome=outcomes[outcome])
             return response
 
-        def timed() -> pb.AppendEventsResponse:
-            with self.metrics.timed_append(len(request.events)):
-                return call()
-
-        return _guard(context, timed)
-
     def ListEvents(
         self, request: pb.ListEventsRequest, context: grpc.ServicerContext
     ) -> pb.ListEventsResponse:
-        def call() -> pb.ListEventsResponse:
+        with abort_on_error(context):
             ns = self._scope(context, READ, request.namespace, request.run_id)
             after = request.after_sequence
             if request.page_token:
@@ -210,23 +129,18 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 events=[codec.encode_recorded(e) for e in events], next_page_token=token
             )
 
-        return _guard(context, call)
-
     def TailEvents(
         self, request: pb.TailEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TailEventsResponse]:
         after = request.after_sequence
-        ns = _guard(context, lambda: self._scope(context, READ, request.namespace, request.run_id))
-        _guard(context, lambda: self.ledger.run(ns, request.run_id))
+        with abort_on_error(context):
+            ns = self._scope(context, READ, request.namespace, request.run_id)
+            self.ledger.run(ns, request.run_id)
         while context.is_active():
             # Read the mark before the page, so a commit landing in between wakes us.
             mark = self.ledger.last_sequence
-            page = _guard(
-                context,
-                lambda after=after: self.ledger.list_events(  # type: ignore[misc]
-                    ns, request.run_id, after_sequence=after, limit=1000
-                ),
-            )
+            with abort_on_error(context):
+                page = self.ledger.list_events(ns, request.run_id, after_sequence=after, limit=1000)
             for rec in page:
                 yield pb.TailEventsResponse(event=codec.encode_recorded(rec))
                 after = rec.sequence
@@ -236,7 +150,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     def ListRuns(
         self, request: pb.ListRunsRequest, context: grpc.ServicerContext
     ) -> pb.ListRunsResponse:
-        def call() -> pb.ListRunsResponse:
+        with abort_on_error(context):
             ns = self._scope(context, READ, request.namespace, "")
             rows = self.ledger.list_runs(ns, limit=_page_size(request.page_size))
             return pb.ListRunsResponse(
@@ -253,12 +167,10 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 ]
             )
 
-        return _guard(context, call)
-
     def GetRunSummary(
         self, request: pb.GetRunSummaryRequest, context: grpc.ServicerContext
     ) -> pb.GetRunSummaryResponse:
-        def call() -> pb.GetRunSummaryResponse:
+        with abort_on_error(context):
             ns = self._scope(context, READ, request.namespace, request.run_id)
             summary = self.ledger.summary(ns, request.run_id)
             return pb.GetRunSummaryResponse(
@@ -266,12 +178,10 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 as_of_time=codec.us_timestamp(summary["as_of_us"]),
             )
 
-        return _guard(context, call)
-
     def ListShards(
         self, request: pb.ListShardsRequest, context: grpc.ServicerContext
     ) -> pb.ListShardsResponse:
-        def call() -> pb.ListShardsResponse:
+        with abort_on_error(context):
             after: tuple[int, str] | None = None
             if request.page_token:
                 try:
@@ -300,19 +210,19 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 next_page_token=_token(list(cursor)) if cursor else "",
             )
 
-        return _guard(context, call)
-
     def StreamResumeList(
         self, request: pb.StreamResumeListRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.StreamResumeListResponse]:
-        ns = _guard(context, lambda: self._scope(context, READ, request.namespace, request.run_id))
-        rows = _guard(context, lambda: self.ledger.resume_rows(ns, request.run_id))
+        with abort_on_error(context):
+            ns = self._scope(context, READ, request.namespace, request.run_id)
+            rows = self.ledger.resume_rows(ns, request.run_id)
         # Entries are added in place: building them separately and passing a list would
         # copy every message once more (a third of the cost per line at a million shards).
         response = pb.StreamResumeListResponse()
         add = response.entries.add
         count = 0
-        try:
+        # The rows are read lazily: the database can go away mid-stream.
+        with abort_on_error(context):
             for shard_id, plan_index, plan_line, reason in rows:
                 add(shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index)
                 count += 1
@@ -321,8 +231,5 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     response = pb.StreamResumeListResponse()
                     add = response.entries.add
                     count = 0
-        except (LedgerError, StoreError) as exc:
-            # The rows are read lazily: the database can go away mid-stream.
-            context.abort_with_status(rich_status(exc))
         if count:
             yield response

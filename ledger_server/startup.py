@@ -14,20 +14,17 @@ import os
 import shlex
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
+from ledger_server.config import DEFAULT_DB, ServerConfig, split_listen
 from ledger_server.signing import SigningKey
-from ledger_server.store import Store, open_store, redact_url, sqlite_path
+from ledger_server.store import Store, open_store
 from ledger_server.store.base import StoreError
-
-if TYPE_CHECKING:
-    from ledger_server.server import ServerConfig
-
-DEFAULT_DB: Final = "ledger.db"
+from ledger_server.store.urls import redact_url, sqlite_path
 
 
 class StartupError(SystemExit):
@@ -44,22 +41,12 @@ class StartupError(SystemExit):
         self.usage = usage
 
 
-def split_listen(listen: str, option: str = "--listen") -> tuple[str, int]:
+def _split_listen(listen: str, option: str = "--listen") -> tuple[str, int]:
     """Returns (host, port) of a HOST:PORT address, or raises StartupError (usage)."""
-    host, sep, port = listen.rpartition(":")
-    bare = host.strip("[]")
-    if not sep or not port.isdigit() or (":" in bare and host != f"[{bare}]"):
-        raise StartupError(
-            f"{option} {listen!r} is not HOST:PORT (e.g. 127.0.0.1:50551, [::1]:0;"
-            " IPv6 addresses go in brackets)",
-            usage=True,
-        )
-    if int(port) > 65535:
-        raise StartupError(
-            f"{option} {listen}: port {port} is out of range 0-65535 (0 picks a free one)",
-            usage=True,
-        )
-    return bare, int(port)
+    try:
+        return split_listen(listen, option)
+    except ValueError as exc:
+        raise StartupError(str(exc), usage=True) from None
 
 
 def is_loopback(listen: str) -> bool:
@@ -75,9 +62,9 @@ def is_loopback(listen: str) -> bool:
 
 def check_config(config: ServerConfig) -> None:
     """Raises StartupError (usage) for option values no start could succeed with."""
-    split_listen(config.listen)
+    _split_listen(config.listen)
     if config.metrics_listen:
-        split_listen(config.metrics_listen, "--metrics-listen")
+        _split_listen(config.metrics_listen, "--metrics-listen")
     tls = config.tls_cert is not None or config.tls_key is not None
     if tls and not (config.tls_cert and config.tls_key):
         raise StartupError("TLS needs both --tls-cert and --tls-key", usage=True)
@@ -110,7 +97,7 @@ def check_free(listen: str, option: str) -> None:
     gRPC would only say "Failed to bind" after the database was opened; a test bind
     with the same SO_REUSEADDR names the reason. Port 0 always finds a free port.
     """
-    host, port = split_listen(listen, option)
+    host, port = _split_listen(listen, option)
     if port == 0:
         return
     try:

@@ -17,9 +17,9 @@ import pytest
 
 from ledger_server.audit_rpc import RunTreeCache
 from ledger_server.codec import decode_event
-from ledger_server.ledger import Ledger
 from ledger_server.merkle import MerkleTree, verify_consistency
 from ledger_server.server import RunningServer
+from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey, TreeHead, verify_tree_head
 from ledger_server.store.sqlite import SqliteStore
@@ -145,7 +145,7 @@ def test_heads_taken_while_appends_race_all_extend_one_another(client: LedgerCli
 
 def test_tree_cache_keeps_only_the_most_recently_used_runs(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "l.db")
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     try:
         for run_id in ("a", "b", "c"):
             ledger.append([decode_event(planned(run_id=run_id))])
@@ -293,7 +293,7 @@ class ScriptedRun:
     def __init__(self, db: Path) -> None:
         self.now = BASE_US
         self.store = SqliteStore(db)
-        self.ledger = Ledger(self.store, clock=lambda: self.now)
+        self.ledger = LedgerService(self.store, clock=lambda: self.now)
         self.moments: list[tuple[int, int, dict[str, Any]]] = []
 
     def at(self, seconds: int, *events: pb.ShardEvent) -> None:
@@ -383,7 +383,7 @@ def _iso(us: int) -> str:
 
 
 @contextmanager
-def serving(ledger: Ledger) -> Iterator[str]:
+def serving(ledger: LedgerService) -> Iterator[str]:
     """Serves a ledger over real gRPC on a loopback ephemeral port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     servicer = LedgerServicer(ledger, signing_key=SigningKey.generate())

@@ -18,9 +18,10 @@ import pytest
 
 from ledger_server.chain import chain_hash
 from ledger_server.codec import decode_event
-from ledger_server.ledger import Ledger
+from ledger_server.config import ServerConfig
 from ledger_server.merkle import MerkleTree
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.server import RunningServer, create_server
+from ledger_server.service import LedgerService
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerRejected
@@ -245,7 +246,7 @@ def test_a_run_that_vanished_fails_verify_against_its_saved_head(
 ) -> None:
     db, old = tmp_path / "rolled.db", tmp_path / "old.db"
     store = SqliteStore(db)
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     ledger.append([decode_event(planned(run_id="earlier", shard_id="x"))])
     ledger.close()
     store.close()

@@ -28,7 +28,8 @@ from grpc_status import rpc_status
 from structlog.testing import capture_logs
 
 from ledger_server.auth import new_token
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc

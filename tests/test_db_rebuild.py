@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from ledger_server.server import ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import create_server
 from ledger_server.store import open_store
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient

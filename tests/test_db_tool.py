@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from ledger_server import projections as proj
-from ledger_server.ledger import recorded
-from ledger_server.server import ServerConfig, create_server
+from ledger_server.chain import recorded
+from ledger_server.config import ServerConfig
+from ledger_server.server import create_server
 from ledger_server.store import open_store, redact_url
 from ledger_server.store.base import StoredEvent, TokenRow
 from ledger_server.store.postgres import PostgresStore

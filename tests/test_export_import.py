@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from ledger_server.chain import chain_hash
-from ledger_server.ledger import Ledger
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
+from ledger_server.service import LedgerService
 from ledger_server.signing import SigningKey, public_key_id
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -99,7 +100,7 @@ def test_export_then_import_round_trips_rows_and_projections(
         assert views["target"]["submitted"] == 6 and views["target"]["event_count"] == 19
         # The clock-dependent splits (stale, resume reasons) agree at any one instant too.
         source, target_ledger = server.ledger, copy.ledger
-        for query in (Ledger.summary, Ledger.shards):
+        for query in (LedgerService.summary, LedgerService.shards):
             assert query(source, "default", RUN, now=NOW_US) == query(
                 target_ledger, "default", RUN, now=NOW_US
             )
@@ -312,7 +313,7 @@ def test_export_of_a_run_whose_rows_were_deleted_is_refused(
 def test_importer_folds_projections_like_the_live_ledger(tmp_path: Path) -> None:
     """Guards the fold itself: the imported store's records equal the source's, shard by shard."""
     source = SqliteStore(tmp_path / "a.db")
-    ledger = Ledger(source)
+    ledger = LedgerService(source)
     try:
         from ledger_server.codec import decode_event
         from ledger_server.importer import ImportRow, import_run

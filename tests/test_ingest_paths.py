@@ -3,7 +3,7 @@
 The single SQLite writer keeps shard records in memory, writes a heartbeat as two
 numbers instead of the whole record, and inserts events without looking their ids
 up first (the unique index catches a resent id and the group is redone with the
-lookups). Each test drives a real server or Ledger and checks what a user reads,
+lookups). Each test drives a real server or LedgerService and checks what a user reads,
 including after a restart with a cold cache.
 """
 
@@ -18,9 +18,11 @@ import pytest
 
 from ledger_server import codec
 from ledger_server import projections as proj
+from ledger_server.batch import DUPLICATE
+from ledger_server.config import ServerConfig
 from ledger_server.errors import EventRejected
-from ledger_server.ledger import DUPLICATE, Ledger
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.server import RunningServer, create_server
+from ledger_server.service import LedgerService
 from ledger_server.store import open_store
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import validate
@@ -155,7 +157,7 @@ def _validated(*messages: pb.ShardEvent) -> list[object]:
 
 def test_one_id_in_two_batches_of_one_group_is_stored_once(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "ledger.db")
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     try:
         ledger.append(_validated(planned(), started()))  # type: ignore[arg-type]
         beat = _beat(1)
@@ -163,7 +165,7 @@ def test_one_id_in_two_batches_of_one_group_is_stored_once(tmp_path: Path) -> No
         # batches submitted meanwhile are then committed together as the next group.
         with store._write_lock:
             blocker = ledger.submit(_validated(_beat(0)))  # type: ignore[arg-type]
-            while ledger._queue.qsize():
+            while ledger._committer._queue.qsize():
                 threading.Event().wait(0.01)
             one = ledger.submit(_validated(beat))  # type: ignore[arg-type]
             two = ledger.submit(_validated(beat))  # type: ignore[arg-type]
@@ -179,7 +181,7 @@ def test_one_id_in_two_batches_of_one_group_is_stored_once(tmp_path: Path) -> No
 
 def test_event_rejected_names_the_batch_index_after_the_careful_retry(tmp_path: Path) -> None:
     store = open_store(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     try:
         ledger.append(_validated(planned(), started()))  # type: ignore[arg-type]
         with pytest.raises(EventRejected) as caught:

@@ -16,10 +16,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from ledger_server import codec
+from ledger_server.config import MAX_MESSAGE_BYTES, ServerConfig
 from ledger_server.errors import InvalidEvent
 from ledger_server.events import AttemptFailed, Event
-from ledger_server.ledger import MAX_EVENTS_PER_BATCH
-from ledger_server.server import MAX_MESSAGE_BYTES, RunningServer, ServerConfig, create_server
+from ledger_server.server import RunningServer, create_server
+from ledger_server.service import MAX_EVENTS_PER_BATCH
 from ledger_server.servicer import MAX_PAGE_SIZE
 from ledger_server.validation import MAX_PAYLOAD_BYTES, validate
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb

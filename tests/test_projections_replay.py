@@ -37,7 +37,7 @@ from ledger_server.events import (
     Payload,
     ShardPlanned,
 )
-from ledger_server.ledger import Ledger
+from ledger_server.service import LedgerService
 from ledger_server.states import QUERY_STATES
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.canonical import canonical_json
@@ -344,7 +344,7 @@ def _sorted_counts(items: Iterator[str] | Any) -> dict[str, int]:
     return dict(sorted(Counter(items).items()))
 
 
-# --- driving a real Ledger ----------------------------------------------------
+# --- driving a real LedgerService ---------------------------------------------
 
 
 class FakeClock:
@@ -359,7 +359,7 @@ class FakeClock:
 
 @dataclass
 class Harness:
-    ledger: Ledger
+    ledger: LedgerService
     clock: FakeClock
     model: Model = field(default_factory=Model)
 
@@ -423,13 +423,13 @@ class Harness:
 
 @contextlib.contextmanager
 def harness() -> Iterator[Harness]:
-    """Yields a harness on a real Ledger over a fresh SQLite file with a fake clock."""
+    """Yields a harness on a real ledger service over a fresh SQLite file with a fake clock."""
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         store = SqliteStore(Path(tmp) / "ledger.db")
         # Durability is not under test here; skipping fsync keeps examples fast.
         store.execute_raw("PRAGMA synchronous=OFF")
         clock = FakeClock()
-        ledger = Ledger(store, clock=clock)
+        ledger = LedgerService(store, clock=clock)
         try:
             yield Harness(ledger, clock)
         finally:

@@ -11,7 +11,8 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from ledger_server.audit import verify_store
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from ledger_server.store.postgres import PostgresStore
 from ledger_server.store.postgres_sql import MIGRATIONS, server_role_grants
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb

@@ -19,7 +19,7 @@ import pytest
 
 from ledger_server import projections as proj
 from ledger_server.audit import verify_store
-from ledger_server.ledger import recorded
+from ledger_server.chain import recorded
 from ledger_server.store import open_store
 from ledger_server.store.postgres import POOL_OPTIONS, PostgresStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb

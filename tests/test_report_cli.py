@@ -20,7 +20,8 @@ import structlog.testing
 from google.protobuf.duration_pb2 import Duration
 
 from ledger_server import interceptor
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from shard_client import Ledger, LedgerClient, LedgerUnavailable, LifecycleError, PlanEntry, Sender
 from shard_client import plan_events as make_plan_events
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from ledger_server.server import ServerConfig, create_server
-from ledger_server.store import sqlite as sqlite_store
+from ledger_server.config import ServerConfig
+from ledger_server.server import create_server
+from ledger_server.store import sqlite_sql
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from tests.conftest import committed, event, planned, started
@@ -57,7 +58,7 @@ def test_a_version_3_file_migrates_to_rowid_shard_rows_with_the_same_answers(
 ) -> None:
     path = tmp_path / "ledger.db"
     with monkeypatch.context() as old_release:
-        old_release.setattr(sqlite_store, "MIGRATIONS", sqlite_store.MIGRATIONS[:3])
+        old_release.setattr(sqlite_sql, "MIGRATIONS", sqlite_sql.MIGRATIONS[:3])
         before = _write_and_read(path, write=True)
     assert "WITHOUT ROWID" in _shards_ddl(path)
 

@@ -16,8 +16,9 @@ from grpc_status import rpc_status
 
 from ledger_server import projections as proj
 from ledger_server.audit import verify_store
-from ledger_server.ledger import recorded
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.chain import recorded
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from ledger_server.store import open_store
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient

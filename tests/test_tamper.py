@@ -21,9 +21,10 @@ import pytest
 
 from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.codec import decode_event
+from ledger_server.config import ServerConfig
 from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
-from ledger_server.ledger import Ledger
-from ledger_server.server import ServerConfig, create_server
+from ledger_server.server import create_server
+from ledger_server.service import LedgerService
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
@@ -46,9 +47,9 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, 
 
 
 def build(db: Path) -> None:
-    """Writes a 30-event run of every kind (and another run) through the Ledger."""
+    """Writes a 30-event run of every kind (and another run) through the ledger service."""
     store = SqliteStore(db)
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     passed = pb.VERIFICATION_RESULT_PASSED
     batches = [
         [planned(shard_id=f"s{i}", index=i) for i in range(8)],
@@ -315,7 +316,7 @@ def test_a_clean_log_of_100k_events_raises_no_alarm(
 ) -> None:
     db = tmp_path / "big.db"
     store = SqliteStore(db)
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     shards = 100
 
     def ev(event_id: str, shard: int, attempt: str, payload: Any) -> Event:

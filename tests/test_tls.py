@@ -25,7 +25,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger_server.auth import new_token
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from ledger_server.startup import is_loopback
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc

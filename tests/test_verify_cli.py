@@ -13,7 +13,8 @@ import blake3
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import CheckResult
 from shard_client.client import LedgerClient

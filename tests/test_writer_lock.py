@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ledger_server.server import RunningServer, ServerConfig, create_server
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
 from ledger_server.store.base import WriterBusy
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient

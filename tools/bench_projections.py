@@ -2,10 +2,10 @@
 
     python -m tools.bench_projections --shards 1000000 [--via-grpc] [--profile]
 
-Plans N shards into a Ledger on a temp SQLite file (batched appends straight
-into the Ledger, or through gRPC with --via-grpc), moves a fraction of them
+Plans N shards into a LedgerService on a temp SQLite file (batched appends straight
+into the LedgerService, or through gRPC with --via-grpc), moves a fraction of them
 through their life cycle, then measures, through the real gRPC server and
-through the Ledger directly:
+through the LedgerService directly:
 
 - status: the run summary's latency (median of --repeat calls);
 - resume: the resume list's streaming rate in lines/s (gRPC path: the CLI's
@@ -50,7 +50,7 @@ from ledger_server.events import (
     Payload,
     ShardPlanned,
 )
-from ledger_server.ledger import Ledger
+from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -201,15 +201,15 @@ def resume_via_grpc(client: LedgerClient) -> int:
     return sum(reasons.values())
 
 
-def resume_direct(ledger: Ledger) -> int:
-    """Consumes the resume list straight from the Ledger."""
+def resume_direct(ledger: LedgerService) -> int:
+    """Consumes the resume list straight from the LedgerService."""
     n = 0
     for item in ledger.resume("", RUN):
         n += len(item.plan_line) > 0
     return n
 
 
-def resume_server_side(ledger: Ledger) -> int:
+def resume_server_side(ledger: LedgerService) -> int:
     """Runs the servicer's StreamResumeList and serializes each chunk, without transport."""
     servicer = LedgerServicer(ledger)
     request = pb.StreamResumeListRequest(run_id=RUN)
@@ -277,7 +277,7 @@ def populate(args: argparse.Namespace, db: str, target: str | None) -> dict[str,
         client.close()
         return figures
     store = SqliteStore(db)
-    ledger = Ledger(store)
+    ledger = LedgerService(store)
     figures["plan"] = load(lambda b: ledger.append(b, timeout=600), plan_events(args.shards))
     figures["life"] = load(lambda b: ledger.append(b, timeout=600), life_events(args.shards))
     ledger.close()
@@ -295,7 +295,7 @@ def measure(args: argparse.Namespace, db: str) -> dict[str, Any]:
             figures = populate(args, db, target)
         client = LedgerClient(target, timeout_s=600)
         store = SqliteStore(db)
-        ledger = Ledger(store)
+        ledger = LedgerService(store)
         try:
             summary = ledger.summary("", RUN)
             status = {

@@ -5,10 +5,10 @@
 
 Each input's first byte picks the shape and the rest is parsed as protobuf:
 
-    even  a ShardEvent:          codec.decode_event -> validation.validate -> Ledger.append([event])
-    odd   an AppendEventsRequest: codec.decode_event per event -> Ledger.append(events)
+    even  a ShardEvent:          codec.decode_event -> validation.validate -> LedgerService.append([event])
+    odd   an AppendEventsRequest: codec.decode_event per event -> LedgerService.append(events)
 
-Ledger.append runs on a SQLite store in a temporary directory, where a shard
+LedgerService.append runs on a SQLite store in a temporary directory, where a shard
 is planned and an attempt started, so mutated events reach the life-cycle
 checks and the commit, not only validation. Bytes that do not parse are
 skipped (the server answers them MALFORMED_REQUEST before any of this code
@@ -97,11 +97,11 @@ def make_target(directory: str) -> Callable[[bytes], None]:
 
     from ledger_server import codec, validation
     from ledger_server.errors import LedgerError
-    from ledger_server.ledger import Ledger
+    from ledger_server.service import LedgerService
     from ledger_server.store.sqlite import SqliteStore
     from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 
-    ledger = Ledger(SqliteStore(os.path.join(directory, "fuzz.db")))
+    ledger = LedgerService(SqliteStore(os.path.join(directory, "fuzz.db")))
     # A planned shard with a running attempt: mutated events of the attempt reach the commit.
     start = [pb.ShardEvent.FromString(seed[1:]) for seed in seed_inputs()[:2]]
     start[0].shard_id = SHARD_ID

@@ -119,18 +119,7 @@ class WriteTx(Protocol):
     ) -> int:
         """Inserts one event row and returns its global sequence."""
 
-    def save_shard(
-        self,
-        *,
-        run_pk: int,
-        shard_id: str,
-        plan_index: int,
-        state: str,
-        detail: str,
-        deadline_us: int | None,
-        plan_line: str,
-        record: bytes,
-    ) -> None:
+    def save_shard(self, run_pk: int, shard: ShardRow) -> None:
         """Inserts or replaces one shard's projection row (its heartbeat columns cleared)."""
 
     def touch_shard(

@@ -44,9 +44,9 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from ledger_server.store import postgres_sql as q
-from ledger_server.store import split_libpq
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, TokenRow
 from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
+from ledger_server.store.urls import split_libpq
 
 __all__ = ["PostgresStore", "split_url"]
 

@@ -196,22 +196,11 @@ class PgWriteTx:
         self._events.append((seq, run_pk, run_sequence, event_id, row, row_hash))
         return seq
 
-    def save_shard(
-        self,
-        *,
-        run_pk: int,
-        shard_id: str,
-        plan_index: int,
-        state: str,
-        detail: str,
-        deadline_us: int | None,
-        plan_line: str,
-        record: bytes,
-    ) -> None:
-        key = (run_pk, shard_id)
+    def save_shard(self, run_pk: int, shard: ShardRow) -> None:
+        key = (run_pk, shard.shard_id)
         self._shards[key] = (
-            *(run_pk, shard_id, plan_index, state, detail),
-            *(deadline_us, plan_line, record),
+            *(run_pk, shard.shard_id, shard.plan_index, shard.state, shard.detail),
+            *(shard.deadline_us, shard.plan_line, shard.record),
         )
         self._beats.pop(key, None)
         self._cleared.add(key)

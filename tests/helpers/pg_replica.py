@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ledger_server.server import ServerConfig, configure_logging, serve
+from ledger_server.config import ServerConfig
+from ledger_server.server import configure_logging, serve
 
 
 def main(argv: list[str]) -> int:

@@ -122,7 +122,7 @@ def server_events(args: argparse.Namespace) -> Generator[RecordedEvent, None, No
 
 def database_events(path: str, namespace: str, run_id: str) -> Generator[RecordedEvent, None, None]:
     """Yields the run's events from a database (path or URL)."""
-    from ledger_server.ledger import recorded
+    from ledger_server.chain import recorded
 
     store = open_database(path)
     try:

@@ -7,8 +7,9 @@ import math
 import os
 import sys
 
-from ledger_server.server import DEFAULT_LISTEN, ServerConfig, configure_logging, serve
-from ledger_server.startup import DEFAULT_DB, StartupError
+from ledger_server.config import DEFAULT_DB, DEFAULT_LISTEN, ServerConfig
+from ledger_server.server import configure_logging, serve
+from ledger_server.startup import StartupError
 from ledger_server.store import redact_url
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
 

@@ -9,8 +9,8 @@ import time
 from datetime import UTC, datetime
 
 from ledger_server.auth import ROLES, new_token
+from ledger_server.config import DEFAULT_DB
 from ledger_server.errors import InvalidEvent
-from ledger_server.startup import DEFAULT_DB
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger
 from shardledger_cli.output import print_json

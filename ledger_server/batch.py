@@ -1,0 +1,266 @@
+"""The batch fold: idempotency, life-cycle checks and counters of one batch, in one transaction.
+
+The single writer of an exclusive store keeps the shard records it folded
+between transactions (the record cache), so a busy shard's heartbeat costs no
+parse of its stored record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Final, NamedTuple
+
+from ledger_server import projections as proj
+from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
+from ledger_server.errors import EventIdReused, EventRejected, LedgerError, RunNotFound
+from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
+from ledger_server.validation import ValidEvent
+
+# Event kinds that never change a shard's contribution to the run counters.
+_COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
+
+# Shard records the single writer keeps between transactions (exclusive stores only), so
+# a busy shard's heartbeat costs no parse of its stored record; about 2 KB each.
+RECORD_CACHE_SIZE: Final = 50_000
+
+APPENDED: Final = "appended"
+DUPLICATE: Final = "duplicate"
+ALREADY_PLANNED: Final = "already_planned"
+
+
+class AppendResult(NamedTuple):
+    """The acknowledgement of one event (a tuple: one per appended event)."""
+
+    event_id: str
+    sequence: int
+    outcome: str
+
+
+@dataclass(slots=True)
+class _Head:
+    """A run's chain head as a batch moves it."""
+
+    run_pk: int
+    count: int
+    hash: bytes
+
+
+@dataclass(slots=True)
+class _BatchState:
+    """What folding one batch reads and builds up."""
+
+    stored: dict[str, StoredEvent]
+    runs: dict[tuple[str, str], RunRow]
+    records: dict[tuple[int, str], proj.ShardRecord]
+    # event_id -> (canonical content, result) of the events earlier in this batch.
+    in_batch: dict[str, tuple[str, AppendResult]] = field(default_factory=dict)
+    # Shards whose row changes, and those of them that need more than a heartbeat touch.
+    dirty: set[tuple[int, str]] = field(default_factory=set)
+    full: set[tuple[int, str]] = field(default_factory=set)
+    # A shard's counter contributions before this batch changed it (only when they may).
+    before: dict[tuple[int, str], Counter[str]] = field(default_factory=dict)
+    # The chain heads of the runs this batch appended to.
+    heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
+
+
+class BatchFolder:
+    """Folds validated batches into a write transaction; keeps the single writer's records."""
+
+    def __init__(self, *, cache_records: bool) -> None:
+        self._records: dict[tuple[int, str], proj.ShardRecord] | None = (
+            {} if cache_records else None
+        )
+
+    @property
+    def caches_records(self) -> bool:
+        """Returns whether shard records are kept between transactions (exclusive stores)."""
+        return self._records is not None
+
+    def forget(self) -> None:
+        """Drops every cached record: they may hold what was folded but never committed."""
+        if self._records is not None:
+            self._records.clear()
+
+    def apply(
+        self, tx: WriteTx, events: list[ValidEvent], receive_us: int, careful: bool
+    ) -> list[AppendResult]:
+        """Folds one batch into tx (rolled back by the caller on error); returns its results."""
+        # A resent plan would answer ALREADY_PLANNED instead of DUPLICATE without a lookup.
+        if careful or any(isinstance(v.event.payload, ShardPlanned) for v in events):
+            stored = tx.find_events([v.event.event_id for v in events])
+        else:
+            stored = {}
+        runs: dict[tuple[str, str], RunRow] = {}
+        wanted: dict[tuple[str, str], dict[str, None]] = {}
+        for e, _ in events:
+            wanted.setdefault((e.namespace, e.run_id), {})[e.shard_id] = None
+        for key in wanted:
+            run = tx.get_run(*key)
+            if run is not None:
+                runs[key] = run
+        records = self._load_records(tx, runs, wanted)
+        try:
+            results = self._fold_batch(tx, events, stored, runs, records, receive_us)
+        except BaseException:
+            # The batch is rolled back, but the cached records it folded into are not.
+            if self._records is not None:
+                for shard_key in records:
+                    self._records.pop(shard_key, None)
+            raise
+        if self._records is not None:
+            self._remember(records)
+        return results
+
+    def _load_records(
+        self,
+        tx: WriteTx,
+        runs: dict[tuple[str, str], RunRow],
+        wanted: dict[tuple[str, str], dict[str, None]],
+    ) -> dict[tuple[int, str], proj.ShardRecord]:
+        records: dict[tuple[int, str], proj.ShardRecord] = {}
+        cache = self._records
+        for key, run in runs.items():
+            missing = []
+            for shard_id in wanted[key]:
+                record = cache.get((run.run_pk, shard_id)) if cache is not None else None
+                if record is None:
+                    missing.append(shard_id)
+                else:
+                    records[(run.run_pk, shard_id)] = record
+            if missing:
+                for shard_id, row in tx.load_shards(run.run_pk, missing).items():
+                    records[(run.run_pk, shard_id)] = proj.record_from_row(
+                        row.record, row.beat_us, row.beat_step
+                    )
+        return records
+
+    def _remember(self, records: dict[tuple[int, str], proj.ShardRecord]) -> None:
+        cache = self._records
+        assert cache is not None
+        for shard_key, record in records.items():
+            cache.pop(shard_key, None)  # re-inserted last: the dict's order is recency
+            cache[shard_key] = record
+        while len(cache) > RECORD_CACHE_SIZE:
+            del cache[next(iter(cache))]
+
+    def _fold_batch(
+        self,
+        tx: WriteTx,
+        events: list[ValidEvent],
+        stored: dict[str, StoredEvent],
+        runs: dict[tuple[str, str], RunRow],
+        records: dict[tuple[int, str], proj.ShardRecord],
+        receive_us: int,
+    ) -> list[AppendResult]:
+        state = _BatchState(stored, runs, records)
+        results: list[AppendResult] = []
+        for index, (event, content) in enumerate(events):
+            try:
+                result = self._apply_one(tx, event, content, state, receive_us)
+            except LedgerError as exc:
+                raise EventRejected(index, exc) from None
+            state.in_batch.setdefault(event.event_id, (content, result))
+            results.append(result)
+        for shard_key in state.dirty:
+            record = records[shard_key]
+            run_pk, shard_id = shard_key
+            if shard_key not in state.full:
+                # Only heartbeats of the latest attempt: two numbers and the deadline move.
+                latest = record.attempts[record.latest_attempt]
+                tx.touch_shard(
+                    run_pk=run_pk,
+                    shard_id=shard_id,
+                    deadline_us=proj.deadline_us(record),
+                    beat_us=latest.last_seen_us,
+                    beat_step=latest.last_step,
+                )
+                continue
+            tx.save_shard(run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record)))
+            # Heartbeats and checkpoints never change a shard's summary counters, so a
+            # shard touched only by them skips the recount (the hot path of a busy fleet).
+            if shard_key in state.before:
+                delta = proj.contributions(record)
+                delta.subtract(state.before[shard_key])
+                tx.add_counters(run_pk, delta)
+        for head in state.heads.values():
+            tx.update_run(
+                head.run_pk, event_count=head.count, head_hash=head.hash, now_us=receive_us
+            )
+        return results
+
+    def _apply_one(
+        self, tx: WriteTx, event: Event, content: str, state: _BatchState, receive_us: int
+    ) -> AppendResult:
+        if event.event_id in state.in_batch:
+            earlier_content, earlier = state.in_batch[event.event_id]
+            if earlier_content != content:
+                raise EventIdReused(
+                    f"event_id {event.event_id} is used twice in this batch with different content",
+                    event_id=event.event_id,
+                )
+            return AppendResult(event.event_id, earlier.sequence, DUPLICATE)
+        if event.event_id in state.stored:
+            original = state.stored[event.event_id]
+            first = recorded(original).event
+            if first.namespace != event.namespace:
+                # Ids are unique across the ledger, but another tenant's row is not ours to
+                # describe: no sequence, no content, only that the id is taken.
+                raise EventIdReused(
+                    f"event_id {event.event_id} is already used: choose another",
+                    event_id=event.event_id,
+                )
+            if first.content_json() != content:
+                raise EventIdReused(
+                    f"event_id {event.event_id} was stored at sequence {original.sequence}"
+                    " with different content",
+                    event_id=event.event_id,
+                    existing_sequence=original.sequence,
+                )
+            return AppendResult(event.event_id, original.sequence, DUPLICATE)
+        records = state.records
+        run_key = (event.namespace, event.run_id)
+        head = state.heads.get(run_key)
+        is_plan = isinstance(event.payload, ShardPlanned)
+        if head is None:
+            run = state.runs.get(run_key)
+            if run is None:
+                if not is_plan:
+                    raise RunNotFound(
+                        f"run {event.run_id} in namespace {event.namespace} does not exist:"
+                        " plan its shards first",
+                        namespace=event.namespace,
+                        run_id=event.run_id,
+                    )
+                run = tx.create_run(*run_key, now_us=receive_us, genesis=GENESIS_HASH)
+            head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
+        shard_key = (head.run_pk, event.shard_id)
+        record = records.get(shard_key)
+        if not proj.check(record, event):
+            assert record is not None  # only a plan identical to the stored one
+            return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
+        run_sequence = head.count + 1
+        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
+        row_hash = chain_hash(head.hash, row)
+        sequence = tx.insert_event(
+            run_pk=head.run_pk,
+            run_sequence=run_sequence,
+            event_id=event.event_id,
+            row=row,
+            row_hash=row_hash,
+        )
+        head.count, head.hash = run_sequence, row_hash
+        rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
+        if record is None:
+            state.before[shard_key] = Counter()
+            state.full.add(shard_key)
+        else:
+            payload = event.payload
+            if not isinstance(payload, _COUNTER_NEUTRAL):
+                state.before.setdefault(shard_key, proj.contributions(record))
+            if not (isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt):
+                state.full.add(shard_key)
+        records[shard_key] = proj.fold(record, rec)
+        state.dirty.add(shard_key)
+        return AppendResult(event.event_id, sequence, APPENDED)

@@ -1,0 +1,68 @@
+"""What `shardledger serve` can set, with the defaults it starts from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ledger_server.store.urls import sqlite_path
+
+DEFAULT_DB: Final = "ledger.db"
+DEFAULT_LISTEN: Final = "127.0.0.1:50551"
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `shardledger serve` can set."""
+
+    database: str = DEFAULT_DB
+    listen: str = DEFAULT_LISTEN
+    max_workers: int = 32
+    # In-flight RPCs beyond this are refused with RESOURCE_EXHAUSTED instead
+    # of queueing without bound (memory growth under overload).
+    max_concurrent_rpcs: int = 256
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    reflection: bool = True
+    insecure: bool = False
+    grace_s: float = 10.0
+    # Ed25519 key that signs tree heads; created on first start (default: beside the database).
+    signing_key: str | None = None
+    # TLS: server certificate chain and key (PEM files); with client_ca, clients must
+    # present a certificate signed by it (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    client_ca: str | None = None
+    # "tokens": every call but health/reflection needs a bearer token; "off": open;
+    # "auto": tokens unless listening on loopback.
+    auth: str = "auto"
+    # Prometheus /metrics (plain HTTP): HOST:PORT, port 0 picks one; None turns it off.
+    metrics_listen: str | None = None
+    extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+
+def default_key_path(database: str) -> str:
+    """Returns where the signing key lives by default: beside the SQLite file."""
+    path = sqlite_path(database)
+    if path is None or path == ":memory:":
+        return "shardledger-signing-key.pem"
+    return path + ".signing-key.pem"
+
+
+def split_listen(listen: str, option: str = "--listen") -> tuple[str, int]:
+    """Returns (host, port) of a HOST:PORT address, or raises ValueError naming the option.
+
+    An empty host (":9464") means every interface.
+    """
+    host, sep, port = listen.rpartition(":")
+    bare = host.strip("[]")
+    if not sep or not port.isdigit() or (":" in bare and host != f"[{bare}]"):
+        raise ValueError(
+            f"{option} {listen!r} is not HOST:PORT (e.g. 127.0.0.1:50551, [::1]:0;"
+            " IPv6 addresses go in brackets)"
+        )
+    if int(port) > 65535:
+        raise ValueError(
+            f"{option} {listen}: port {port} is out of range 0-65535 (0 picks a free one)"
+        )
+    return bare, int(port)

@@ -1,0 +1,188 @@
+"""The application service: validated appends through the group committer, and reads; no protobuf."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, Final, NamedTuple
+
+from ledger_server import projections as proj
+from ledger_server.batch import AppendResult
+from ledger_server.chain import recorded
+from ledger_server.committer import GroupCommitter
+from ledger_server.errors import (
+    EventRejected,
+    InvalidEvent,
+    LedgerError,
+    LimitExceeded,
+    RunNotFound,
+)
+from ledger_server.events import Event, RecordedEvent
+from ledger_server.states import QUERY_STATES, stored_states
+from ledger_server.store.base import RunRow, Store
+from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
+
+MAX_EVENTS_PER_BATCH: Final = 10_000
+
+
+def now_us() -> int:
+    """Returns the server clock in microseconds since the epoch."""
+    return time.time_ns() // 1000
+
+
+class ResumeItem(NamedTuple):
+    """One shard that must run again (a tuple: a resume list has a million of them)."""
+
+    shard_id: str
+    plan_index: int
+    plan_line: str
+    reason: str
+
+
+class LedgerService:
+    """Appends events with group commit and answers reads from the projections."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], int] = now_us,
+        on_group: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.stats: Counter[str] = Counter()
+        self._committer = GroupCommitter(store, clock=clock, on_group=on_group, stats=self.stats)
+
+    # --- writes ---------------------------------------------------------------
+
+    def append(
+        self, events: Sequence[Event], *, timeout: float | None = None
+    ) -> list[AppendResult]:
+        """Validates and appends a batch atomically; returns after the commit is durable."""
+        return self.submit(events).result(timeout=timeout)
+
+    def submit(self, events: Sequence[Event]) -> Future[list[AppendResult]]:
+        """Validates a batch and queues it for the next group commit."""
+        if not events:
+            raise InvalidEvent("events", "must contain at least one event")
+        if len(events) > MAX_EVENTS_PER_BATCH:
+            raise LimitExceeded("events_per_batch", len(events), MAX_EVENTS_PER_BATCH)
+        checked: list[ValidEvent] = []
+        for index, event in enumerate(events):
+            try:
+                checked.append(validate(event))
+            except LedgerError as exc:
+                raise EventRejected(index, exc) from None
+        return self._committer.submit(checked)
+
+    # --- reads ----------------------------------------------------------------
+
+    def run(self, namespace: str, run_id: str) -> RunRow:
+        """Returns the run's head or raises RunNotFound."""
+        namespace = check_namespace(namespace)
+        check_id("run_id", run_id)
+        row = self.store.read().get_run(namespace, run_id)
+        if row is None:
+            raise RunNotFound(
+                f"run {run_id} in namespace {namespace} does not exist",
+                namespace=namespace,
+                run_id=run_id,
+            )
+        return row
+
+    def list_runs(self, namespace: str | None, *, limit: int = 100) -> list[RunRow]:
+        """Returns runs, most recently updated first."""
+        if namespace is not None:
+            namespace = check_namespace(namespace)
+        return self.store.read().list_runs(namespace, limit)
+
+    def list_events(
+        self, namespace: str, run_id: str, *, after_sequence: int = 0, limit: int = 1000
+    ) -> list[RecordedEvent]:
+        """Returns a page of the run's events with sequence > after_sequence."""
+        run = self.run(namespace, run_id)
+        rows = self.store.read().list_events(run.run_pk, after_sequence=after_sequence, limit=limit)
+        return [recorded(r) for r in rows]
+
+    def iter_events(
+        self, namespace: str, run_id: str, *, until_sequence: int | None = None
+    ) -> Iterator[RecordedEvent]:
+        """Yields every event of the run in order."""
+        run = self.run(namespace, run_id)
+        for stored in self.store.read().iter_events(run.run_pk, until_sequence=until_sequence):
+            yield recorded(stored)
+
+    def summary(self, namespace: str, run_id: str, *, now: int | None = None) -> dict[str, Any]:
+        """Returns the run summary at now (server clock by default)."""
+        run = self.run(namespace, run_id)
+        at = self.clock() if now is None else now
+        view = self.store.read()
+        counters = Counter(view.counters(run.run_pk))
+        out = proj.summary(
+            counters,
+            stale=view.count_stale(run.run_pk, at),
+            run_id=run.run_id,
+            namespace=run.namespace,
+        )
+        out["as_of_us"] = at
+        out["event_count"] = run.event_count
+        out["head_hash"] = run.head_hash.hex()
+        return out
+
+    def shards(
+        self,
+        namespace: str,
+        run_id: str,
+        *,
+        state: str = "",
+        after: tuple[int, str] | None = None,
+        limit: int = 1000,
+        now: int | None = None,
+    ) -> tuple[list[dict[str, Any]], tuple[int, str] | None]:
+        """Returns a page of shard views (optionally one state) and the cursor for the next."""
+        if state and state not in QUERY_STATES:
+            raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES))
+        run = self.run(namespace, run_id)
+        at = self.clock() if now is None else now
+        sql_states = stored_states(state)
+        out: list[dict[str, Any]] = []
+        cursor: tuple[int, str] | None = None
+        for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
+            assert row.record is not None
+            record = proj.record_from_row(row.record, row.beat_us, row.beat_step)
+            cursor = (row.plan_index, row.shard_id)
+            if state and not proj.matches(record, state, at):
+                continue
+            out.append(proj.shard_view(record, at))
+            if len(out) >= limit:
+                return out, cursor
+        return out, None
+
+    def resume(
+        self, namespace: str, run_id: str, *, now: int | None = None
+    ) -> Iterator[ResumeItem]:
+        """Returns an iterator over exactly the planned shards without a confirmed artifact."""
+        return map(ResumeItem._make, self.resume_rows(namespace, run_id, now=now))
+
+    def resume_rows(
+        self, namespace: str, run_id: str, *, now: int | None = None
+    ) -> Iterator[tuple[str, int, str, str]]:
+        """resume() as plain (shard_id, plan_index, plan_line, reason) tuples, for streaming."""
+        run = self.run(namespace, run_id)  # eagerly, so a bad run fails before streaming
+        return self.store.read().iter_resume(run.run_pk, self.clock() if now is None else now)
+
+    @property
+    def last_sequence(self) -> int:
+        """Returns the highest committed sequence this process has seen."""
+        return self._committer.last_sequence
+
+    def wait_for_commit(self, after_sequence: int, timeout: float) -> int:
+        """Blocks until a commit beyond after_sequence or the timeout; returns the last sequence."""
+        return self._committer.wait_for_commit(after_sequence, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops the writer after the queued batches commit."""
+        self._committer.close(timeout)

@@ -1,0 +1,207 @@
+"""The SQLite schema (numbered migrations) and every statement the store runs, by name."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from ledger_server.states import RESUME_STATES, ShardState
+from ledger_server.store.resume_sql import resume_reason_sql
+
+# Each migration is a list of statements applied in one transaction together
+# with its row in schema_migrations, so a crash leaves either all or none.
+MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
+    (
+        1,
+        "events, runs, shard projections, counters",
+        [
+            """CREATE TABLE runs (
+                run_pk INTEGER PRIMARY KEY,
+                namespace TEXT NOT NULL,
+                run_id TEXT NOT NULL,
+                event_count INTEGER NOT NULL,
+                head_hash BLOB NOT NULL,
+                created_us INTEGER NOT NULL,
+                updated_us INTEGER NOT NULL,
+                UNIQUE (namespace, run_id))""",
+            """CREATE TABLE events (
+                seq INTEGER PRIMARY KEY,
+                run_pk INTEGER NOT NULL REFERENCES runs (run_pk),
+                run_seq INTEGER NOT NULL,
+                event_id TEXT NOT NULL UNIQUE,
+                row BLOB NOT NULL,
+                hash BLOB NOT NULL)""",
+            "CREATE UNIQUE INDEX events_by_run ON events (run_pk, seq)",
+            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+               BEGIN SELECT RAISE(ABORT, 'events are append-only: UPDATE refused'); END""",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+               BEGIN SELECT RAISE(ABORT, 'events are append-only: DELETE refused'); END""",
+            """CREATE TABLE shards (
+                run_pk INTEGER NOT NULL,
+                shard_id TEXT NOT NULL,
+                plan_index INTEGER NOT NULL,
+                state TEXT NOT NULL,
+                detail TEXT NOT NULL,
+                deadline_us INTEGER,
+                plan_line TEXT NOT NULL,
+                record BLOB NOT NULL,
+                PRIMARY KEY (run_pk, shard_id)) WITHOUT ROWID""",
+            "CREATE INDEX shards_by_state ON shards (run_pk, state, deadline_us)",
+            "CREATE INDEX shards_by_plan ON shards (run_pk, plan_index, shard_id)",
+            """CREATE TABLE run_counters (
+                run_pk INTEGER NOT NULL,
+                key TEXT NOT NULL,
+                n INTEGER NOT NULL,
+                PRIMARY KEY (run_pk, key)) WITHOUT ROWID""",
+        ],
+    ),
+    (
+        2,
+        "access tokens (hashes only)",
+        [
+            """CREATE TABLE tokens (
+                token_id TEXT PRIMARY KEY,
+                namespace TEXT NOT NULL,
+                role TEXT NOT NULL,
+                run_prefix TEXT NOT NULL,
+                secret_hash TEXT NOT NULL,
+                description TEXT NOT NULL,
+                created_us INTEGER NOT NULL,
+                expires_us INTEGER,
+                revoked_us INTEGER)""",
+        ],
+    ),
+    (
+        3,
+        "shard heartbeats in a narrow table; a plan-order index that holds the state",
+        [
+            # One row per shard whose latest write was a heartbeat; a full save of the
+            # shard's record deletes it. Narrow rows keep a busy fleet's commits small.
+            """CREATE TABLE shard_beats (
+                run_pk INTEGER NOT NULL,
+                shard_id TEXT NOT NULL,
+                deadline_us INTEGER,
+                beat_us INTEGER NOT NULL,
+                beat_step INTEGER NOT NULL,
+                PRIMARY KEY (run_pk, shard_id)) WITHOUT ROWID""",
+            # Plan order with the state in the index: a resume list or a state filter
+            # skips the shards it does not want without reading their (wide) rows.
+            "CREATE INDEX shards_by_plan_state ON shards (run_pk, plan_index, shard_id, state)",
+            "DROP INDEX shards_by_plan",
+        ],
+    ),
+    (
+        4,
+        "shard rows in a rowid table: records stay on their page",
+        [
+            # A WITHOUT ROWID table keeps at most ~1,000 bytes of a row on a 4 KiB page;
+            # a shard's record is 1-2 KB, so every row spilled into its own overflow page
+            # (4 KiB per shard, and 4x the write time). A rowid table keeps ~4 KB locally.
+            """CREATE TABLE shards_v4 (
+                run_pk INTEGER NOT NULL,
+                shard_id TEXT NOT NULL,
+                plan_index INTEGER NOT NULL,
+                state TEXT NOT NULL,
+                detail TEXT NOT NULL,
+                deadline_us INTEGER,
+                plan_line TEXT NOT NULL,
+                record BLOB NOT NULL,
+                UNIQUE (run_pk, shard_id))""",
+            "INSERT INTO shards_v4 (run_pk, shard_id, plan_index, state, detail, deadline_us,"
+            " plan_line, record) SELECT run_pk, shard_id, plan_index, state, detail, deadline_us,"
+            " plan_line, record FROM shards ORDER BY run_pk, plan_index, shard_id",
+            "DROP TABLE shards",
+            "ALTER TABLE shards_v4 RENAME TO shards",
+            # The shard id rides along (a WITHOUT ROWID index had it as the key): the
+            # stale count joins the heartbeat rows on it without reading the wide rows.
+            "CREATE INDEX shards_by_state ON shards (run_pk, state, deadline_us, shard_id)",
+            "CREATE INDEX shards_by_plan_state ON shards (run_pk, plan_index, shard_id, state)",
+        ],
+    ),
+    (
+        5,
+        "the plan-order index covers the resume list",
+        [
+            # The resume list reads these columns of every unconfirmed shard in plan order.
+            # From the index alone that is a sequential scan; through the table it is one
+            # row lookup per shard, scattered over ~1.5 KB rows (2-3x the time at 1M).
+            "DROP INDEX shards_by_plan_state",
+            "CREATE INDEX shards_by_plan_state ON shards"
+            " (run_pk, plan_index, shard_id, state, detail, deadline_us, plan_line)",
+        ],
+    ),
+]
+SQL_TOKEN_COLUMNS: Final = "token_id, namespace, role, run_prefix, secret_hash, description, created_us, expires_us, revoked_us"
+
+SQL_GET_RUN: Final = (
+    "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
+    " FROM runs WHERE namespace = ? AND run_id = ?"
+)
+SQL_LIST_RUNS: Final = (
+    "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
+    " FROM runs WHERE (? IS NULL OR namespace = ?) ORDER BY updated_us DESC, run_pk DESC LIMIT ?"
+)
+SQL_UPDATE_RUN: Final = (
+    "UPDATE runs SET event_count = ?, head_hash = ?, updated_us = ? WHERE run_pk = ?"
+)
+SQL_INSERT_RUN: Final = (
+    "INSERT INTO runs (run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+# Buffered writes go out as multi-row statements ({values} is repeated "(?, ...)" groups):
+# Python's sqlite3 releases and retakes the GIL around every row of an executemany, and
+# with the server's request threads busy each retake can wait a whole switch interval,
+# so one statement per few hundred rows is many times faster under load.
+SQL_INSERT_EVENTS: Final = (
+    "INSERT INTO events (seq, run_pk, run_seq, event_id, row, hash) VALUES {values}"
+)
+SQL_EVENT_COLUMNS: Final = "seq, run_pk, run_seq, event_id, row, hash"
+SQL_LIST_EVENTS: Final = (
+    f"SELECT {SQL_EVENT_COLUMNS} FROM events WHERE run_pk = ? AND seq > ? ORDER BY seq LIMIT ?"
+)
+# An upsert updates the row in place, touching only the indexes whose columns changed;
+# INSERT OR REPLACE would delete and re-insert the row in every index.
+SQL_SAVE_SHARDS: Final = (
+    "INSERT INTO shards"
+    " (run_pk, shard_id, plan_index, state, detail, deadline_us, plan_line, record)"
+    " VALUES {values}"
+    " ON CONFLICT (run_pk, shard_id) DO UPDATE SET plan_index = excluded.plan_index,"
+    " state = excluded.state, detail = excluded.detail, deadline_us = excluded.deadline_us,"
+    " plan_line = excluded.plan_line, record = excluded.record"
+)
+SQL_SAVE_BEATS: Final = (
+    "INSERT INTO shard_beats (run_pk, shard_id, deadline_us, beat_us, beat_step)"
+    " VALUES {values} ON CONFLICT (run_pk, shard_id) DO UPDATE SET"
+    " deadline_us = excluded.deadline_us, beat_us = excluded.beat_us,"
+    " beat_step = excluded.beat_step"
+)
+SQL_CLEAR_BEATS: Final = "DELETE FROM shard_beats WHERE (run_pk, shard_id) IN (VALUES {values})"
+# A shard's row as readers see it: the heartbeat row, when there is one, is the newer
+# deadline and liveness (see projections.record_from_row).
+SQL_SHARD_FROM: Final = (
+    " FROM shards AS s LEFT JOIN shard_beats AS b"
+    " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id"
+)
+SQL_DEADLINE: Final = "CASE WHEN b.run_pk IS NULL THEN s.deadline_us ELSE b.deadline_us END"
+# The same deadline without the join, for the resume list (it needs no record), which
+# asks only for a running shard's: its heartbeat row's when there is one.
+SQL_RUNNING_DEADLINE: Final = (
+    "COALESCE((SELECT b.deadline_us FROM shard_beats AS b"
+    " WHERE b.run_pk = s.run_pk AND b.shard_id = s.shard_id), s.deadline_us)"
+)
+SQL_ITER_RESUME: Final = (
+    f"SELECT s.shard_id, s.plan_index, s.plan_line, {resume_reason_sql(SQL_RUNNING_DEADLINE, '?1')}"
+    f" FROM shards AS s WHERE s.run_pk = ?2 AND s.state IN ({', '.join('?' * len(RESUME_STATES))})"
+    " ORDER BY s.plan_index, s.shard_id"
+)
+SQL_ADD_COUNTERS: Final = (
+    "INSERT INTO run_counters (run_pk, key, n) VALUES {values}"
+    " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
+)
+SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
+SQL_COUNT_STALE: Final = (
+    f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = '{ShardState.RUNNING}'"
+    f" AND {SQL_DEADLINE} < ?"
+)
+SQL_HAS_MIGRATIONS: Final = (
+    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
+)
