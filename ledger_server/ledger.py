@@ -24,8 +24,16 @@ from ledger_server.errors import (
     RunNotFound,
 )
 from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.states import QUERY_STATES, stored_states
 from ledger_server.store.base import ConcurrentWriteError, RunRow, Store, StoredEvent, WriteTx
+from ledger_server.summary import (
+    PASS_CLOSED_KEY,
+    contributions,
+    matches,
+    run_summary,
+    shard_view,
+)
 from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
 
 log = structlog.get_logger("shardledger.ledger")
@@ -37,7 +45,8 @@ MAX_GROUP_EVENTS: Final = 20_000
 # A group that lost a race to another replica is retried this many times in all.
 GROUP_ATTEMPTS: Final = 3
 
-# Event kinds that never change a shard's contribution to the run counters.
+# Event kinds that never change a shard's contribution to the run counters (a heartbeat
+# that names non-finite metrics does: it flags the shard).
 _COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
 
 # Shard records the single writer keeps between transactions (exclusive stores only), so
@@ -86,7 +95,7 @@ class _BatchState:
 
     stored: dict[str, StoredEvent]
     runs: dict[tuple[str, str], RunRow]
-    records: dict[tuple[int, str], proj.ShardRecord]
+    records: dict[tuple[int, str], ShardRecord]
     # event_id -> (canonical content, result) of the events earlier in this batch.
     in_batch: dict[str, tuple[str, AppendResult]] = field(default_factory=dict)
     # Shards whose row changes, and those of them that need more than a heartbeat touch.
@@ -96,6 +105,8 @@ class _BatchState:
     before: dict[tuple[int, str], Counter[str]] = field(default_factory=dict)
     # The chain heads of the runs this batch appended to.
     heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
+    # run_pk -> the global sequence that closed the run's first pass (0: still open).
+    pass_closed: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -126,10 +137,14 @@ class Ledger:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._commit_cond = threading.Condition()
         self._last_sequence = store.read().max_sequence()
-        self._records: dict[tuple[int, str], proj.ShardRecord] | None = (
+        self._records: dict[tuple[int, str], ShardRecord] | None = (
             {} if store.exclusive_writer else None
         )
         self._closed = False
+        # run_pk -> the sequence that closed its first pass, for runs whose closing is
+        # committed (and so final); _group_closed holds the group's until it commits.
+        self._closed_passes: dict[int, int] = {}
+        self._group_closed: dict[int, int] = {}
         self.stats: Counter[str] = Counter()
         self._writer = threading.Thread(target=self._writer_loop, name="ledger-writer", daemon=True)
         self._writer.start()
@@ -227,6 +242,7 @@ class Ledger:
     ) -> list[list[AppendResult] | BaseException]:
         outcomes: list[list[AppendResult] | BaseException] = []
         receive_us = self.clock()
+        self._group_closed = {}
         with self.store.write() as tx:
             # Lock (PostgreSQL: FOR UPDATE) every existing run of the group, in one global
             # order, before any job reads: two replicas whose groups share runs then queue
@@ -252,6 +268,7 @@ class Ledger:
                         outcomes.append(self._apply(tx, job.events, receive_us, True))
                 except LedgerError as exc:
                     outcomes.append(exc)
+        self._closed_passes.update(self._group_closed)
         return outcomes
 
     def _apply(
@@ -288,8 +305,8 @@ class Ledger:
         tx: WriteTx,
         runs: dict[tuple[str, str], RunRow],
         wanted: dict[tuple[str, str], dict[str, None]],
-    ) -> dict[tuple[int, str], proj.ShardRecord]:
-        records: dict[tuple[int, str], proj.ShardRecord] = {}
+    ) -> dict[tuple[int, str], ShardRecord]:
+        records: dict[tuple[int, str], ShardRecord] = {}
         cache = self._records
         for key, run in runs.items():
             missing = []
@@ -301,12 +318,12 @@ class Ledger:
                     records[(run.run_pk, shard_id)] = record
             if missing:
                 for shard_id, row in tx.load_shards(run.run_pk, missing).items():
-                    records[(run.run_pk, shard_id)] = proj.record_from_row(
+                    records[(run.run_pk, shard_id)] = record_from_row(
                         row.record, row.beat_us, row.beat_step
                     )
         return records
 
-    def _remember(self, records: dict[tuple[int, str], proj.ShardRecord]) -> None:
+    def _remember(self, records: dict[tuple[int, str], ShardRecord]) -> None:
         cache = self._records
         assert cache is not None
         for shard_key, record in records.items():
@@ -321,7 +338,7 @@ class Ledger:
         events: list[ValidEvent],
         stored: dict[str, StoredEvent],
         runs: dict[tuple[str, str], RunRow],
-        records: dict[tuple[int, str], proj.ShardRecord],
+        records: dict[tuple[int, str], ShardRecord],
         receive_us: int,
     ) -> list[AppendResult]:
         state = _BatchState(stored, runs, records)
@@ -351,13 +368,16 @@ class Ledger:
             # Heartbeats and checkpoints never change a shard's summary counters, so a
             # shard touched only by them skips the recount (the hot path of a busy fleet).
             if shard_key in state.before:
-                delta = proj.contributions(record)
+                delta = contributions(record)
                 delta.subtract(state.before[shard_key])
                 tx.add_counters(run_pk, delta)
         for head in state.heads.values():
             tx.update_run(
                 head.run_pk, event_count=head.count, head_hash=head.hash, now_us=receive_us
             )
+        # The batch stands (a refused one raised before here); its closings are final
+        # once the group commits.
+        self._group_closed.update((pk, seq) for pk, seq in state.pass_closed.items() if seq)
         return results
 
     def _apply_one(
@@ -428,12 +448,23 @@ class Ledger:
         else:
             payload = event.payload
             if not isinstance(payload, _COUNTER_NEUTRAL):
-                state.before.setdefault(shard_key, proj.contributions(record))
+                state.before.setdefault(shard_key, contributions(record))
             if not (isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt):
                 state.full.add(shard_key)
         records[shard_key] = proj.fold(record, rec)
         state.dirty.add(shard_key)
         return AppendResult(event.event_id, sequence, APPENDED)
+
+    def _pass_closed(self, tx: WriteTx, state: _BatchState, run_pk: int) -> int:
+        """Returns the sequence that closed the run's first pass, or 0 while it is open."""
+        closed = state.pass_closed.get(run_pk)
+        if closed is None:
+            # Once closed a pass stays closed, so that answer is kept across groups; an
+            # open one is read again in each group's transaction (another replica may
+            # have closed it), which costs one indexed read per run and group.
+            closed = self._closed_passes.get(run_pk) or tx.counter(run_pk, PASS_CLOSED_KEY)
+            state.pass_closed[run_pk] = closed
+        return closed
 
     # --- reads ----------------------------------------------------------------
 
@@ -491,7 +522,7 @@ class Ledger:
         at = self.clock() if now is None else now
         view = self.store.read()
         counters = Counter(view.counters(run.run_pk))
-        out = proj.summary(
+        out = run_summary(
             counters,
             stale=view.count_stale(run.run_pk, at),
             run_id=run.run_id,
@@ -522,11 +553,11 @@ class Ledger:
         cursor: tuple[int, str] | None = None
         for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
             assert row.record is not None
-            record = proj.record_from_row(row.record, row.beat_us, row.beat_step)
+            record = record_from_row(row.record, row.beat_us, row.beat_step)
             cursor = (row.plan_index, row.shard_id)
-            if state and not proj.matches(record, state, at):
+            if state and not matches(record, state, at):
                 continue
-            out.append(proj.shard_view(record, at))
+            out.append(shard_view(record, at))
             if len(out) >= limit:
                 return out, cursor
         return out, None

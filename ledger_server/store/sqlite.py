@@ -218,6 +218,7 @@ SQL_ADD_COUNTERS: Final = (
     " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
+SQL_COUNTER: Final = "SELECT n FROM run_counters WHERE run_pk = ? AND key = ?"
 SQL_COUNT_STALE: Final = (
     f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = '{ShardState.RUNNING}'"
     f" AND {SQL_DEADLINE} < ?"
@@ -723,6 +724,16 @@ class _SqliteWriteTx:
         for key, n in deltas.items():
             if n:
                 counters[(run_pk, key)] = counters.get((run_pk, key), 0) + n
+
+    def counter(self, run_pk: int, key: str) -> int:
+        try:
+            row = self.conn.execute(SQL_COUNTER, (run_pk, key)).fetchone()
+        except sqlite3.Error as exc:
+            raise _translate(exc) from exc
+        # A clear_projections() flushes and deletes at once, so the table plus what is
+        # buffered since is what this transaction holds.
+        stored = 0 if row is None else int(row[0])
+        return stored + self._buf.counters.get((run_pk, key), 0)
 
     def clear_projections(self, run_pk: int) -> None:
         try:
