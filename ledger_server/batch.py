@@ -15,10 +15,14 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
 from ledger_server.errors import EventIdReused, EventRejected, LedgerError, RunNotFound
 from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.record import ShardRecord, record_from_row
+from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
+from ledger_server.summary import PASS_CLOSED_KEY, contributions
 from ledger_server.validation import ValidEvent
 
 # Event kinds that never change a shard's contribution to the run counters.
+# (A heartbeat that names non-finite metrics does change it: it flags the shard.)
 _COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
 
 # Shard records the single writer keeps between transactions (exclusive stores only), so
@@ -53,7 +57,7 @@ class _BatchState:
 
     stored: dict[str, StoredEvent]
     runs: dict[tuple[str, str], RunRow]
-    records: dict[tuple[int, str], proj.ShardRecord]
+    records: dict[tuple[int, str], ShardRecord]
     # event_id -> (canonical content, result) of the events earlier in this batch.
     in_batch: dict[str, tuple[str, AppendResult]] = field(default_factory=dict)
     # Shards whose row changes, and those of them that need more than a heartbeat touch.
@@ -63,15 +67,28 @@ class _BatchState:
     before: dict[tuple[int, str], Counter[str]] = field(default_factory=dict)
     # The chain heads of the runs this batch appended to.
     heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
+    # run_pk -> the global sequence that closed the run's first pass (0: still open).
+    pass_closed: dict[int, int] = field(default_factory=dict)
 
 
 class BatchFolder:
     """Folds validated batches into a write transaction; keeps the single writer's records."""
 
     def __init__(self, *, cache_records: bool) -> None:
-        self._records: dict[tuple[int, str], proj.ShardRecord] | None = (
-            {} if cache_records else None
-        )
+        self._records: dict[tuple[int, str], ShardRecord] | None = {} if cache_records else None
+        # run_pk -> the sequence that closed its first pass, for runs whose closing is
+        # committed (and so final); _group_closed holds the open group's until it commits.
+        self._closed_passes: dict[int, int] = {}
+        self._group_closed: dict[int, int] = {}
+
+    def begin_group(self) -> None:
+        """Starts a group transaction: what it closes is kept only once it commits."""
+        self._group_closed = {}
+
+    def group_committed(self) -> None:
+        """Keeps the first passes the committed group closed (a closed pass stays closed)."""
+        self._closed_passes.update(self._group_closed)
+        self._group_closed = {}
 
     @property
     def caches_records(self) -> bool:
@@ -118,8 +135,8 @@ class BatchFolder:
         tx: WriteTx,
         runs: dict[tuple[str, str], RunRow],
         wanted: dict[tuple[str, str], dict[str, None]],
-    ) -> dict[tuple[int, str], proj.ShardRecord]:
-        records: dict[tuple[int, str], proj.ShardRecord] = {}
+    ) -> dict[tuple[int, str], ShardRecord]:
+        records: dict[tuple[int, str], ShardRecord] = {}
         cache = self._records
         for key, run in runs.items():
             missing = []
@@ -131,12 +148,12 @@ class BatchFolder:
                     records[(run.run_pk, shard_id)] = record
             if missing:
                 for shard_id, row in tx.load_shards(run.run_pk, missing).items():
-                    records[(run.run_pk, shard_id)] = proj.record_from_row(
+                    records[(run.run_pk, shard_id)] = record_from_row(
                         row.record, row.beat_us, row.beat_step
                     )
         return records
 
-    def _remember(self, records: dict[tuple[int, str], proj.ShardRecord]) -> None:
+    def _remember(self, records: dict[tuple[int, str], ShardRecord]) -> None:
         cache = self._records
         assert cache is not None
         for shard_key, record in records.items():
@@ -151,7 +168,7 @@ class BatchFolder:
         events: list[ValidEvent],
         stored: dict[str, StoredEvent],
         runs: dict[tuple[str, str], RunRow],
-        records: dict[tuple[int, str], proj.ShardRecord],
+        records: dict[tuple[int, str], ShardRecord],
         receive_us: int,
     ) -> list[AppendResult]:
         state = _BatchState(stored, runs, records)
@@ -181,13 +198,16 @@ class BatchFolder:
             # Heartbeats and checkpoints never change a shard's summary counters, so a
             # shard touched only by them skips the recount (the hot path of a busy fleet).
             if shard_key in state.before:
-                delta = proj.contributions(record)
+                delta = contributions(record)
                 delta.subtract(state.before[shard_key])
                 tx.add_counters(run_pk, delta)
         for head in state.heads.values():
             tx.update_run(
                 head.run_pk, event_count=head.count, head_hash=head.hash, now_us=receive_us
             )
+        # The batch stands (a refused one raised before here); its closings are final
+        # once the group commits.
+        self._group_closed.update((pk, seq) for pk, seq in state.pass_closed.items() if seq)
         return results
 
     def _apply_one(
@@ -252,15 +272,33 @@ class BatchFolder:
         )
         head.count, head.hash = run_sequence, row_hash
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
+        payload = event.payload
         if record is None:
             state.before[shard_key] = Counter()
             state.full.add(shard_key)
         else:
-            payload = event.payload
-            if not isinstance(payload, _COUNTER_NEUTRAL):
-                state.before.setdefault(shard_key, proj.contributions(record))
-            if not (isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt):
+            flagged = isinstance(payload, Heartbeat) and bool(payload.nonfinite_metrics)
+            if flagged or not isinstance(payload, _COUNTER_NEUTRAL):
+                state.before.setdefault(shard_key, contributions(record))
+            if flagged or not (
+                isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt
+            ):
                 state.full.add(shard_key)
-        records[shard_key] = proj.fold(record, rec)
+        closed = self._pass_closed(tx, state, head.run_pk)
+        records[shard_key] = proj.fold(record, rec, first_pass=not closed)
+        if not closed and closes_first_pass(rec):
+            state.pass_closed[head.run_pk] = sequence
+            tx.add_counters(head.run_pk, {PASS_CLOSED_KEY: sequence})
         state.dirty.add(shard_key)
         return AppendResult(event.event_id, sequence, APPENDED)
+
+    def _pass_closed(self, tx: WriteTx, state: _BatchState, run_pk: int) -> int:
+        """Returns the sequence that closed the run's first pass, or 0 while it is open."""
+        closed = state.pass_closed.get(run_pk)
+        if closed is None:
+            # Once closed a pass stays closed, so that answer is kept across groups; an
+            # open one is read again in each group's transaction (another replica may
+            # have closed it), which costs one indexed read per run and group.
+            closed = self._closed_passes.get(run_pk) or tx.counter(run_pk, PASS_CLOSED_KEY)
+            state.pass_closed[run_pk] = closed
+        return closed

@@ -128,6 +128,7 @@ class GroupCommitter:
     ) -> list[list[AppendResult] | BaseException]:
         outcomes: list[list[AppendResult] | BaseException] = []
         receive_us = self.clock()
+        self._folder.begin_group()
         with self.store.write() as tx:
             # Lock (PostgreSQL: FOR UPDATE) every existing run of the group, in one global
             # order, before any job reads: two replicas whose groups share runs then queue
@@ -153,6 +154,7 @@ class GroupCommitter:
                         outcomes.append(self._folder.apply(tx, job.events, receive_us, True))
                 except LedgerError as exc:
                     outcomes.append(exc)
+        self._folder.group_committed()
         return outcomes
 
     @property

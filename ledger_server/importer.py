@@ -17,7 +17,10 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
 from ledger_server.events import RecordedEvent
+from ledger_server.record import ShardRecord
+from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, Store, WriteTx
+from ledger_server.summary import PASS_CLOSED_KEY, contributions
 from ledger_server.validation import validate
 
 _CHUNK: Final = 500
@@ -86,7 +89,8 @@ class _RunWriter:
         self.first_sequence = 0
         self.last_sequence = 0
         self.last_receive_us = 0
-        self.records: dict[str, proj.ShardRecord] = {}
+        self.records: dict[str, ShardRecord] = {}
+        self.pass_closed = 0  # the global sequence of the run's first verdict, once seen
 
     def write(self, chunk: list[ImportRow]) -> None:
         """Checks and inserts a chunk of consecutive rows."""
@@ -156,7 +160,9 @@ class _RunWriter:
         shard_id = rec.event.shard_id
         record = self.records.get(shard_id)
         if proj.check(record, rec.event):
-            self.records[shard_id] = proj.fold(record, rec)
+            self.records[shard_id] = proj.fold(record, rec, first_pass=not self.pass_closed)
+            if not self.pass_closed and closes_first_pass(rec):
+                self.pass_closed = rec.sequence
 
     def finish(self) -> ImportResult:
         """Saves the shard projections and counters and moves the run head."""
@@ -165,7 +171,9 @@ class _RunWriter:
         run_pk = self.run.run_pk
         for shard_id, record in self.records.items():
             self.tx.save_shard(run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record)))
-            self.tx.add_counters(run_pk, proj.contributions(record))
+            self.tx.add_counters(run_pk, contributions(record))
+        if self.pass_closed:
+            self.tx.add_counters(run_pk, {PASS_CLOSED_KEY: self.pass_closed})
         self.tx.update_run(
             run_pk,
             event_count=self.chain.count,

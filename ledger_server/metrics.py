@@ -35,10 +35,10 @@ from prometheus_client.registry import Collector
 
 from ledger_server.config import split_listen
 from ledger_server.errors import LedgerError
-from ledger_server.projections import DUPLICATE_KINDS
 from ledger_server.service import LedgerService
 from ledger_server.states import ShardState
 from ledger_server.store.base import RunRow, StoreError
+from ledger_server.summary import DUPLICATE_KINDS
 from shard_client.vocabulary import FAILURE_TAGS
 
 __all__ = [

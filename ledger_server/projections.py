@@ -14,12 +14,8 @@ Life cycle of one shard (see docs/projections.md):
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ledger_server.chain import event_from_parsed, parse_row
 from ledger_server.errors import LifecycleViolation, PlanConflict
 from ledger_server.events import (
     ArtifactCommitted,
@@ -32,154 +28,17 @@ from ledger_server.events import (
     RecordedEvent,
     ShardPlanned,
 )
-from ledger_server.states import BASE_STATES, QueryState, ShardState
+from ledger_server.record import Attempt, ShardRecord, plan_line_for
+from ledger_server.states import QueryState, ShardState
 from shard_client.canonical import canonical_json
 
-DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One attempt at a shard, as far as the events tell."""
-
-    attempt_id: str
-    started_seq: int
-    host: str
-    pid: int
-    timeout_us: int
-    fingerprint_digest: str
-    last_seen_us: int
-    failed_tag: str = ""
-    failed_message: str = ""
-    # name -> (path, size_bytes, blake3_hex) of the latest commit of that name.
-    artifacts: dict[str, tuple[str, int, str]] = field(default_factory=dict)
-    last_step: int = -1
-    last_checkpoint: str = ""
-
-
-@dataclass(slots=True)
-class ShardRecord:
-    """Everything the projections know about one shard."""
-
-    shard_id: str
-    plan_index: int
-    plan_line: str
-    definition_json: str
-    expected_outputs: tuple[str, ...]
-    planned_seq: int
-    attempts: dict[str, Attempt] = field(default_factory=dict)
-    latest_attempt: str = ""
-    # (name, fingerprint digest) -> set of digests committed: non-determinism.
-    commit_digests: dict[str, list[str]] = field(default_factory=dict)
-    commit_count: dict[str, int] = field(default_factory=dict)
-    zombie_commits: int = 0
-    # (path, blake3) -> (result, reason) of the latest verification.
-    verdicts: dict[str, tuple[str, str]] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    # path -> blake3 of the latest commit there, kept only for paths that two commits
-    # (of any attempts or names) gave different bytes: on every other path each holder's
-    # digest is the latest. An artifact is intact only while it is still its path's bytes.
-    path_heads: dict[str, str] = field(default_factory=dict)
-    # base_state's answer, kept until apply() folds an event that may change it; not stored.
-    state_memo: tuple[ShardState, str] | None = field(default=None, compare=False, repr=False)
-
-    def to_json(self) -> str:
-        """Returns the record as canonical JSON for storage."""
-        data: dict[str, Any] = {
-            "shard_id": self.shard_id,
-            "plan_index": self.plan_index,
-            "plan_line": self.plan_line,
-            "definition_json": self.definition_json,
-            "expected_outputs": list(self.expected_outputs),
-            "planned_seq": self.planned_seq,
-            "attempts": {
-                k: {
-                    "attempt_id": a.attempt_id,
-                    "started_seq": a.started_seq,
-                    "host": a.host,
-                    "pid": a.pid,
-                    "timeout_us": a.timeout_us,
-                    "fingerprint_digest": a.fingerprint_digest,
-                    "last_seen_us": a.last_seen_us,
-                    "failed_tag": a.failed_tag,
-                    "failed_message": a.failed_message,
-                    "artifacts": {n: list(v) for n, v in a.artifacts.items()},
-                    "last_step": a.last_step,
-                    "last_checkpoint": a.last_checkpoint,
-                }
-                for k, a in self.attempts.items()
-            },
-            "latest_attempt": self.latest_attempt,
-            "commit_digests": self.commit_digests,
-            "commit_count": self.commit_count,
-            "zombie_commits": self.zombie_commits,
-            "verdicts": {k: list(v) for k, v in self.verdicts.items()},
-            "failures": self.failures,
-        }
-        if self.path_heads:  # absent until a path is overwritten: older records read the same
-            data["path_heads"] = self.path_heads
-        return canonical_json(data)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ShardRecord:
-        """Parses a record stored by to_json."""
-        import json
-
-        d = json.loads(text)
-        attempts = {}
-        for k, a in d["attempts"].items():
-            a["artifacts"] = {n: (v[0], v[1], v[2]) for n, v in a["artifacts"].items()}
-            attempts[k] = Attempt(**a)
-        return cls(
-            shard_id=d["shard_id"],
-            plan_index=d["plan_index"],
-            plan_line=d["plan_line"],
-            definition_json=d["definition_json"],
-            expected_outputs=tuple(d["expected_outputs"]),
-            planned_seq=d["planned_seq"],
-            attempts=attempts,
-            latest_attempt=d["latest_attempt"],
-            commit_digests=d["commit_digests"],
-            commit_count=d["commit_count"],
-            zombie_commits=d["zombie_commits"],
-            verdicts={k: (v[0], v[1]) for k, v in d["verdicts"].items()},
-            failures=d["failures"],
-            path_heads=d.get("path_heads", {}),
-        )
-
-
-def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | None) -> ShardRecord:
-    """Parses a stored record and folds in the heartbeat columns written after it.
-
-    A heartbeat of the latest attempt only moves that attempt's last_seen_us and
-    last_step, so the writer stores those two numbers (and the deadline) instead of
-    re-encoding the whole record; both fold by max, exactly as apply() does.
-    """
-    out = ShardRecord.from_json(record)
-    if beat_us is not None:
-        latest = out.attempts.get(out.latest_attempt)
-        if latest is not None:
-            latest.last_seen_us = max(latest.last_seen_us, beat_us)
-            latest.last_step = max(latest.last_step, beat_step if beat_step is not None else -1)
-    return out
-
-
-def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:
-    """Returns the plan line handed back in resume lists (the original one when given)."""
-    if plan.plan_line:
-        return plan.plan_line
-    import json
-
-    return canonical_json(
-        {
-            "shard_id": shard_id,
-            "input_ref": plan.input_ref,
-            "input_bytes": plan.input_bytes,
-            "input_blake3": plan.input_blake3,
-            "params": json.loads(plan.params_json),
-            "expected_outputs": list(plan.expected_outputs),
-        }
-    )
+# Verdict reasons that describe the verifier, not the artifact (an artifact outside the
+# verifier's --root): recorded by versions before 2 and folded as no verdict at all, so
+# a wrong --root never poisons a run.
+VERIFIER_REASONS: Final = frozenset({"outside_root"})
+# An event that reached the ledger this long (or its attempt's heartbeat timeout, if
+# longer) after its client time had waited in a spool.
+LATE_MIN_US: Final = 60 * 1_000_000
 
 
 # --- the fold ---------------------------------------------------------------
@@ -197,16 +56,18 @@ def check(record: ShardRecord | None, event: Event) -> bool:
     return True
 
 
-def fold(record: ShardRecord | None, rec: RecordedEvent) -> ShardRecord:
+def fold(record: ShardRecord | None, rec: RecordedEvent, *, first_pass: bool = True) -> ShardRecord:
     """Folds one accepted event into the shard's record (a plan creates it); returns the record.
 
     The one fold of the writer, the importer and the replay; check() has already
     said the event may follow, so a plan here is always the shard's first.
+    ``first_pass`` says whether the run's first pass is still open (no verdict in
+    the run yet); it matters only to a started event, whose attempt it marks.
     """
     if isinstance(rec.event.payload, ShardPlanned):
         return new_record(rec)
     assert record is not None, "check() refuses an event of a shard never planned"
-    apply(record, rec)
+    apply(record, rec, first_pass=first_pass)
     return record
 
 
@@ -244,7 +105,7 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
             )
         return
     if isinstance(p, ArtifactVerified):
-        if not _was_committed(record, p):
+        if not _was_committed(record, event.attempt_id, p):
             raise LifecycleViolation(
                 f"no artifact {p.name!r} at {p.path} with digest {p.blake3_hex} was committed",
                 reason="ARTIFACT_NOT_COMMITTED",
@@ -266,13 +127,17 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
         )
 
 
-def _was_committed(record: ShardRecord, p: ArtifactVerified) -> bool:
-    # A verdict names a commit of the shard: what an attempt holds now as its commit of
-    # the name (name, path, digest), or an earlier commit of the name overwritten in
-    # place (the digest was committed for the name, and the path is where an attempt
-    # holds the name now: a verifier that read the file after it was replaced). A path
-    # no attempt holds is refused: verdicts are keyed by (path, digest), so one on such
-    # a path would confirm a later commit of it that nobody verified.
+def _was_committed(record: ShardRecord, attempt_id: str, p: ArtifactVerified) -> bool:
+    # A verdict that names its attempt is about that attempt's current commit of the
+    # name, exactly: (name, path, digest). One without an attempt (verifiers before
+    # record version 2) names a commit of the shard: what an attempt holds now as its
+    # commit of the name, or an earlier commit of the name overwritten in place (the
+    # digest was committed for the name, and the path is where an attempt holds the
+    # name now: a verifier that read the file after it was replaced).
+    if attempt_id:
+        attempt = record.attempts.get(attempt_id)
+        held = attempt.artifacts.get(p.name) if attempt is not None else None
+        return held is not None and (held[0], held[2]) == (p.path, p.blake3_hex)
     current = [a.artifacts[p.name] for a in record.attempts.values() if p.name in a.artifacts]
     if any((path, digest) == (p.path, p.blake3_hex) for path, _, digest in current):
         return True
@@ -297,7 +162,7 @@ def new_record(rec: RecordedEvent) -> ShardRecord:
     )
 
 
-def apply(record: ShardRecord, rec: RecordedEvent) -> None:
+def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -> None:
     """Folds one accepted, non-plan event into the shard's record."""
     event, p, now = rec.event, rec.event.payload, rec.receive_time_us
     if not isinstance(p, (Heartbeat, CheckpointSaved)):
@@ -311,17 +176,25 @@ def apply(record: ShardRecord, rec: RecordedEvent) -> None:
             timeout_us=p.heartbeat_timeout_us,
             fingerprint_digest=p.fingerprint_digest,
             last_seen_us=now,
+            first_pass=first_pass,
+            late=_arrived_late(rec, p.heartbeat_timeout_us),
         )
         record.latest_attempt = event.attempt_id
         return
     if isinstance(p, ArtifactVerified):
-        record.verdicts[f"{p.path}\x00{p.blake3_hex}"] = (p.result, p.reason)
+        _fold_verdict(record, event.attempt_id, p)
         return
     if isinstance(p, Heartbeat):
         fold_beat(record, event.attempt_id, now, p.step)
+        if p.nonfinite_metrics:
+            fold_numeric(record.attempts[event.attempt_id], p.step, p.nonfinite_metrics)
         return
     attempt = record.attempts[event.attempt_id]
     attempt.last_seen_us = max(attempt.last_seen_us, now)
+    # Checkpoints, like heartbeats, never change the summary counters, so only the
+    # events that do can mark an attempt late.
+    if not isinstance(p, CheckpointSaved) and _arrived_late(rec, attempt.timeout_us):
+        attempt.late = True
     if isinstance(p, CheckpointSaved):
         attempt.last_step = max(attempt.last_step, p.step)
         attempt.last_checkpoint = p.path
@@ -334,7 +207,7 @@ def apply(record: ShardRecord, rec: RecordedEvent) -> None:
         ):
             record.path_heads[p.path] = p.blake3_hex  # other bytes were committed there
         attempt.artifacts[p.name] = (p.path, p.size_bytes, p.blake3_hex)
-        record.commit_count[p.name] = record.commit_count.get(p.name, 0) + 1
+        attempt.verdicts.pop(p.name, None)  # a new commit is unverified until verified itself
         group = f"{p.name}\x00{attempt.fingerprint_digest}"
         digests = record.commit_digests.setdefault(group, [])
         if p.blake3_hex not in digests:
@@ -346,6 +219,34 @@ def apply(record: ShardRecord, rec: RecordedEvent) -> None:
         attempt.failed_tag = p.tag
         attempt.failed_message = p.message
         record.failures.append(p.tag)
+
+
+def _fold_verdict(record: ShardRecord, attempt_id: str, p: ArtifactVerified) -> None:
+    """Hands a verdict to the commit it is about: one attempt's, or (unnamed) every holder's."""
+    if p.reason in VERIFIER_REASONS:
+        return
+    holders = [record.attempts[attempt_id]] if attempt_id else record.attempts.values()
+    for attempt in holders:
+        held = attempt.artifacts.get(p.name)
+        if held is not None and (held[0], held[2]) == (p.path, p.blake3_hex):
+            attempt.verdicts[p.name] = (p.result, p.reason)
+
+
+def fold_numeric(attempt: Attempt, step: int, names: tuple[str, ...]) -> None:
+    """Records non-finite metrics: the first step they were seen at, and every name seen."""
+    if attempt.numeric_step < 0 or step < attempt.numeric_step:
+        attempt.numeric_step = max(step, 0)
+    for name in names:
+        if name not in attempt.numeric_metrics:
+            attempt.numeric_metrics.append(name)
+
+
+def _arrived_late(rec: RecordedEvent, timeout_us: int) -> bool:
+    # An event that reached the ledger more than a heartbeat timeout after the job made
+    # it waited in a spool: the ledger showed the attempt wrong in between. The clocks
+    # are two hosts' (client_time is the job's), hence the wide margin.
+    made = rec.event.client_time_us
+    return made > 0 and rec.receive_time_us - made > max(timeout_us, LATE_MIN_US)
 
 
 def fold_beat(record: ShardRecord, attempt_id: str, now_us: int, step: int) -> None:
@@ -360,18 +261,18 @@ def fold_beat(record: ShardRecord, attempt_id: str, now_us: int, step: int) -> N
 # --- derived views ----------------------------------------------------------
 
 
-def _required(record: ShardRecord) -> tuple[str, ...]:
+def required_outputs(record: ShardRecord) -> tuple[str, ...]:
     return record.expected_outputs
 
 
-def _complete(record: ShardRecord, attempt: Attempt) -> bool:
-    required = _required(record)
+def is_complete(record: ShardRecord, attempt: Attempt) -> bool:
+    required = required_outputs(record)
     if required:
         return all(name in attempt.artifacts for name in required)
     return bool(attempt.artifacts)
 
 
-def _intact(record: ShardRecord, attempt: Attempt) -> bool:
+def is_intact(record: ShardRecord, attempt: Attempt) -> bool:
     """Returns whether every artifact of the attempt is still its path's latest commit."""
     heads = record.path_heads
     return not heads or all(
@@ -379,20 +280,16 @@ def _intact(record: ShardRecord, attempt: Attempt) -> bool:
     )
 
 
-def _verdicts(record: ShardRecord, attempt: Attempt) -> list[tuple[str, str] | None]:
-    names = _required(record) or tuple(sorted(attempt.artifacts))
-    out = []
-    for name in names:
-        path, _size, digest = attempt.artifacts[name]
-        out.append(record.verdicts.get(f"{path}\x00{digest}"))
-    return out
+def verdicts_of(record: ShardRecord, attempt: Attempt) -> list[tuple[str, str] | None]:
+    names = required_outputs(record) or tuple(sorted(attempt.artifacts))
+    return [attempt.verdicts.get(name) for name in names]
 
 
 def confirmed_attempt(record: ShardRecord) -> Attempt | None:
     """Returns an attempt whose full artifact set was committed, is intact and verified, if any."""
     for attempt in sorted(record.attempts.values(), key=lambda a: -a.started_seq):
-        if _complete(record, attempt) and _intact(record, attempt):
-            verdicts = _verdicts(record, attempt)
+        if is_complete(record, attempt) and is_intact(record, attempt):
+            verdicts = verdicts_of(record, attempt)
             if all(v is not None and v[0] == "passed" for v in verdicts):
                 return attempt
     return None
@@ -411,17 +308,17 @@ def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
     latest = record.attempts.get(record.latest_attempt)
     if latest is None:
         return ShardState.PLANNED, ""
-    if not latest.failed_tag and not _complete(record, latest):
+    if not latest.failed_tag and not is_complete(record, latest):
         return ShardState.RUNNING, ""
-    complete = [a for a in record.attempts.values() if _complete(record, a)]
+    complete = [a for a in record.attempts.values() if is_complete(record, a)]
     complete.sort(key=lambda a: -a.started_seq)
-    intact = [a for a in complete if _intact(record, a)]
+    intact = [a for a in complete if is_intact(record, a)]
     for attempt in intact:
-        verdicts = _verdicts(record, attempt)
+        verdicts = verdicts_of(record, attempt)
         if all(v is None or v[0] == "passed" for v in verdicts):
             return ShardState.COMMITTED, ""
     for attempt in intact:
-        failing = [v for v in _verdicts(record, attempt) if v is not None and v[0] == "failed"]
+        failing = [v for v in verdicts_of(record, attempt) if v is not None and v[0] == "failed"]
         if failing:
             return ShardState.VERIFY_FAILED, failing[0][1] or "unknown"
     if len(intact) < len(complete):
@@ -450,50 +347,6 @@ def row_columns(record: ShardRecord) -> dict[str, Any]:
         "plan_line": record.plan_line,
         "record": record.to_json().encode(),
     }
-
-
-def duplicate_kinds(record: ShardRecord) -> list[str]:
-    """Returns the kinds of duplicate the shard shows, sorted."""
-    kinds = set()
-    if any(n > 1 for n in record.commit_count.values()):
-        kinds.add("wasted")
-    # Attempts that recorded no fingerprint are in no group: their environments may differ.
-    if any(len(d) > 1 for g, d in record.commit_digests.items() if not g.endswith("\x00")):
-        kinds.add("nondeterministic")
-    if record.zombie_commits:
-        kinds.add("zombie")
-    return sorted(kinds)
-
-
-def fingerprint_of(record: ShardRecord) -> str:
-    """Returns the fingerprint digest of the shard's latest attempt ("" if none)."""
-    latest = record.attempts.get(record.latest_attempt)
-    return latest.fingerprint_digest if latest else ""
-
-
-def contributions(record: ShardRecord) -> Counter[str]:
-    """Returns the counters one shard adds to its run's summary (time-independent)."""
-    state, detail = base_state(record)
-    out: Counter[str] = Counter({"submitted": 1, f"state:{state}": 1})
-    if state == ShardState.FAILED:
-        out[f"tag:{detail}"] += 1
-        if detail == "incomplete":
-            out["silent"] += 1
-    if state == ShardState.VERIFY_FAILED:
-        out[f"verify_failed:{detail}"] += 1
-        out["silent"] += 1
-    for tag in record.failures:
-        out[f"attempt_tag:{tag}"] += 1
-    kinds = duplicate_kinds(record)
-    for kind in kinds:
-        out[f"dup:{kind}"] += 1
-    if kinds:
-        out["dup:any"] += 1
-    fp = fingerprint_of(record)
-    if fp:
-        out[f"fp:{fp}"] += 1
-    out["attempts"] += len(record.attempts)
-    return out
 
 
 def live_state(record: ShardRecord, now_us: int) -> tuple[str, str]:
@@ -527,146 +380,3 @@ def resume_reason(record: ShardRecord, now_us: int) -> str | None:
         return None
     prefix = RESUME_DETAIL_PREFIXES.get(state)
     return prefix + detail if prefix is not None else RESUME_REASONS[state]
-
-
-def summary(counters: Counter[str], *, stale: int, run_id: str, namespace: str) -> dict[str, Any]:
-    """Returns the run summary from the summed counters and the stale count at some instant."""
-    submitted = counters.get("submitted", 0)
-    states = {s: counters.get(f"state:{s}", 0) for s in BASE_STATES}
-    running = states[ShardState.RUNNING] - stale
-    verified = states[ShardState.VERIFIED]
-    failed = states[ShardState.FAILED] + states[ShardState.VERIFY_FAILED]
-
-    def prefixed(prefix: str) -> dict[str, int]:
-        return dict(
-            sorted((k[len(prefix) :], v) for k, v in counters.items() if k.startswith(prefix) and v)
-        )
-
-    return {
-        "namespace": namespace,
-        "run_id": run_id,
-        "submitted": submitted,
-        "verified": verified,
-        "failed": failed,
-        "missing": states[ShardState.PLANNED],
-        "unverified": states[ShardState.COMMITTED],
-        "running": running,
-        "stale": stale,
-        "verify_failed": states[ShardState.VERIFY_FAILED],
-        "completion_rate": verified / submitted if submitted else 0.0,
-        "silent_errors": counters.get("silent", 0),
-        "silent_error_rate": counters.get("silent", 0) / submitted if submitted else 0.0,
-        "failure_tags": prefixed("tag:"),
-        "attempt_failure_tags": prefixed("attempt_tag:"),
-        "verify_failures": prefixed("verify_failed:"),
-        "duplicates": {k: counters.get(f"dup:{k}", 0) for k in DUPLICATE_KINDS},
-        "duplicate_shards": counters.get("dup:any", 0),
-        "fingerprint_groups": prefixed("fp:"),
-        "attempts": counters.get("attempts", 0),
-        "unconfirmed": submitted - verified,
-    }
-
-
-def matches(record: ShardRecord, query: str, now_us: int) -> bool:
-    """Returns whether the shard belongs to a ``shards --state`` query."""
-    state, _ = live_state(record, now_us)
-    if query == QueryState.MISSING:
-        return state == ShardState.PLANNED
-    if query == QueryState.LIVE:
-        return state == ShardState.RUNNING
-    if query == QueryState.DUPLICATE:
-        return bool(duplicate_kinds(record))
-    if query == QueryState.UNCONFIRMED:
-        return state != ShardState.VERIFIED
-    return state == query
-
-
-def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
-    """Returns the JSON view of one shard that `shards` prints."""
-    state, detail = live_state(record, now_us)
-    latest = record.attempts.get(record.latest_attempt)
-    return {
-        "shard_id": record.shard_id,
-        "plan_index": record.plan_index,
-        "state": state,
-        "detail": detail,
-        "attempts": len(record.attempts),
-        "latest_attempt": record.latest_attempt,
-        "host": latest.host if latest else "",
-        "pid": latest.pid if latest else None,
-        "deadline_us": deadline_us(record),
-        "last_seen_us": latest.last_seen_us if latest else None,
-        "last_step": latest.last_step if latest else None,
-        "fingerprint": fingerprint_of(record),
-        "artifacts": {
-            n: {"path": v[0], "size_bytes": v[1], "blake3": v[2]}
-            for n, v in latest.artifacts.items()
-        }
-        if latest
-        else {},
-        "duplicates": duplicate_kinds(record),
-        "failures": list(record.failures),
-    }
-
-
-# --- replay -----------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class RunReplay:
-    """Projections of one run rebuilt from its events alone."""
-
-    records: dict[str, ShardRecord] = field(default_factory=dict)
-
-    def feed(self, rec: RecordedEvent) -> None:
-        """Folds one stored event (already accepted by the server)."""
-        shard_id = rec.event.shard_id
-        if isinstance(rec.event.payload, ShardPlanned):
-            # A stored plan is the shard's first, or one identical to it.
-            if shard_id not in self.records:
-                self.records[shard_id] = fold(None, rec)
-            return
-        fold(self.records[shard_id], rec)
-
-    def feed_row(self, sequence: int, row: bytes, row_hash: bytes) -> None:
-        """Folds one stored row; what feed(recorded(...)) does, without building a heartbeat.
-
-        Heartbeats are most of a night's events and only move two numbers, so
-        their rows are folded from the parsed JSON; every other kind is decoded
-        into its event and folded by feed().
-        """
-        outer = parse_row(row)
-        data = outer["event"]
-        if data["kind"] == Heartbeat.KIND:
-            fold_beat(
-                self.records[data["shard_id"]],
-                data["attempt_id"],
-                outer["receive_time_us"],
-                data["payload"]["step"],
-            )
-            return
-        event, run_sequence, receive_us = event_from_parsed(outer)
-        self.feed(RecordedEvent(event, sequence, run_sequence, receive_us, row_hash))
-
-    def counters(self) -> Counter[str]:
-        """Returns the summed summary counters."""
-        total: Counter[str] = Counter()
-        for record in self.records.values():
-            total.update(contributions(record))
-        return total
-
-    def stale_count(self, now_us: int) -> int:
-        """Returns how many shards are stale at now_us."""
-        return sum(1 for r in self.records.values() if live_state(r, now_us)[0] == QueryState.STALE)
-
-    def ordered(self) -> Iterator[ShardRecord]:
-        """Yields the records in plan order."""
-        yield from sorted(self.records.values(), key=lambda r: (r.plan_index, r.shard_id))
-
-
-def replay(events: Iterable[RecordedEvent]) -> RunReplay:
-    """Rebuilds a run's projections from its events."""
-    out = RunReplay()
-    for rec in events:
-        out.feed(rec)
-    return out

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from ledger_server import projections as proj
 from ledger_server.chain import ChainWalker
+from ledger_server.record import record_from_row
+from ledger_server.replay import RunReplay
 from ledger_server.store.base import RunRow, ShardRow, Store, StoredEvent
 
 PROGRESS_EVERY = 1000
@@ -68,7 +70,7 @@ def gc_paused() -> Iterator[None]:
 
 
 def fold_rows(
-    replay: proj.RunReplay,
+    replay: RunReplay,
     rows: Iterable[StoredEvent],
     advance: Callable[[int], None] = lambda n: None,
 ) -> Iterator[StoredEvent]:
@@ -85,7 +87,7 @@ def fold_rows(
         advance(pending)
 
 
-def take_projections(replay: proj.RunReplay) -> tuple[list[ShardRow], dict[str, int]]:
+def take_projections(replay: RunReplay) -> tuple[list[ShardRow], dict[str, int]]:
     """Returns the rebuilt shard rows in plan order and the summary counters.
 
     It empties the replay: each record is dropped as soon as its row is built, so
@@ -117,7 +119,7 @@ def rebuild_run(
     server writing to the run first (its cache would not see the rewrite).
     """
     started = time.monotonic()
-    replay = proj.RunReplay()
+    replay = RunReplay()
     view = store.read()
     chain = _ChainCheck(run)
     with gc_paused():
@@ -201,7 +203,7 @@ def _same(rebuilt: ShardRow, have: ShardRow) -> bool:
         return False
     if have.beat_us is None:
         return have.record == rebuilt.record  # canonical JSON: equal records, equal bytes
-    merged = proj.record_from_row(have.record, have.beat_us, have.beat_step)
+    merged = record_from_row(have.record, have.beat_us, have.beat_step)
     return merged.to_json().encode() == rebuilt.record
 
 

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.interceptor import RequestInterceptor
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
+from ledger_server.rebuild import RunRebuild
 from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
@@ -36,6 +37,7 @@ from ledger_server.startup import (
 )
 from ledger_server.store.base import StoreError
 from ledger_server.store.urls import redact_url
+from ledger_server.upgrade import upgrade_projections
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
@@ -66,6 +68,17 @@ class RunningServer:
         log.info("server_stopped", port=self.port)
 
 
+def _log_upgrade(result: RunRebuild) -> None:
+    log.info(
+        "projections_upgraded",
+        namespace=result.namespace,
+        run_id=result.run_id,
+        shards=result.shards,
+        events=result.events,
+        seconds=round(result.seconds, 3),
+    )
+
+
 def create_server(config: ServerConfig) -> RunningServer:
     """Builds and starts a server; returns it with the bound port.
 
@@ -88,6 +101,8 @@ def create_server(config: ServerConfig) -> RunningServer:
             raise StartupError(f"cannot serve {redact_url(config.database)}: {exc}") from None
         if key is None:
             key = create_signing_key(key_path)
+        # Records of an older format are rebuilt from their events before any write.
+        upgrade_projections(store, on_run=_log_upgrade)
         metrics = LedgerMetrics()
         ledger = LedgerService(store, on_group=metrics.observe_group)
     except BaseException:

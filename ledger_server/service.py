@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Final, NamedTuple
 
-from ledger_server import projections as proj
 from ledger_server.batch import AppendResult
 from ledger_server.chain import recorded
 from ledger_server.committer import GroupCommitter
@@ -20,8 +19,10 @@ from ledger_server.errors import (
     RunNotFound,
 )
 from ledger_server.events import Event, RecordedEvent
+from ledger_server.record import record_from_row
 from ledger_server.states import QUERY_STATES, stored_states
 from ledger_server.store.base import RunRow, Store
+from ledger_server.summary import matches, run_summary, shard_view
 from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
 
 MAX_EVENTS_PER_BATCH: Final = 10_000
@@ -121,7 +122,7 @@ class LedgerService:
         at = self.clock() if now is None else now
         view = self.store.read()
         counters = Counter(view.counters(run.run_pk))
-        out = proj.summary(
+        out = run_summary(
             counters,
             stale=view.count_stale(run.run_pk, at),
             run_id=run.run_id,
@@ -152,11 +153,11 @@ class LedgerService:
         cursor: tuple[int, str] | None = None
         for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
             assert row.record is not None
-            record = proj.record_from_row(row.record, row.beat_us, row.beat_step)
+            record = record_from_row(row.record, row.beat_us, row.beat_step)
             cursor = (row.plan_index, row.shard_id)
-            if state and not proj.matches(record, state, at):
+            if state and not matches(record, state, at):
                 continue
-            out.append(proj.shard_view(record, at))
+            out.append(shard_view(record, at))
             if len(out) >= limit:
                 return out, cursor
         return out, None

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from ledger_server import projections as proj
 from ledger_server.chain import recorded
 from ledger_server.config import ServerConfig
+from ledger_server.record import record_from_row
+from ledger_server.replay import replay_run
 from ledger_server.server import create_server
 from ledger_server.store import open_store, redact_url
 from ledger_server.store.base import StoredEvent, TokenRow
@@ -112,9 +113,7 @@ def _normalized(table: str, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]
         return rows
     # Records are JSON: compare their meaning, not the bytes of one encoder, with the
     # heartbeat row folded in (a copy rebuilds records whole, so it has none).
-    return [
-        (*r[:7], json.loads(proj.record_from_row(bytes(r[7]), r[8], r[9]).to_json())) for r in rows
-    ]
+    return [(*r[:7], json.loads(record_from_row(bytes(r[7]), r[8], r[9]).to_json())) for r in rows]
 
 
 def test_migrate_applies_and_prints_versions_on_both_backends(
@@ -209,7 +208,7 @@ def test_copied_projections_equal_a_replay_of_the_copied_events(
     try:
         view = store.read()
         for run in view.list_runs(None, 100):
-            replay = proj.replay(recorded(e) for e in view.iter_events(run.run_pk))
+            replay = replay_run(recorded(e) for e in view.iter_events(run.run_pk))
             assert view.counters(run.run_pk) == {k: n for k, n in replay.counters().items() if n}
     finally:
         store.close()

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from ledger_server import codec
-from ledger_server import projections as proj
 from ledger_server.batch import DUPLICATE
 from ledger_server.config import ServerConfig
 from ledger_server.errors import EventRejected
+from ledger_server.record import ShardRecord
+from ledger_server.replay import replay_run
 from ledger_server.server import RunningServer, create_server
 from ledger_server.service import LedgerService
 from ledger_server.store import open_store
@@ -82,7 +83,7 @@ def test_heartbeats_survive_a_restart_and_fold_into_the_next_full_write(url: str
     (row,) = [r for r in store.read().iter_shards(run_pk) if r.shard_id == "shard-0"]
     # The record was written at the start; the heartbeats moved only the beat columns.
     assert row.beat_step == 5 and row.record is not None
-    assert proj.ShardRecord.from_json(row.record).attempts["att-1"].last_step == -1
+    assert ShardRecord.from_json(row.record).attempts["att-1"].last_step == -1
     running.stop(0.5)
     client.close()
 
@@ -95,8 +96,8 @@ def test_heartbeats_survive_a_restart_and_fold_into_the_next_full_write(url: str
         (row,) = list(running.ledger.store.read().iter_shards(run_pk))
         assert (row.state, row.beat_us, row.beat_step) == ("committed", None, None)
         assert row.record is not None
-        assert proj.ShardRecord.from_json(row.record).attempts["att-1"].last_step == 6
-        replayed = proj.replay(running.ledger.iter_events("", "run-1"))
+        assert ShardRecord.from_json(row.record).attempts["att-1"].last_step == 6
+        replayed = replay_run(running.ledger.iter_events("", "run-1"))
         assert row.record == replayed.records["shard-0"].to_json().encode()
     finally:
         client.close()

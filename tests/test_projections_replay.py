@@ -37,9 +37,12 @@ from ledger_server.events import (
     Payload,
     ShardPlanned,
 )
+from ledger_server.record import record_from_row
+from ledger_server.replay import RunReplay, replay_run
 from ledger_server.service import LedgerService
 from ledger_server.states import QUERY_STATES
 from ledger_server.store.sqlite import SqliteStore
+from ledger_server.summary import run_summary, shard_view
 from shard_client.canonical import canonical_json
 
 RUN = "r1"
@@ -378,10 +381,10 @@ class Harness:
         """Asserts incremental == fresh replay == model for every read at now."""
         events = list(self.ledger.iter_events("", RUN))
         assert len(events) == self.model.count
-        fresh = proj.replay(events)
+        fresh = replay_run(events)
         run = self.ledger.run("", RUN)
         # The rebuild's path (rows folded straight from the stored bytes) lands on the same records.
-        from_rows = proj.RunReplay()
+        from_rows = RunReplay()
         with rebuild.gc_paused():
             stored_rows = self.ledger.store.read().iter_events(run.run_pk)
             assert sum(1 for _ in rebuild.fold_rows(from_rows, stored_rows)) == len(events)
@@ -390,17 +393,17 @@ class Harness:
         }
         for row in self.ledger.store.read().iter_shards(run.run_pk):
             assert row.record is not None
-            stored = proj.record_from_row(row.record, row.beat_us, row.beat_step)
+            stored = record_from_row(row.record, row.beat_us, row.beat_step)
             assert stored.to_json() == fresh.records[row.shard_id].to_json()
         incremental = self.ledger.summary("", RUN, now=now)
         for key in ("as_of_us", "event_count", "head_hash"):
             incremental.pop(key)
-        replayed = proj.summary(
+        replayed = run_summary(
             fresh.counters(), stale=fresh.stale_count(now), run_id=RUN, namespace="default"
         )
         assert incremental == replayed == self.model.summary(now)
         views, _ = self.ledger.shards("", RUN, now=now)
-        assert views == [proj.shard_view(r, now) for r in fresh.ordered()]
+        assert views == [shard_view(r, now) for r in fresh.ordered()]
         # Keys the model knows must match; the view may grow new keys.
         model_views = [s.view(now) for s in self.model.ordered()]
         assert [

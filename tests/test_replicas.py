@@ -20,6 +20,8 @@ import pytest
 from ledger_server import projections as proj
 from ledger_server.audit import verify_store
 from ledger_server.chain import recorded
+from ledger_server.record import record_from_row
+from ledger_server.replay import replay_run
 from ledger_server.store import open_store
 from ledger_server.store.postgres import POOL_OPTIONS, PostgresStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -200,7 +202,7 @@ def assert_stored_projections_equal_replay(url: str) -> None:
     try:
         view = store.read()
         for run in view.list_runs(None, 1 << 30):
-            replay = proj.replay(recorded(e) for e in view.iter_events(run.run_pk))
+            replay = replay_run(recorded(e) for e in view.iter_events(run.run_pk))
             assert view.counters(run.run_pk) == {k: n for k, n in replay.counters().items() if n}
             rows = [
                 (
@@ -209,9 +211,7 @@ def assert_stored_projections_equal_replay(url: str) -> None:
                     r.detail,
                     r.deadline_us,
                     r.plan_line,
-                    json.loads(
-                        proj.record_from_row(r.record or b"", r.beat_us, r.beat_step).to_json()
-                    ),
+                    json.loads(record_from_row(r.record or b"", r.beat_us, r.beat_step).to_json()),
                 )
                 for r in view.iter_shards(run.run_pk)
             ]

@@ -18,8 +18,10 @@ from ledger_server import projections as proj
 from ledger_server.audit import verify_store
 from ledger_server.chain import recorded
 from ledger_server.config import ServerConfig
+from ledger_server.replay import RunReplay, replay_run
 from ledger_server.server import RunningServer, create_server
 from ledger_server.store import open_store
+from ledger_server.summary import run_summary, shard_view
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from tests import pg
@@ -321,13 +323,13 @@ def test_chains_verify_and_an_edited_row_is_named(api: LedgerClient, backend: Ba
     assert (broken.ok, broken.first_bad_sequence) == (False, results[1].sequence)
 
 
-def _replay(url: str, namespace: str, run_id: str) -> proj.RunReplay:
+def _replay(url: str, namespace: str, run_id: str) -> RunReplay:
     store = open_store(url)
     try:
         view = store.read()
         run = view.get_run(namespace, run_id)
         assert run is not None
-        return proj.replay(recorded(e) for e in view.iter_events(run.run_pk))
+        return replay_run(recorded(e) for e in view.iter_events(run.run_pk))
     finally:
         store.close()
 
@@ -342,12 +344,12 @@ def assert_projections_match_replay(
     at = summary.pop("as_of_us")
     for key in ("event_count", "head_hash"):
         summary.pop(key)
-    expected = proj.summary(
+    expected = run_summary(
         replay.counters(), stale=replay.stale_count(at), run_id=run_id, namespace=ns
     )
     assert summary == json.loads(json.dumps(expected))
     views = [json.loads(v.view_json) for v in client.shards(run_id, namespace=namespace)]
-    assert views == [json.loads(json.dumps(proj.shard_view(r, at))) for r in replay.ordered()]
+    assert views == [json.loads(json.dumps(shard_view(r, at))) for r in replay.ordered()]
     resume = [
         (e.shard_id, e.plan_line, e.reason) for e in client.resume(run_id, namespace=namespace)
     ]

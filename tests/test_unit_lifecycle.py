@@ -21,6 +21,7 @@ from ledger_server.events import (
     RecordedEvent,
     ShardPlanned,
 )
+from ledger_server.record import ShardRecord
 from ledger_server.states import ShardState
 
 DIGEST = "ef" * 32
@@ -49,7 +50,7 @@ class Shard:
     """Feeds events through check() and fold() as the writer does, numbering them."""
 
     def __init__(self) -> None:
-        self.record: proj.ShardRecord | None = None
+        self.record: ShardRecord | None = None
         self.sequence = 0
 
     def feed(self, event: Event, now_us: int = 1_000) -> bool:

@@ -130,6 +130,9 @@ class WriteTx(Protocol):
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         """Adds the deltas to the run's summary counters."""
 
+    def counter(self, run_pk: int, key: str) -> int:
+        """Returns one of the run's summary counters as this transaction sees it (0 if none)."""
+
     def clear_projections(self, run_pk: int) -> None:
         """Deletes the run's shard rows, heartbeat rows and counters (a rebuild rewrites them)."""
 

@@ -207,6 +207,7 @@ SQL_ITER_EVENTS: Final = (
     f"SELECT {EVENT_COLUMNS} FROM events WHERE run_pk = %s AND seq <= %s ORDER BY seq"
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = %s AND n != 0"
+SQL_COUNTER: Final = "SELECT n FROM run_counters WHERE run_pk = %s AND key = %s"
 SQL_COUNT_STALE: Final = f"SELECT COUNT(*){SHARD_FROM} WHERE s.run_pk = %s AND s.state = '{ShardState.RUNNING}' AND {DEADLINE} < %s"
 SQL_ITER_SHARDS: Final = (
     f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {DEADLINE}, s.plan_line,"

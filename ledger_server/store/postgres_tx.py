@@ -217,6 +217,13 @@ class PgWriteTx:
             if n:
                 self._counters[(run_pk, key)] = self._counters.get((run_pk, key), 0) + n
 
+    def counter(self, run_pk: int, key: str) -> int:
+        with edge():
+            row = self.conn.execute(q.SQL_COUNTER, (run_pk, key)).fetchone()
+        # clear_projections() flushes and deletes at once: the table plus the buffer is
+        # what this transaction holds.
+        return (0 if row is None else int(row[0])) + self._counters.get((run_pk, key), 0)
+
     def clear_projections(self, run_pk: int) -> None:
         with edge():
             self.flush()  # writes buffered before this call land first, and are cleared too

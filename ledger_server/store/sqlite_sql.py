@@ -198,6 +198,7 @@ SQL_ADD_COUNTERS: Final = (
     " ON CONFLICT (run_pk, key) DO UPDATE SET n = n + excluded.n"
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
+SQL_COUNTER: Final = "SELECT n FROM run_counters WHERE run_pk = ? AND key = ?"
 SQL_COUNT_STALE: Final = (
     f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = '{ShardState.RUNNING}'"
     f" AND {SQL_DEADLINE} < ?"

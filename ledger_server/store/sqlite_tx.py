@@ -256,6 +256,15 @@ class SqliteWriteTx:
             if n:
                 counters[(run_pk, key)] = counters.get((run_pk, key), 0) + n
 
+    def counter(self, run_pk: int, key: str) -> int:
+        try:
+            row = self.conn.execute(q.SQL_COUNTER, (run_pk, key)).fetchone()
+        except sqlite3.Error as exc:
+            raise translate(exc) from exc
+        # A clear_projections() flushes and deletes at once, so the table plus what is
+        # buffered since is what this transaction holds.
+        return (0 if row is None else int(row[0])) + self._buf.counters.get((run_pk, key), 0)
+
     def clear_projections(self, run_pk: int) -> None:
         try:
             self.flush()  # writes buffered before this call land first, and are cleared too

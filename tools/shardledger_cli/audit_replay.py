@@ -21,6 +21,8 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.events import RecordedEvent
+from ledger_server.replay import RunReplay
+from ledger_server.summary import matches, run_summary, shard_view
 from shardledger_cli.audit_checks import open_database
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
 from shardledger_cli.output import equation, iso_us, print_json
@@ -139,10 +141,10 @@ def database_events(path: str, namespace: str, run_id: str) -> Generator[Recorde
 def replay_points(
     events: Iterable[RecordedEvent],
     points: list[Point],
-    take: Callable[[proj.RunReplay, Point, RecordedEvent | None, int], T],
+    take: Callable[[RunReplay, Point, RecordedEvent | None, int], T],
 ) -> list[T]:
     """Folds the events once and returns take(replay, point, last event, count) at each point."""
-    replay = proj.RunReplay()
+    replay = RunReplay()
     taken: dict[int, T] = {}
     last: RecordedEvent | None = None
     count = 0
@@ -161,7 +163,7 @@ def replay_points(
 
 
 def projections_at(
-    replay: proj.RunReplay,
+    replay: RunReplay,
     point: Point,
     last: RecordedEvent | None,
     count: int,
@@ -173,7 +175,7 @@ def projections_at(
     at = point.clock_us(last)
     if last is not None:
         namespace, run_id = last.event.namespace, last.event.run_id
-    summary = proj.summary(
+    summary = run_summary(
         replay.counters(), stale=replay.stale_count(at), run_id=run_id, namespace=namespace
     )
     summary["as_of_us"] = at
@@ -186,7 +188,7 @@ def projections_at(
         "summary": summary,
     }
     for query in LIST_QUERIES:
-        out[query] = [proj.shard_view(r, at) for r in records if proj.matches(r, query, at)]
+        out[query] = [shard_view(r, at) for r in records if matches(r, query, at)]
     out["resume"] = [
         {
             "shard_id": r.shard_id,
@@ -201,7 +203,7 @@ def projections_at(
 
 
 def states_at(
-    replay: proj.RunReplay, point: Point, last: RecordedEvent | None, count: int
+    replay: RunReplay, point: Point, last: RecordedEvent | None, count: int
 ) -> dict[str, tuple[int, str, str]]:
     """Returns shard id -> (plan index, state, detail) at the point."""
     at = point.clock_us(last)

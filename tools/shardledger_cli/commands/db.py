@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from ledger_server import projections as proj
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
+from ledger_server.replay import RunReplay
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError
@@ -175,7 +175,7 @@ class _Fold:
     """Folds a run's events into projections while they stream past into the target."""
 
     def __init__(self, advance: Callable[[int], None]) -> None:
-        self.replay = proj.RunReplay()
+        self.replay = RunReplay()
         self.events = 0
         self._advance = advance
         self._built: tuple[list[ShardRow], dict[str, int]] | None = None

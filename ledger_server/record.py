@@ -1,0 +1,202 @@
+"""The shard record: everything the projections know about one shard, and its stored form.
+
+Pure: no grpc, protobuf or SQL. The record is a cache of the fold over a shard's
+events; the events stay the truth, so a record whose format version is older
+than ``RECORD_VERSION`` is rebuilt from them (``db rebuild``, or the store's
+upgrade on open) rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ledger_server.events import ShardPlanned
+from ledger_server.states import ShardState
+from shard_client.canonical import canonical_json
+
+# 2: verdicts belong to one attempt's commit (were keyed by path and digest for the
+# whole shard), attempts know whether they ran in the run's first pass, numeric
+# pollution and late spooled events are recorded.
+RECORD_VERSION: Final = 2
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One attempt at a shard, as far as the events tell."""
+
+    attempt_id: str
+    started_seq: int
+    host: str
+    pid: int
+    timeout_us: int
+    fingerprint_digest: str
+    last_seen_us: int
+    failed_tag: str = ""
+    failed_message: str = ""
+    # name -> (path, size_bytes, blake3_hex) of the latest commit of that name.
+    artifacts: dict[str, tuple[str, int, str]] = field(default_factory=dict)
+    last_step: int = -1
+    last_checkpoint: str = ""
+    # name -> (result, reason) of the latest verdict on this attempt's current commit of
+    # the name. A verdict is about the bytes one commit vouched for, so it never carries
+    # to another attempt's commit (nor to a later commit of the name by this attempt).
+    verdicts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Started while the run's first pass was open (before the run's first verdict).
+    first_pass: bool = True
+    # The first step at which a metric was reported NaN or infinite, and which metrics.
+    numeric_step: int = -1
+    numeric_metrics: list[str] = field(default_factory=list)
+    # Some of its events reached the ledger long after they were made (left in a spool
+    # while the ledger was away, and drained later).
+    late: bool = False
+
+
+@dataclass(slots=True)
+class ShardRecord:
+    """Everything the projections know about one shard."""
+
+    shard_id: str
+    plan_index: int
+    plan_line: str
+    definition_json: str
+    expected_outputs: tuple[str, ...]
+    planned_seq: int
+    attempts: dict[str, Attempt] = field(default_factory=dict)
+    latest_attempt: str = ""
+    # (name, fingerprint digest) -> digests ever committed: what a verdict may name.
+    commit_digests: dict[str, list[str]] = field(default_factory=dict)
+    zombie_commits: int = 0
+    failures: list[str] = field(default_factory=list)
+    # path -> blake3 of the latest commit there, kept only for paths that two commits
+    # (of any attempts or names) gave different bytes: on every other path each holder's
+    # digest is the latest. An artifact is intact only while it is still its path's bytes.
+    path_heads: dict[str, str] = field(default_factory=dict)
+    # base_state's answer, kept until apply() folds an event that may change it; not stored.
+    state_memo: tuple[ShardState, str] | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> str:
+        """Returns the record as canonical JSON for storage (defaults left out, to stay small)."""
+        data: dict[str, Any] = {
+            "v": RECORD_VERSION,
+            "shard_id": self.shard_id,
+            "plan_index": self.plan_index,
+            "plan_line": self.plan_line,
+            "definition_json": self.definition_json,
+            "expected_outputs": list(self.expected_outputs),
+            "planned_seq": self.planned_seq,
+            "attempts": {k: _attempt_json(a) for k, a in self.attempts.items()},
+            "latest_attempt": self.latest_attempt,
+            "commit_digests": self.commit_digests,
+            "zombie_commits": self.zombie_commits,
+            "failures": self.failures,
+        }
+        if self.path_heads:
+            data["path_heads"] = self.path_heads
+        return canonical_json(data)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ShardRecord:
+        """Parses a record stored by to_json; a version-1 record is converted as well as it can be.
+
+        Version 1 kept verdicts per (path, digest) for the whole shard and no pass
+        flags: the conversion hands each verdict to the attempts that hold that commit
+        now and puts every attempt in the first pass. Only a replay of the events is
+        exact, which is why the stores rebuild older records when they open.
+        """
+        d = json.loads(text)
+        attempts = {k: _attempt_from(a) for k, a in d["attempts"].items()}
+        if d.get("v", 1) < 2:
+            legacy = {k: (v[0], v[1]) for k, v in d.get("verdicts", {}).items()}
+            for attempt in attempts.values():
+                for name, (path, _size, digest) in attempt.artifacts.items():
+                    verdict = legacy.get(f"{path}\x00{digest}")
+                    if verdict is not None:
+                        attempt.verdicts[name] = verdict
+        return cls(
+            shard_id=d["shard_id"],
+            plan_index=d["plan_index"],
+            plan_line=d["plan_line"],
+            definition_json=d["definition_json"],
+            expected_outputs=tuple(d["expected_outputs"]),
+            planned_seq=d["planned_seq"],
+            attempts=attempts,
+            latest_attempt=d["latest_attempt"],
+            commit_digests=d["commit_digests"],
+            zombie_commits=d["zombie_commits"],
+            failures=d["failures"],
+            path_heads=d.get("path_heads", {}),
+        )
+
+
+def record_version(text: str | bytes) -> int:
+    """Returns the format version of a stored record without building it."""
+    version = json.loads(text).get("v", 1)
+    return version if isinstance(version, int) else 1
+
+
+def _attempt_json(a: Attempt) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "attempt_id": a.attempt_id,
+        "started_seq": a.started_seq,
+        "host": a.host,
+        "pid": a.pid,
+        "timeout_us": a.timeout_us,
+        "fingerprint_digest": a.fingerprint_digest,
+        "last_seen_us": a.last_seen_us,
+        "failed_tag": a.failed_tag,
+        "failed_message": a.failed_message,
+        "artifacts": {n: list(v) for n, v in a.artifacts.items()},
+        "last_step": a.last_step,
+        "last_checkpoint": a.last_checkpoint,
+    }
+    if a.verdicts:
+        out["verdicts"] = {n: list(v) for n, v in a.verdicts.items()}
+    if not a.first_pass:
+        out["first_pass"] = False
+    if a.numeric_step >= 0:
+        out["numeric_step"] = a.numeric_step
+        out["numeric_metrics"] = a.numeric_metrics
+    if a.late:
+        out["late"] = True
+    return out
+
+
+def _attempt_from(a: dict[str, Any]) -> Attempt:
+    a = dict(a)
+    a["artifacts"] = {n: (v[0], v[1], v[2]) for n, v in a["artifacts"].items()}
+    a["verdicts"] = {n: (v[0], v[1]) for n, v in a.get("verdicts", {}).items()}
+    return Attempt(**a)
+
+
+def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | None) -> ShardRecord:
+    """Parses a stored record and folds in the heartbeat columns written after it.
+
+    A heartbeat of the latest attempt only moves that attempt's last_seen_us and
+    last_step, so the writer stores those two numbers (and the deadline) instead of
+    re-encoding the whole record; both fold by max, exactly as apply() does.
+    """
+    out = ShardRecord.from_json(record)
+    if beat_us is not None:
+        latest = out.attempts.get(out.latest_attempt)
+        if latest is not None:
+            latest.last_seen_us = max(latest.last_seen_us, beat_us)
+            latest.last_step = max(latest.last_step, beat_step if beat_step is not None else -1)
+    return out
+
+
+def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:
+    """Returns the plan line handed back in resume lists (the original one when given)."""
+    if plan.plan_line:
+        return plan.plan_line
+    return canonical_json(
+        {
+            "shard_id": shard_id,
+            "input_ref": plan.input_ref,
+            "input_bytes": plan.input_bytes,
+            "input_blake3": plan.input_blake3,
+            "params": json.loads(plan.params_json),
+            "expected_outputs": list(plan.expected_outputs),
+        }
+    )

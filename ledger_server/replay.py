@@ -1,0 +1,95 @@
+"""A run's projections rebuilt from its events alone: what audit replay, rebuild and the tests use.
+
+The writer keeps the same projections incrementally; both fold through
+`projections.fold`, and both close the run's first pass at its first verdict.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ledger_server.chain import event_from_parsed, parse_row
+from ledger_server.events import ArtifactVerified, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.projections import VERIFIER_REASONS, fold, fold_beat, live_state
+from ledger_server.record import ShardRecord
+from ledger_server.states import QueryState
+from ledger_server.summary import PASS_CLOSED_KEY, contributions
+
+
+def closes_first_pass(rec: RecordedEvent) -> bool:
+    """Returns whether the event, as the run's first of its kind, ends the run's first pass.
+
+    The first pass is the night as it was launched: it ends when the run's first
+    verdict about an artifact is recorded. Attempts started after it are reruns.
+    """
+    p = rec.event.payload
+    return isinstance(p, ArtifactVerified) and p.reason not in VERIFIER_REASONS
+
+
+@dataclass(slots=True)
+class RunReplay:
+    """Projections of one run rebuilt from its events alone."""
+
+    records: dict[str, ShardRecord] = field(default_factory=dict)
+    # Global sequence of the verdict that closed the first pass (0 while it is open).
+    pass_closed: int = 0
+
+    def feed(self, rec: RecordedEvent) -> None:
+        """Folds one stored event (already accepted by the server)."""
+        shard_id = rec.event.shard_id
+        if isinstance(rec.event.payload, ShardPlanned):
+            # A stored plan is the shard's first, or one identical to it.
+            if shard_id not in self.records:
+                self.records[shard_id] = fold(None, rec)
+            return
+        fold(self.records[shard_id], rec, first_pass=not self.pass_closed)
+        if not self.pass_closed and closes_first_pass(rec):
+            self.pass_closed = rec.sequence
+
+    def feed_row(self, sequence: int, row: bytes, row_hash: bytes) -> None:
+        """Folds one stored row; what feed(recorded(...)) does, without building a heartbeat.
+
+        Heartbeats are most of a night's events and only move two numbers, so
+        their rows are folded from the parsed JSON; every other kind (and a
+        heartbeat that names non-finite metrics) is decoded into its event and
+        folded by feed().
+        """
+        outer = parse_row(row)
+        data = outer["event"]
+        if data["kind"] == Heartbeat.KIND and "nonfinite_metrics" not in data["payload"]:
+            fold_beat(
+                self.records[data["shard_id"]],
+                data["attempt_id"],
+                outer["receive_time_us"],
+                data["payload"]["step"],
+            )
+            return
+        event, run_sequence, receive_us = event_from_parsed(outer)
+        self.feed(RecordedEvent(event, sequence, run_sequence, receive_us, row_hash))
+
+    def counters(self) -> Counter[str]:
+        """Returns the summed summary counters."""
+        total: Counter[str] = Counter()
+        for record in self.records.values():
+            total.update(contributions(record))
+        if self.pass_closed:
+            total[PASS_CLOSED_KEY] = self.pass_closed
+        return total
+
+    def stale_count(self, now_us: int) -> int:
+        """Returns how many shards are stale at now_us."""
+        return sum(1 for r in self.records.values() if live_state(r, now_us)[0] == QueryState.STALE)
+
+    def ordered(self) -> Iterator[ShardRecord]:
+        """Yields the records in plan order."""
+        yield from sorted(self.records.values(), key=lambda r: (r.plan_index, r.shard_id))
+
+
+def replay_run(events: Iterable[RecordedEvent]) -> RunReplay:
+    """Rebuilds a run's projections from its events."""
+    out = RunReplay()
+    for rec in events:
+        out.feed(rec)
+    return out

@@ -1,0 +1,278 @@
+"""What a run's shards add up to: duplicates and repairs, first-pass figures, the run summary.
+
+Pure functions of shard records (and so of events): each shard contributes a
+`Counter` that the server keeps summed per run in the same transaction as the
+append, and a replay sums the same way. See docs/projections.md for every figure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Final
+
+from ledger_server.projections import (
+    base_state,
+    deadline_us,
+    is_complete,
+    live_state,
+    required_outputs,
+    verdicts_of,
+)
+from ledger_server.record import Attempt, ShardRecord
+from ledger_server.states import BASE_STATES, QueryState, ShardState
+from shard_client.vocabulary import FailureTag
+
+DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
+# The summed counter that holds the global sequence of the run's first verdict: the
+# moment its first pass closed (0 while it is open). Not a shard's contribution.
+PASS_CLOSED_KEY: Final = "pass:closed"
+
+
+def _sound(record: ShardRecord, attempt: Attempt) -> bool:
+    """Returns whether the attempt produced a result: every output committed, none failed."""
+    return is_complete(record, attempt) and not any(
+        v is not None and v[0] == "failed" for v in verdicts_of(record, attempt)
+    )
+
+
+def _verified(record: ShardRecord, attempt: Attempt) -> bool:
+    """Returns whether the attempt's own commits were all verified as passing."""
+    return is_complete(record, attempt) and all(
+        v is not None and v[0] == "passed" for v in verdicts_of(record, attempt)
+    )
+
+
+def _silent(record: ShardRecord, attempt: Attempt) -> bool:
+    """Returns whether the attempt believed it succeeded and was wrong."""
+    if attempt.failed_tag == FailureTag.INCOMPLETE:
+        return True
+    return is_complete(record, attempt) and any(
+        v is not None and v[0] == "failed" for v in verdicts_of(record, attempt)
+    )
+
+
+def _by_start(record: ShardRecord) -> list[Attempt]:
+    return sorted(record.attempts.values(), key=lambda a: a.started_seq)
+
+
+def duplicate_kinds(record: ShardRecord) -> list[str]:
+    """Returns the kinds of duplicate the shard shows, sorted.
+
+    A result is an attempt's complete set of outputs that no verdict failed
+    (passed or not yet verified), whether or not a later commit replaced its files.
+    A rerun that replaced a failed, corrupted or missing result is a repair, not a
+    duplicate; only a second result is duplicated work.
+    """
+    kinds = set()
+    results = [a for a in record.attempts.values() if _sound(record, a)]
+    if len(results) > 1:
+        kinds.add("wasted")
+        groups: dict[str, list[Attempt]] = {}
+        for attempt in results:
+            # Attempts that recorded no fingerprint are in no group: their environments may differ.
+            if attempt.fingerprint_digest:
+                groups.setdefault(attempt.fingerprint_digest, []).append(attempt)
+        for group in groups.values():
+            names = required_outputs(record) or sorted({n for a in group for n in a.artifacts})
+            if any(len({a.artifacts[n][2] for a in group if n in a.artifacts}) > 1 for n in names):
+                kinds.add("nondeterministic")
+    if record.zombie_commits:
+        kinds.add("zombie")
+    return sorted(kinds)
+
+
+def repaired(record: ShardRecord) -> bool:
+    """Returns whether a later attempt produced the result an earlier attempt failed to."""
+    attempts = _by_start(record)
+    first_result = next((i for i, a in enumerate(attempts) if _sound(record, a)), None)
+    return first_result is not None and first_result > 0
+
+
+def first_pass_outcome(record: ShardRecord) -> str:
+    """Returns the shard's first-pass outcome: verified, silent, missing or other.
+
+    The first pass is every attempt that started before the run's first verdict;
+    its outcome is judged by those attempts' own commits and the verdicts on them,
+    so no rerun can change it.
+    """
+    attempts = [a for a in _by_start(record) if a.first_pass]
+    if not attempts:
+        return "missing"
+    if any(_verified(record, a) for a in attempts):
+        return "verified"
+    if any(_silent(record, a) for a in attempts):
+        return "silent"
+    return "other"
+
+
+def first_attempt_verified(record: ShardRecord) -> bool:
+    """Returns whether the shard's very first attempt, in the first pass, was verified."""
+    attempts = _by_start(record)
+    return bool(attempts) and attempts[0].first_pass and _verified(record, attempts[0])
+
+
+def recomputed(record: ShardRecord) -> bool:
+    """Returns whether the shard ran more than once, or first ran after the first pass."""
+    return len(record.attempts) > 1 or any(not a.first_pass for a in record.attempts.values())
+
+
+def numeric_warning(attempt: Attempt | None) -> dict[str, Any] | None:
+    """Returns the attempt's numeric-pollution warning (first step, metric names), if any."""
+    if attempt is None or attempt.numeric_step < 0:
+        return None
+    return {"step": attempt.numeric_step, "metrics": sorted(attempt.numeric_metrics)}
+
+
+def fingerprint_of(record: ShardRecord) -> str:
+    """Returns the fingerprint digest of the shard's latest attempt ("" if none)."""
+    latest = record.attempts.get(record.latest_attempt)
+    return latest.fingerprint_digest if latest else ""
+
+
+def contributions(record: ShardRecord) -> Counter[str]:
+    """Returns the counters one shard adds to its run's summary (time-independent)."""
+    state, detail = base_state(record)
+    out: Counter[str] = Counter({"submitted": 1, f"state:{state}": 1})
+    if state == ShardState.FAILED:
+        out[f"tag:{detail}"] += 1
+        if detail == FailureTag.INCOMPLETE:
+            out["silent"] += 1
+    if state == ShardState.VERIFY_FAILED:
+        out[f"verify_failed:{detail}"] += 1
+        out["silent"] += 1
+    for tag in record.failures:
+        out[f"attempt_tag:{tag}"] += 1
+    kinds = duplicate_kinds(record)
+    for kind in kinds:
+        out[f"dup:{kind}"] += 1
+    if kinds:
+        out["dup:any"] += 1
+    if repaired(record):
+        out["repaired"] += 1
+    fp = fingerprint_of(record)
+    if fp:
+        out[f"fp:{fp}"] += 1
+    out["attempts"] += len(record.attempts)
+    out[f"first:{first_pass_outcome(record)}"] += 1
+    if first_attempt_verified(record):
+        out["first:attempt_verified"] += 1
+    if any(a.first_pass and a.numeric_step >= 0 for a in record.attempts.values()):
+        out["first:numeric"] += 1
+    if recomputed(record):
+        out["recomputed"] += 1
+    if numeric_warning(record.attempts.get(record.latest_attempt)) is not None:
+        out["numeric"] += 1
+    late = sum(1 for a in record.attempts.values() if a.late)
+    if late:
+        out["late_attempts"] += late
+    return out
+
+
+def _rate(n: int, submitted: int) -> float:
+    return n / submitted if submitted else 0.0
+
+
+def run_summary(
+    counters: Counter[str], *, stale: int, run_id: str, namespace: str
+) -> dict[str, Any]:
+    """Returns the run summary from the summed counters and the stale count at some instant."""
+    submitted = counters.get("submitted", 0)
+    states = {s: counters.get(f"state:{s}", 0) for s in BASE_STATES}
+    running = states[ShardState.RUNNING] - stale
+    verified = states[ShardState.VERIFIED]
+    failed = states[ShardState.FAILED] + states[ShardState.VERIFY_FAILED]
+
+    def prefixed(prefix: str) -> dict[str, int]:
+        return dict(
+            sorted((k[len(prefix) :], v) for k, v in counters.items() if k.startswith(prefix) and v)
+        )
+
+    closed = counters.get(PASS_CLOSED_KEY, 0)
+    first_verified = counters.get("first:verified", 0)
+    first_silent = counters.get("first:silent", 0)
+    first_attempt = counters.get("first:attempt_verified", 0)
+    return {
+        "namespace": namespace,
+        "run_id": run_id,
+        "submitted": submitted,
+        "verified": verified,
+        "failed": failed,
+        "missing": states[ShardState.PLANNED],
+        "unverified": states[ShardState.COMMITTED],
+        "running": running,
+        "stale": stale,
+        "verify_failed": states[ShardState.VERIFY_FAILED],
+        "completion_rate": _rate(verified, submitted),
+        "silent_errors": counters.get("silent", 0),
+        "silent_error_rate": _rate(counters.get("silent", 0), submitted),
+        "failure_tags": prefixed("tag:"),
+        "attempt_failure_tags": prefixed("attempt_tag:"),
+        "verify_failures": prefixed("verify_failed:"),
+        "duplicates": {k: counters.get(f"dup:{k}", 0) for k in DUPLICATE_KINDS},
+        "duplicate_shards": counters.get("dup:any", 0),
+        "repairs": counters.get("repaired", 0),
+        "fingerprint_groups": prefixed("fp:"),
+        "attempts": counters.get("attempts", 0),
+        "unconfirmed": submitted - verified,
+        "numeric": counters.get("numeric", 0),
+        "late_attempts": counters.get("late_attempts", 0),
+        "recomputed": counters.get("recomputed", 0),
+        "recomputed_rate": _rate(counters.get("recomputed", 0), submitted),
+        "first_pass": {
+            "closed": closed > 0,
+            "closed_at_sequence": closed or None,
+            "verified": first_verified,
+            "completion_rate": _rate(first_verified, submitted),
+            "silent_errors": first_silent,
+            "silent_error_rate": _rate(first_silent, submitted),
+            "first_attempt_verified": first_attempt,
+            "reconciliation_rate": _rate(first_attempt, submitted),
+            "missing": counters.get("first:missing", 0),
+            "numeric": counters.get("first:numeric", 0),
+        },
+    }
+
+
+def matches(record: ShardRecord, query: str, now_us: int) -> bool:
+    """Returns whether the shard belongs to a ``shards --state`` query."""
+    state, _ = live_state(record, now_us)
+    if query == QueryState.MISSING:
+        return state == ShardState.PLANNED
+    if query == QueryState.LIVE:
+        return state == ShardState.RUNNING
+    if query == QueryState.DUPLICATE:
+        return bool(duplicate_kinds(record))
+    if query == QueryState.UNCONFIRMED:
+        return state != ShardState.VERIFIED
+    return state == query
+
+
+def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
+    """Returns the JSON view of one shard that `shards` prints."""
+    state, detail = live_state(record, now_us)
+    latest = record.attempts.get(record.latest_attempt)
+    return {
+        "shard_id": record.shard_id,
+        "plan_index": record.plan_index,
+        "state": state,
+        "detail": detail,
+        "attempts": len(record.attempts),
+        "latest_attempt": record.latest_attempt,
+        "host": latest.host if latest else "",
+        "pid": latest.pid if latest else None,
+        "deadline_us": deadline_us(record),
+        "last_seen_us": latest.last_seen_us if latest else None,
+        "last_step": latest.last_step if latest else None,
+        "fingerprint": fingerprint_of(record),
+        "artifacts": {
+            n: {"path": v[0], "size_bytes": v[1], "blake3": v[2]}
+            for n, v in latest.artifacts.items()
+        }
+        if latest
+        else {},
+        "duplicates": duplicate_kinds(record),
+        "repaired": repaired(record),
+        "failures": list(record.failures),
+        "numeric": numeric_warning(latest),
+        "first_pass": first_pass_outcome(record),
+    }
