@@ -54,7 +54,7 @@ DIGESTS = tuple(c * 64 for c in "abc")
 FINGERPRINTS = ("", "e" * 64, "f" * 64)
 NAMES = ("a", "b", "c")
 TAGS = ("oom", "timeout", "incomplete")
-REASONS = ("size_mismatch", "digest_mismatch", "missing")
+REASONS = ("size_mismatch", "digest_mismatch", "missing", "outside_root")
 
 
 # --- the reference model ----------------------------------------------------
@@ -74,6 +74,13 @@ class MAttempt:
     failed: str = ""
     commits: list[tuple[str, str, int, str]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    first_pass: bool = True
+    numeric: dict[str, int] = field(default_factory=dict)  # metric -> first step seen NaN/Inf
+
+    def warning(self) -> dict[str, Any] | None:
+        if not self.numeric:
+            return None
+        return {"step": max(min(self.numeric.values()), 0), "metrics": sorted(self.numeric)}
 
     def outputs(self) -> dict[str, tuple[str, int, str]]:
         # The latest commit of a name is the one that counts.
@@ -88,12 +95,23 @@ class MShard:
     definition: tuple[Any, ...]
     expected: tuple[str, ...]
     attempts: dict[str, MAttempt] = field(default_factory=dict)  # in start order
-    verdicts: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # (attempt named or "", name, path, digest, result, reason, commits recorded before it)
+    verdicts: list[tuple[str, str, str, str, str, str, int]] = field(default_factory=list)
     commits: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
-    def verdict(self, path: str, digest: str) -> tuple[str, str] | None:
-        found = [(r, why) for p, d, r, why in self.verdicts if (p, d) == (path, digest)]
+    def verdict(self, attempt_id: str, name: str) -> tuple[str, str] | None:
+        # A verdict is about one commit: the attempt's latest commit of the name. It counts
+        # if it names that attempt (or none, as old verifiers did) and came after the commit.
+        mine = [i for i, c in enumerate(self.commits) if c[:2] == (attempt_id, name)]
+        if not mine:
+            return None
+        _, _, path, digest, _ = self.commits[mine[-1]]
+        found = [
+            (result, why)
+            for who, n, p, d, result, why, before in self.verdicts
+            if who in ("", attempt_id) and (n, p, d) == (name, path, digest) and before > mine[-1]
+        ]
         return found[-1] if found else None
 
     def complete(self, a: MAttempt) -> bool:
@@ -106,9 +124,32 @@ class MShard:
         return all(latest[path] == digest for path, _, digest in a.outputs().values())
 
     def output_verdicts(self, a: MAttempt) -> list[tuple[str, str] | None]:
-        outs = a.outputs()
-        names = self.expected or tuple(sorted(outs))
-        return [self.verdict(outs[n][0], outs[n][2]) for n in names]
+        names = self.expected or tuple(sorted(a.outputs()))
+        attempt_id = next(k for k, v in self.attempts.items() if v is a)
+        return [self.verdict(attempt_id, n) for n in names]
+
+    def sound(self, a: MAttempt) -> bool:
+        # A result: every output committed and no verdict on them failed (files replaced or not).
+        return self.complete(a) and not any(v and v[0] == "failed" for v in self.output_verdicts(a))
+
+    def verified_alone(self, a: MAttempt) -> bool:
+        return self.complete(a) and all(v and v[0] == "passed" for v in self.output_verdicts(a))
+
+    def silent(self, a: MAttempt) -> bool:
+        failing = any(v and v[0] == "failed" for v in self.output_verdicts(a))
+        return a.failed == "incomplete" or (self.complete(a) and failing)
+
+    def first_pass(self) -> str:
+        attempts = [a for a in self.attempts.values() if a.first_pass]
+        if not attempts:
+            return "missing"
+        if any(self.verified_alone(a) for a in attempts):
+            return "verified"
+        return "silent" if any(self.silent(a) for a in attempts) else "other"
+
+    def repaired(self) -> bool:
+        results = [i for i, a in enumerate(self.attempts.values()) if self.sound(a)]
+        return bool(results) and results[0] > 0
 
     def state(self) -> tuple[str, str]:
         finished = [a for a in reversed(self.attempts.values()) if self.complete(a)]
@@ -138,13 +179,18 @@ class MShard:
         return state, detail
 
     def duplicates(self) -> list[str]:
+        # Only a second result is duplicated work; a rerun that replaced a failed,
+        # corrupted or missing one is a repair.
         kinds = set()
-        if any(n > 1 for n in Counter(c[1] for c in self.commits).values()):
+        results = [a for a in self.attempts.values() if self.sound(a)]
+        if len(results) > 1:
             kinds.add("wasted")
-        groups: dict[tuple[str, str], set[str]] = {}
-        for attempt, name, _path, digest, _zombie in self.commits:
-            groups.setdefault((name, self.attempts[attempt].fingerprint), set()).add(digest)
-        if any(len(d) > 1 for (_, fp), d in groups.items() if fp):
+        digests: dict[tuple[str, str], set[str]] = {}
+        for a in results:
+            for name, (_path, _size, digest) in a.outputs().items():
+                if a.fingerprint and (name in self.expected or not self.expected):
+                    digests.setdefault((name, a.fingerprint), set()).add(digest)
+        if any(len(d) > 1 for d in digests.values()):
             kinds.add("nondeterministic")
         if any(c[4] for c in self.commits):
             kinds.add("zombie")
@@ -174,7 +220,10 @@ class MShard:
                 for n, (p, s, d) in (latest.outputs() if latest else {}).items()
             },
             "duplicates": self.duplicates(),
+            "repaired": self.repaired(),
             "failures": list(self.failures),
+            "numeric": latest.warning() if latest else None,
+            "first_pass": self.first_pass(),
         }
 
 
@@ -183,6 +232,8 @@ class Model:
     ids: dict[str, Event] = field(default_factory=dict)
     shards: dict[str, MShard] = field(default_factory=dict)
     count: int = 0
+    # The run's first verdict (one about an artifact) closes its first pass.
+    pass_closed: int = 0
 
     def append(self, events: list[Event], at: int) -> bool:
         """Applies a batch atomically; returns False (changing nothing) when it must be refused."""
@@ -196,6 +247,7 @@ class Model:
         except Refused:
             return False
         self.ids, self.shards, self.count = trial.ids, trial.shards, trial.count
+        self.pass_closed = trial.pass_closed
         return True
 
     def one(self, e: Event, batch: dict[str, Event], at: int) -> None:
@@ -232,17 +284,39 @@ class Model:
             shard.attempts[e.attempt_id] = MAttempt(
                 p.host, p.pid, p.heartbeat_timeout_us, p.fingerprint_digest, at
             )
+            shard.attempts[e.attempt_id].first_pass = not self.pass_closed
         elif isinstance(p, ArtifactVerified):
-            # A verdict names an attempt's latest commit of the name (name, path, digest),
-            # or an earlier commit of the name overwritten at a path an attempt holds now.
-            held = [a.outputs()[p.name] for a in shard.attempts.values() if p.name in a.outputs()]
-            latest = any((h[0], h[2]) == (p.path, p.blake3_hex) for h in held)
-            overwritten = any(h[0] == p.path for h in held) and any(
-                (c[1], c[3]) == (p.name, p.blake3_hex) for c in shard.commits
-            )
-            if not (latest or overwritten):
-                raise Refused("verdict on an artifact never committed")
-            shard.verdicts.append((p.path, p.blake3_hex, p.result, p.reason))
+            # A verdict naming its attempt is about that attempt's latest commit of the name,
+            # exactly. One naming none names an attempt's latest commit of the name, or an
+            # earlier commit of the name overwritten at a path an attempt holds now.
+            if e.attempt_id:
+                named = shard.attempts.get(e.attempt_id)
+                held = named.outputs().get(p.name) if named else None
+                if held is None or (held[0], held[2]) != (p.path, p.blake3_hex):
+                    raise Refused("verdict on a commit the attempt does not hold")
+            else:
+                held_all = [
+                    a.outputs()[p.name] for a in shard.attempts.values() if p.name in a.outputs()
+                ]
+                latest = any((h[0], h[2]) == (p.path, p.blake3_hex) for h in held_all)
+                overwritten = any(h[0] == p.path for h in held_all) and any(
+                    (c[1], c[3]) == (p.name, p.blake3_hex) for c in shard.commits
+                )
+                if not (latest or overwritten):
+                    raise Refused("verdict on an artifact never committed")
+            if p.reason != "outside_root":  # about the verifier, not the artifact
+                shard.verdicts.append(
+                    (
+                        e.attempt_id,
+                        p.name,
+                        p.path,
+                        p.blake3_hex,
+                        p.result,
+                        p.reason,
+                        len(shard.commits),
+                    )
+                )
+                self.pass_closed = self.pass_closed or self.count + 1
         else:
             attempt = shard.attempts.get(e.attempt_id)
             if attempt is None or attempt.failed:
@@ -250,6 +324,9 @@ class Model:
             attempt.seen = max(attempt.seen, at)
             if isinstance(p, Heartbeat | CheckpointSaved):
                 attempt.steps.append(p.step)
+            if isinstance(p, Heartbeat):
+                for metric in p.nonfinite_metrics:
+                    attempt.numeric[metric] = min(attempt.numeric.get(metric, p.step), p.step)
             elif isinstance(p, ArtifactCommitted):
                 attempt.commits.append((p.name, p.path, p.size_bytes, p.blake3_hex))
                 zombie = e.attempt_id != list(shard.attempts)[-1]
@@ -288,6 +365,19 @@ class Model:
         )
         latest = [list(s.attempts.values())[-1] for s in self.shards.values() if s.attempts]
         dups = [s.duplicates() for s in self.shards.values()]
+        first = Counter(s.first_pass() for s in self.shards.values())
+        first_attempt = sum(
+            1
+            for s in self.shards.values()
+            if s.attempts
+            and (a := next(iter(s.attempts.values()))).first_pass
+            and s.verified_alone(a)
+        )
+        recomputed = sum(
+            1
+            for s in self.shards.values()
+            if len(s.attempts) > 1 or any(not a.first_pass for a in s.attempts.values())
+        )
         return {
             "namespace": "default",
             "run_id": RUN,
@@ -311,9 +401,30 @@ class Model:
                 k: sum(k in d for d in dups) for k in ("wasted", "nondeterministic", "zombie")
             },
             "duplicate_shards": sum(1 for d in dups if d),
+            "repairs": sum(1 for s in self.shards.values() if s.repaired()),
             "fingerprint_groups": _sorted_counts(a.fingerprint for a in latest if a.fingerprint),
             "attempts": sum(len(s.attempts) for s in self.shards.values()),
             "unconfirmed": n - states["verified"],
+            "numeric": sum(1 for a in latest if a.warning()),
+            "late_attempts": 0,
+            "recomputed": recomputed,
+            "recomputed_rate": recomputed / n if n else 0.0,
+            "first_pass": {
+                "closed": bool(self.pass_closed),
+                "closed_at_sequence": self.pass_closed or None,
+                "verified": first["verified"],
+                "completion_rate": first["verified"] / n if n else 0.0,
+                "silent_errors": first["silent"],
+                "silent_error_rate": first["silent"] / n if n else 0.0,
+                "first_attempt_verified": first_attempt,
+                "reconciliation_rate": first_attempt / n if n else 0.0,
+                "missing": first["missing"],
+                "numeric": sum(
+                    1
+                    for s in self.shards.values()
+                    if any(a.first_pass and a.numeric for a in s.attempts.values())
+                ),
+            },
         }
 
     def query(self, state: str, now: int) -> list[str]:
@@ -530,7 +641,8 @@ class Builder:
                 f"node-{j}", 7, (10, 40)[d % 2], {"fp": str(c)}, FINGERPRINTS[c]
             )
         elif kind in ("hb", "invalid", "stray"):
-            payload = Heartbeat(d, 2.0 if kind == "invalid" else 0.5, {"loss": 0.1})
+            polluted = ("loss",) if d % 5 == 4 else ()  # a NaN loss, named, not sent
+            payload = Heartbeat(d, 2.0 if kind == "invalid" else 0.5, {"loss": 0.1}, polluted)
             if kind == "stray":
                 return self.event(sid, attempt, payload, run="ghost")
         elif kind == "ckpt":
@@ -543,14 +655,18 @@ class Builder:
             payload = AttemptFailed(TAGS[c], "boom")
         else:  # verify: mostly an accepted commit, sometimes something never committed
             shard = self.model.shards.get(sid)
-            known = [c[1:4] for c in shard.commits] if shard else []
-            name, path, digest = known[-1 - d % len(known)] if known else ("a", "/o/x", DIGESTS[0])
+            known = [c[:4] for c in shard.commits] if shard else []
+            who, name, path, digest = (
+                known[-1 - d % len(known)] if known else ("a0", "a", "/o/x", DIGESTS[0])
+            )
             if d >= 18:
                 digest, path = DIGESTS[(DIGESTS.index(digest) + 1) % 3], path + ".x"
             passed = j != 0
-            reason = "" if passed else REASONS[c]
+            reason = "" if passed else REASONS[(c + d) % len(REASONS)]
             result = ("failed", "passed")[passed]
-            return self.event(sid, "", ArtifactVerified(name, path, digest, result, reason, ""))
+            # New verifiers name the commit's attempt; old ones (d odd) named none.
+            named = "" if d % 2 else who
+            return self.event(sid, named, ArtifactVerified(name, path, digest, result, reason, ""))
         return self.event(sid, attempt, payload)
 
     def batches(
@@ -629,7 +745,7 @@ def decode(d: dict[str, Any]) -> Event:
             d.get("host", "node"), 1, d.get("timeout", 100), {}, hexed(d.get("fp", ""))
         )
     elif kind == "heartbeat":
-        payload = Heartbeat(d.get("step", 1), 0.5, {})
+        payload = Heartbeat(d.get("step", 1), 0.5, {}, tuple(d.get("nonfinite", ())))
     elif kind == "artifact_committed":
         payload = ArtifactCommitted(d["name"], d["path"], d.get("size", 10), hexed(d["digest"]), "")
     elif kind == "verified":
