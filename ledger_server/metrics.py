@@ -204,6 +204,23 @@ RUN_FAMILIES: Final[dict[str, tuple[str, str | None]]] = {
         "Shards that reported success but did not verify, over planned shards.",
         None,
     ),
+    "first_pass_completion_ratio": (
+        "Shards verified by an attempt of the run's first pass, over planned shards"
+        " (history: reruns never change it).",
+        None,
+    ),
+    "first_pass_silent_error_ratio": (
+        "Shards whose first pass reported success but did not verify, over planned shards.",
+        None,
+    ),
+    "first_pass_reconciliation_ratio": (
+        "Shards verified on their very first attempt, over planned shards.",
+        None,
+    ),
+    "recomputed_ratio": ("Shards that ran more than once or after the first pass.", None),
+    "repaired_shards": ("Shards whose rerun replaced a failed or missing result.", None),
+    "numeric_shards": ("Shards whose latest attempt reported NaN or infinite metrics.", None),
+    "late_attempts": ("Attempts whose events arrived late from a spool.", None),
     "oldest_heartbeat_age_seconds": (
         "Age of the oldest last-seen time among running and stale shards (absent when none).",
         None,
@@ -304,6 +321,14 @@ class RunCollector(Collector):
             f["duplicates"].add_metric([*key, kind], float(s["duplicates"].get(kind, 0)))
         f["completion_ratio"].add_metric(key, float(s["completion_rate"]))
         f["silent_error_ratio"].add_metric(key, float(s["silent_error_rate"]))
+        fp = s["first_pass"]
+        f["first_pass_completion_ratio"].add_metric(key, float(fp["completion_rate"]))
+        f["first_pass_silent_error_ratio"].add_metric(key, float(fp["silent_error_rate"]))
+        f["first_pass_reconciliation_ratio"].add_metric(key, float(fp["reconciliation_rate"]))
+        f["recomputed_ratio"].add_metric(key, float(s["recomputed_rate"]))
+        f["repaired_shards"].add_metric(key, float(s["repairs"]))
+        f["numeric_shards"].add_metric(key, float(s["numeric"]))
+        f["late_attempts"].add_metric(key, float(s["late_attempts"]))
         f["last_event_age_seconds"].add_metric(key, max(0.0, (now_us - run.updated_us) / _US))
         f["events_total"].add_metric(key, float(run.event_count))
         if s["running"] or s["stale"]:

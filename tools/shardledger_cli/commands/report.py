@@ -148,7 +148,22 @@ def render_summary(s: dict[str, Any]) -> None:
     )
     dups = ", ".join(f"{k} {n}" for k, n in sorted(s["duplicates"].items()))
     console.print(f"duplicates         {s['duplicate_shards']} shards: {dups}")
+    console.print(
+        f"repairs            {s.get('repairs', 0)} shards  "
+        "(a rerun replaced a failed, corrupted or missing result)"
+    )
     console.print(f"attempts           {s['attempts']}")
+    _first_pass(console, s)
+    if s.get("numeric"):
+        console.print(
+            f"numeric pollution  {s['numeric']} shards reported NaN/Inf metrics"
+            f" (shardledger shards {s['run_id']} --json shows the first step)"
+        )
+    if s.get("late_attempts"):
+        console.print(
+            f"late events        {s['late_attempts']} attempts' events arrived late from a"
+            " spool: the figures above were wrong until they did"
+        )
     for title, key, head in (
         ("failure tags (latest attempt of failed shards)", "failure_tags", "tag"),
         ("failure tags (every failed attempt)", "attempt_failure_tags", "tag"),
@@ -156,6 +171,34 @@ def render_summary(s: dict[str, Any]) -> None:
         ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint"),
     ):
         _counts_table(console, title, head, s.get(key) or {})
+
+
+def _first_pass(console: Any, s: dict[str, Any]) -> None:
+    """Prints the first-pass figures beside the current ones (history no rerun rewrites)."""
+    fp = s.get("first_pass")
+    if not fp:
+        return
+    when = (
+        f"closed at sequence {fp['closed_at_sequence']} (the run's first verdict)"
+        if fp["closed"]
+        else "still open: no verdict yet, so every attempt so far belongs to it"
+    )
+    console.print(f"first pass         {when}")
+    console.print(
+        f"  completion       {100 * fp['completion_rate']:.2f} %  now {100 * s['completion_rate']:.2f} %"
+    )
+    console.print(
+        f"  silent errors    {100 * fp['silent_error_rate']:.2f} %  "
+        f"now {100 * s['silent_error_rate']:.2f} %"
+    )
+    console.print(
+        f"  reconciliation   {100 * fp['reconciliation_rate']:.2f} %  "
+        "(verified on the first attempt / submitted)"
+    )
+    console.print(
+        f"  recomputed       {100 * s.get('recomputed_rate', 0.0):.2f} %  "
+        f"({s.get('recomputed', 0)} shards ran more than once or after the first pass)"
+    )
 
 
 def _counts_table(console: Any, title: str, head: str, counts: dict[str, int]) -> None:

@@ -150,6 +150,11 @@ def _run_row(info: RunInfo, client: LedgerClient, ruler_prefix: str) -> dict[str
         "attempt_failure_tags": s["attempt_failure_tags"],
         "verify_failures": s["verify_failures"],
         "fingerprint_groups": s["fingerprint_groups"],
+        # History no rerun rewrites: the night as it was launched.
+        "first_pass": s["first_pass"],
+        "repairs": s["repairs"],
+        "recomputed_rate": s["recomputed_rate"],
+        "numeric": s["numeric"],
     }
 
 
@@ -244,7 +249,17 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(f"no runs in namespace {report['namespace']}")
         return
     runs = Table(title="runs (oldest first)", title_justify="left")
-    for column in ("run", "created", "submitted", "verified", "completion", "silent errors"):
+    for column in (
+        "run",
+        "created",
+        "submitted",
+        "verified",
+        "completion",
+        "first pass",
+        "silent errors",
+        "first-pass silent",
+        "reconciled first",
+    ):
         runs.add_column(column, justify="left" if column in ("run", "created") else "right")
     runs.add_column("failure tags")
     runs.add_column("fingerprint groups")
@@ -255,7 +270,10 @@ def print_report(report: dict[str, Any]) -> None:
             str(r["submitted"]),
             str(r["verified"]),
             _percent(r["completion_rate"]),
+            _percent(r["first_pass"]["completion_rate"]),
             f"{r['silent_errors']} ({_percent(r['silent_error_rate'])})",
+            f"{r['first_pass']['silent_errors']} ({_percent(r['first_pass']['silent_error_rate'])})",
+            _percent(r["first_pass"]["reconciliation_rate"]),
             _counts({**r["failure_tags"], **_prefixed("verify:", r["verify_failures"])}),
             _counts(r["fingerprint_groups"], short=True),
         )
