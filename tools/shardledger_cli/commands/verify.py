@@ -34,6 +34,8 @@ from shardledger_cli.commands.verify_scan import (
     Commit,
     CommitState,
     any_present,
+    common_dir,
+    outside,
     plan,
     scan_events,
     unique,
@@ -267,10 +269,13 @@ def run_verify(args: argparse.Namespace) -> int:
     if reads and not any_present(root, unique(held)):
         # Every file missing (or outside the root) means the wrong directory far more often
         # than a wiped disk; recording `missing` for all of them would condemn a good run.
-        paths = len(set(held))
+        paths = list(unique(held))
+        away = outside(root, paths)
+        share = f"all {len(away)}" if len(away) == len(paths) else f"{len(away)} of them"
+        hint = f" ({share} lie outside it, under {common_dir(root, away)})" if away else ""
         raise CommandError(
-            f"--root {args.root} holds none of the run's {paths} artifacts: is it the right"
-            " directory? Nothing was recorded."
+            f"--root {args.root} holds none of the run's {len(paths)} artifacts: is it the right"
+            f" directory?{hint} Nothing was recorded."
         )
     validators = load_entry_point_validators()
     recorder = Recorder(client)
@@ -302,9 +307,7 @@ def run_verify(args: argparse.Namespace) -> int:
     report["superseded"] = len(todo.superseded)
     print_report(report, as_json=args.json)
     if tally.unchecked:
-        where = os.path.commonpath(
-            [os.path.dirname(os.path.abspath(u["path"])) for u in tally.unchecked]
-        )
+        where = common_dir(root, [u["path"] for u in tally.unchecked])
         print(
             f"shardledger: {len(tally.unchecked)} artifacts were not checked and nothing was"
             f" recorded for them ({', '.join(sorted({u['reason'] for u in tally.unchecked}))}):"

@@ -10,7 +10,18 @@ from typing import Any
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import VERIFIER_REASONS, PathOutsideRoot, resolve_within_root
 
-__all__ = ["Commit", "CommitState", "Plan", "Scan", "any_present", "plan", "scan_events"]
+__all__ = [
+    "Commit",
+    "CommitState",
+    "Plan",
+    "Scan",
+    "any_present",
+    "common_dir",
+    "outside",
+    "plan",
+    "scan_events",
+    "unique",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +157,25 @@ def _exists(root: str, path: str) -> bool:
     except (PathOutsideRoot, OSError, ValueError, RuntimeError):
         return False  # outside the root or unresolvable: no evidence that this root is right
     return os.path.exists(target)
+
+
+def outside(root: str, paths: Iterable[str]) -> list[str]:
+    """Returns the paths that resolve outside root."""
+    away = []
+    for path in paths:
+        try:
+            resolve_within_root(root, path)
+        except PathOutsideRoot:
+            away.append(path)
+        except (OSError, ValueError, RuntimeError):
+            continue  # unresolvable: reported by the check itself
+    return away
+
+
+def common_dir(root: str, paths: Iterable[str]) -> str:
+    """Returns the deepest directory holding every path (relative ones taken from root)."""
+    dirs = [os.path.dirname(os.path.normpath(os.path.join(root, p))) for p in paths]
+    return os.path.commonpath(dirs) if dirs else root
 
 
 def unique(paths: Iterable[str]) -> Iterator[str]:
