@@ -12,12 +12,13 @@ import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import blake3
 
 __all__ = [
     "CONTENT_CHECKS",
+    "VERIFIER_REASONS",
     "CheckResult",
     "ContentCheck",
     "PathOutsideRoot",
@@ -40,10 +41,20 @@ class CheckResult:
 
 Validator: TypeAlias = Callable[[Path], CheckResult | None]
 
+# Failures that describe the verifier (where it looked, what it may read), not the
+# artifact's bytes: `shardledger verify` records none of them, because a verdict
+# from a verifier pointed at the wrong place would condemn a good artifact. Every
+# other reason (missing, size_mismatch, digest_mismatch, empty, truncated, ...) is
+# about the artifact and is recorded.
+VERIFIER_REASONS: Final = frozenset({"outside_root", "permission_denied"})
+
 
 @dataclass(frozen=True, slots=True)
 class ContentCheck:
-    """A content check and the media types, file extensions and magic numbers that select it."""
+    """A content check and the media types, file extensions and magic numbers that select it.
+
+    A media type ending in ``/*`` (``text/*``) selects every type under it.
+    """
 
     name: str
     run: Validator
@@ -83,8 +94,6 @@ class PathOutsideRoot(ValueError):
 
 
 _MMAP_THRESHOLD = 1 << 20
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 
 
 def _fail(reason: str, detail: str) -> CheckResult:
@@ -124,6 +133,8 @@ def verify_artifact(
         return record or _check_content(
             resolved, suffix=Path(path).suffix, media_type=media_type, validators=validators or {}
         )
+    except PermissionError as exc:
+        return _fail("permission_denied", f"the verifier may not read {str(resolved)!r}: {exc}")
     except OSError as exc:
         # Found and then unreadable: an I/O error, or the file was swapped mid-verification.
         return _fail("not_a_file", f"cannot read {str(resolved)!r}: {exc}")
@@ -134,6 +145,8 @@ def _check_record(path: Path, *, size: int, blake3_hex: str) -> CheckResult | No
         info = path.stat()
     except (FileNotFoundError, NotADirectoryError) as exc:
         return _fail("missing", f"{exc.strerror}: {str(path)!r}")
+    except PermissionError as exc:
+        return _fail("permission_denied", f"the verifier may not stat {str(path)!r}: {exc}")
     except OSError as exc:
         return _fail("not_a_file", f"cannot stat {str(path)!r}: {exc}")
     if not stat.S_ISREG(info.st_mode):
@@ -181,13 +194,23 @@ def _check_content(
 def _select_checks(*, suffix: str, media_type: str, head: bytes) -> list[ContentCheck]:
     media = media_type.split(";", 1)[0].strip().lower()
     # A known media type is the committer's explicit word, so it overrides the extension.
-    by_media = any(media in check.media_types for check in CONTENT_CHECKS)
+    by_media = any(_media_matches(media, check.media_types) for check in CONTENT_CHECKS)
     return [
         check
         for check in CONTENT_CHECKS
-        if (media in check.media_types if by_media else suffix.lower() in check.extensions)
+        if (
+            _media_matches(media, check.media_types)
+            if by_media
+            else suffix.lower() in check.extensions
+        )
         or any(head.startswith(magic) for magic in check.magic)
     ]
+
+
+def _media_matches(media: str, patterns: frozenset[str]) -> bool:
+    return media in patterns or any(
+        p.endswith("/*") and media.startswith(p[:-1]) for p in patterns if media
+    )
 
 
 def _guarded(check: ContentCheck, path: Path) -> CheckResult | None:
@@ -227,9 +250,12 @@ def _strict_json(data: bytes) -> Any:
 @content_check("json_invalid", ext=".json", media="application/json")
 def _check_json(path: Path) -> CheckResult | None:
     try:
-        _strict_json(path.read_bytes())
+        value = _strict_json(path.read_bytes())
     except _NonFinite as exc:
         return _fail("nan_or_inf", f"{exc} in the JSON (a diverged value written as a number)")
+    # A job that wrote its result before computing any writes exactly these.
+    if value is None or (isinstance(value, dict | list | str) and not value):
+        return _fail("empty", f"the JSON document is {json.dumps(value)}: it holds nothing")
     return None
 
 
@@ -249,39 +275,16 @@ def _check_jsonl(path: Path) -> CheckResult | None:
     return None if records else _fail("empty", "no JSON records, only blank lines")
 
 
-@content_check("image_undecodable", ext=".png", media="image/png", magic=(_PNG_SIGNATURE,))
-def _check_png(path: Path) -> CheckResult | None:
-    return _check_image(path, kind="PNG", start=_PNG_SIGNATURE, end=_PNG_IEND)
-
-
-@content_check("image_undecodable", ext=".jpg .jpeg", media="image/jpeg", magic=(b"\xff\xd8\xff",))
-def _check_jpeg(path: Path) -> CheckResult | None:
-    return _check_image(path, kind="JPEG", start=b"\xff\xd8\xff", end=b"\xff\xd9")
-
-
-def _check_image(path: Path, *, kind: str, start: bytes, end: bytes) -> CheckResult | None:
+@content_check("unreadable", ext=".txt .csv .tsv .log", media="text/*")
+def _check_text(path: Path) -> CheckResult | None:
+    # Read in chunks: a log can be gigabytes, and the first visible byte settles it.
     with path.open("rb") as fh:
-        if fh.read(len(start)) != start:
-            return _fail("image_undecodable", f"missing {kind} signature {start!r}")
-        # Writers emit the end marker last, so a file cut short anywhere lacks it.
-        fh.seek(max(path.stat().st_size - len(end), 0))
-        if fh.read() != end:
-            return _fail("truncated", f"{kind} does not end with {end!r}")
-    try:
-        from PIL import Image
-    except ImportError:
-        return CheckResult(True, "ok", "Pillow not installed, pixels not decoded")
-    try:
-        with Image.open(path) as img:
-            img.load()
-            extrema: Any = img.getextrema()
-    except Exception as exc:
-        # Pillow reports corrupt data as OSError, SyntaxError, ValueError and more.
-        return _fail("image_undecodable", f"{type(exc).__name__}: {exc}")
-    bands = extrema if isinstance(extrema[0], tuple) else (extrema,)
-    if all(low == high for low, high in bands):
-        return _fail("image_degenerate", f"every pixel is identical (extrema {extrema})")
-    return None
+        chunk = fh.read(_MMAP_THRESHOLD).removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+        while chunk:
+            if chunk.strip():
+                return None
+            chunk = fh.read(_MMAP_THRESHOLD)
+    return _fail("empty", "text of only whitespace")
 
 
 @content_check("truncated", ext=".gz .tgz", media="application/gzip", magic=(b"\x1f\x8b",))
@@ -324,5 +327,5 @@ def _always_failing(detail: str) -> Validator:
     return lambda path: _fail("validator_broken", detail)
 
 
-# Imported last, for its registrations: the tensor checks follow the zip check above.
-from shard_client import checks_tensors  # noqa: E402, F401
+# Imported last, for their registrations: the tensor checks follow the zip check above.
+from shard_client import checks_images, checks_tensors  # noqa: E402, F401

@@ -1,4 +1,6 @@
-"""Content checks for tensor files (torch, numpy, safetensors): readable, and no NaN or Inf.
+"""Content checks for tensor files (torch, numpy, safetensors): readable, not empty, no NaN or Inf.
+
+A file is empty when it holds no tensor or every tensor it holds has zero elements.
 
 Registered into `shard_client.checks.CONTENT_CHECKS` on import, after the zip
 check (``.pt`` and ``.npz`` files are zip archives); `shard_client.checks`
@@ -35,6 +37,23 @@ def _key_paths(obj: object, key: str = "") -> Iterator[tuple[str, object]]:
         yield key or "<root>", obj
 
 
+def _all_empty(
+    kind: str, noun: str, tensors: list[tuple[str, str, tuple[int, ...]]]
+) -> CheckResult | None:
+    """Fails a file whose tensors (key, dtype, shape) are none, or all of zero elements."""
+    if not tensors:
+        return _fail("empty", f"{kind} holds no {noun}s")
+    if any(math.prod(shape) for _, _, shape in tensors):
+        return None
+    if len(tensors) == 1:
+        key, dtype, shape = tensors[0]
+        where = "" if key == "<root>" else f" {key}"
+        return _fail("empty", f"0-element {noun}{where} {dtype} {shape}")
+    shown = ", ".join(f"{key} {dtype} {shape}" for key, dtype, shape in tensors[:3])
+    more = f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
+    return _fail("empty", f"every {noun} in the {kind} has 0 elements: {shown}{more}")
+
+
 def _first_nonfinite(counts: Iterable[tuple[str, int]]) -> CheckResult | None:
     # Counts are lazy, so scanning stops at the first tensor holding a NaN or Inf.
     key, bad = next(((key, bad) for key, bad in counts if bad), ("", 0))
@@ -49,6 +68,17 @@ def _check_torch(path: Path) -> CheckResult | None:
         return CheckResult(True, "ok", "torch not installed, tensors not checked")
     # mmap keeps multi-gigabyte checkpoints out of RAM; only the zip format supports it.
     loaded = torch.load(path, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    leaves = list(_key_paths(loaded))
+    found = [
+        (key, str(value.dtype).removeprefix("torch."), tuple(value.shape))
+        for key, value in leaves
+        if isinstance(value, torch.Tensor)
+    ]
+    # Metadata without tensors (a step counter) is content; nothing at all, or only empty tensors, is not.
+    if found or not leaves or leaves == [("<root>", None)]:
+        empty = _all_empty("torch file", "tensor", found)
+        if empty is not None:
+            return empty
     tensors = (
         (key, value)
         for key, value in _key_paths(loaded)
@@ -77,9 +107,30 @@ def _check_numpy(path: Path) -> CheckResult | None:
         return CheckResult(True, "ok", "numpy not installed, arrays not checked")
     loaded = np.load(path, allow_pickle=False, mmap_mode="r")
     if isinstance(loaded, np.ndarray):
-        return _first_nonfinite(_numpy_nonfinite([("<root>", loaded)]))
+        return _all_empty(".npy file", "array", [("<root>", str(loaded.dtype), loaded.shape)]) or (
+            _first_nonfinite(_numpy_nonfinite([("<root>", loaded)]))
+        )
     with loaded:
-        return _first_nonfinite(_numpy_nonfinite((repr(n), loaded[n]) for n in loaded.files))
+        # A member's header alone gives its shape, so the emptiness pass reads no array data.
+        shapes = [(repr(n), *_npz_member_shape(loaded, n)) for n in loaded.files]
+        return _all_empty(".npz file", "array", shapes) or _first_nonfinite(
+            _numpy_nonfinite((repr(n), loaded[n]) for n in loaded.files)
+        )
+
+
+def _npz_member_shape(archive: Any, name: str) -> tuple[str, tuple[int, ...]]:
+    import numpy as np
+
+    fmt = np.lib.format
+    readers = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+    member = f"{name}.npy" if f"{name}.npy" in archive.zip.namelist() else name
+    with archive.zip.open(member) as fh:
+        reader = readers.get(fmt.read_magic(fh))
+        if reader is not None:
+            shape, _, dtype = reader(fh)
+            return str(dtype), tuple(shape)
+    array = archive[name]  # a newer header version: load it to learn its shape
+    return str(array.dtype), tuple(array.shape)
 
 
 # Bytes per element of each safetensors dtype.
@@ -124,6 +175,13 @@ def _check_safetensors(path: Path) -> CheckResult | None:
                 f"tensor {name!r}: shape {info['shape']} of {info['dtype']} needs"
                 f" {need} bytes, the header gives {end - begin}",
             )
+    empty = _all_empty(
+        "safetensors file",
+        "tensor",
+        [(repr(n), info["dtype"], tuple(info["shape"])) for n, info in header.items()],
+    )
+    if empty is not None:
+        return empty
     try:
         import numpy as np
     except ImportError:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,8 +82,8 @@ def verdicts(client: LedgerClient, run: str) -> list[pb.ShardEvent]:
 
 
 @pytest.fixture
-def mixed_run(client: LedgerClient, root: Path, tmp_path: Path) -> str:
-    """A run of five shards: one good file and four broken ways."""
+def mixed_run(client: LedgerClient, root: Path) -> str:
+    """A run of four shards: one good file and three broken ways."""
     good = b"good bytes\n"
     (root / "good.bin").write_bytes(good)
     commit_shard(client, "mixed", "s-good", str(root / "good.bin"), good)
@@ -93,10 +92,6 @@ def mixed_run(client: LedgerClient, root: Path, tmp_path: Path) -> str:
     (root / "flip.bin").write_bytes(b"0123456789")
     commit_shard(client, "mixed", "s-digest", "flip.bin", b"0123456780")  # relative to --root
     commit_shard(client, "mixed", "s-missing", str(root / "gone.bin"), b"never written")
-    # A FIFO outside the root: opening it would hang, so a verify that returns never read it.
-    outside = tmp_path / "outside.fifo"
-    os.mkfifo(outside)
-    commit_shard(client, "mixed", "s-outside", str(outside), b"secret")
     return "mixed"
 
 
@@ -111,25 +106,25 @@ def test_verify_records_a_verdict_per_artifact_and_exits_1_on_failures(
     code, report = verify(running, capsys, mixed_run, "--root", str(root))
     assert code == 1
     assert (report["checked"], report["passed"], report["failed"], report["appended"]) == (
-        5,
-        1,
         4,
-        5,
+        1,
+        3,
+        4,
     )
     reasons = {f["shard_id"]: f["reason"] for f in report["failures"]}
     assert reasons == {
         "s-size": "size_mismatch",
         "s-digest": "digest_mismatch",
         "s-missing": "missing",
-        "s-outside": "outside_root",
     }
     recorded = {
-        e.shard_id: (e.verified.result, e.verified.reason) for e in verdicts(client, mixed_run)
+        e.shard_id: (e.attempt_id, e.verified.result, e.verified.reason)
+        for e in verdicts(client, mixed_run)
     }
-    assert recorded["s-good"] == (pb.VERIFICATION_RESULT_PASSED, "")
-    assert recorded["s-outside"] == (pb.VERIFICATION_RESULT_FAILED, "outside_root")
+    assert recorded["s-good"] == ("a1", pb.VERIFICATION_RESULT_PASSED, "")
+    assert recorded["s-missing"] == ("a1", pb.VERIFICATION_RESULT_FAILED, "missing")
     summary = json.loads(client.summary(mixed_run))
-    assert (summary["verified"], summary["verify_failed"]) == (1, 4)
+    assert (summary["verified"], summary["verify_failed"]) == (1, 3)
 
 
 @pytest.mark.timeout(60)
@@ -144,9 +139,14 @@ def test_verify_again_is_harmless_and_appends_nothing(
     before = len(list(client.list_events(mixed_run)))
     code, report = verify(running, capsys, mixed_run, "--root", str(root))
     assert len(list(client.list_events(mixed_run))) == before
-    assert (report["checked"], report["skipped"], report["appended"]) == (0, 5, 0)
+    assert (report["checked"], report["skipped"], report["appended"]) == (0, 4, 0)
     assert code == 1  # the earlier failures still stand
-    assert report["skipped_failed"] == 4
+    assert report["skipped_failed"] == 3
+    main(["verify", mixed_run, "--root", str(root), "--server", f"127.0.0.1:{running.port}"])
+    assert (
+        "4 skipped as they already have a verdict (3 of them failed: use --recheck to read them"
+        " again)" in capsys.readouterr().out
+    )
 
 
 @pytest.mark.timeout(60)
@@ -162,8 +162,8 @@ def test_verify_recheck_reads_again_and_records_new_verdicts(
     code, report = verify(
         running, capsys, mixed_run, "--root", str(root), "--recheck", "--workers", "2"
     )
-    assert (report["checked"], report["passed"], report["appended"]) == (5, 2, 5)
-    assert len(verdicts(client, mixed_run)) == 10
+    assert (report["checked"], report["passed"], report["appended"]) == (4, 2, 4)
+    assert len(verdicts(client, mixed_run)) == 8
     assert code == 1
     assert json.loads(client.summary(mixed_run))["verified"] == 2
 
@@ -225,21 +225,25 @@ def test_verify_text_output_names_each_failure(
     running: RunningServer, client: LedgerClient, root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     commit_shard(client, "text", "s0", "missing.bin", b"x")
+    (root / "here.bin").write_bytes(b"y")
+    commit_shard(client, "text", "s1", "here.bin", b"y")
     code = main(["verify", "text", "--root", str(root), "--server", f"127.0.0.1:{running.port}"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "FAILED s0 out missing.bin missing" in out
-    assert "1 checked, 0 passed, 1 failed" in out
+    assert "FAILED s0 a1 out missing.bin missing: " in out
+    assert "2 checked (2 files read), 1 passed, 1 failed" in out
 
 
 def test_verify_with_a_root_that_is_not_a_directory_exits_5(
     running: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(
-        ["verify", "any", "--root", str(tmp_path / "nope"), "--server", f"127.0.0.1:{running.port}"]
-    )
+    (tmp_path / "file").write_text("x")
+    server = f"127.0.0.1:{running.port}"
+    code = main(["verify", "any", "--root", str(tmp_path / "nope"), "--server", server])
     assert code == 5
-    assert "not a directory" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["verify", "any", "--root", str(tmp_path / "file"), "--server", server]) == 5
+    assert "is not a directory" in capsys.readouterr().err
 
 
 def test_a_retried_verdict_has_the_same_id_and_is_stored_once(
@@ -248,7 +252,7 @@ def test_a_retried_verdict_has_the_same_id_and_is_stored_once(
     data = b"abc"
     (root / "a.bin").write_bytes(data)
     commit_shard(client, "retry", "s0", "a.bin", data)
-    commit = Commit("s0", "a1", "out", "a.bin", 3, blake3.blake3(data).hexdigest(), "")
+    commit = Commit("s0", "a1", "out", "a.bin", 3, blake3.blake3(data).hexdigest(), "", "c1")
     result = CheckResult(passed=True, reason="ok", detail="checked size, blake3")
     first = verdict_event(commit, result, namespace="", run_id="retry", generation=0)
     again = verdict_event(commit, result, namespace="", run_id="retry", generation=0)
@@ -257,6 +261,9 @@ def test_a_retried_verdict_has_the_same_id_and_is_stored_once(
     assert outcomes == [pb.APPEND_OUTCOME_APPENDED, pb.APPEND_OUTCOME_DUPLICATE]
     recheck = verdict_event(commit, result, namespace="", run_id="retry", generation=1)
     assert recheck.event_id != first.event_id
+    other_attempt = Commit("s0", "a2", "out", "a.bin", 3, commit.blake3_hex, "", "c2")
+    twin = verdict_event(other_attempt, result, namespace="", run_id="retry", generation=0)
+    assert (twin.event_id != first.event_id, twin.attempt_id) == (True, "a2")
 
 
 def test_verify_help_documents_outside_root_and_exit_codes(
@@ -266,6 +273,7 @@ def test_verify_help_documents_outside_root_and_exit_codes(
         main(["verify", "--help"])
     out = capsys.readouterr().out
     assert "outside_root" in out and "exit codes:" in out and "--recheck" in out
+    assert "record nothing" in out and "example" in out
 
 
 def test_a_refused_verdict_does_not_cost_the_rest_of_its_batch(

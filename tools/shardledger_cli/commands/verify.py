@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -15,10 +14,34 @@ import blake3
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
-from shard_client.checks import CheckResult, load_entry_point_validators, verify_artifact
+from shard_client.checks import (
+    VERIFIER_REASONS,
+    CheckResult,
+    load_entry_point_validators,
+    verify_artifact,
+)
 from shard_client.errors import LedgerRejected
-from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from
-from shardledger_cli.output import print_json
+from shardledger_cli.cli import (
+    EXIT_LOCAL,
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CommandError,
+    at_least,
+    client_from,
+)
+from shardledger_cli.commands.verify_report import Tally, entry, print_report
+from shardledger_cli.commands.verify_scan import (
+    Commit,
+    CommitState,
+    any_present,
+    common_dir,
+    outside,
+    plan,
+    scan_events,
+    unique,
+)
+
+__all__ = ["Commit", "Recorder", "register", "verdict_event"]
 
 APPEND_BATCH: Final = 500
 MAX_REASON_CHARS: Final = 255
@@ -29,54 +52,40 @@ Re-read every artifact the run committed (the latest commit of each name in each
 attempt): it must exist under --root, have the committed size and blake3 digest,
 and pass the content checks for its type and any validators installed under the
 `shardledger.validators` entry-point group. Each outcome is appended as a
-`verified` event (PASSED, or FAILED with a reason such as missing, size_mismatch,
-digest_mismatch, empty, truncated, nan_or_inf).
+`verified` event about that one commit (PASSED, or FAILED with a reason about
+the artifact: missing, not_a_file, size_mismatch, digest_mismatch, empty,
+truncated, nan_or_inf, json_invalid, tensor_unreadable, image_undecodable,
+image_degenerate, validator:NAME, ...). Each distinct file is read once.
+
+A verdict belongs to one commit. A new commit (a rerun, even of byte-identical
+bytes at the same path) is unverified until verify reads it; a commit that
+already has a verdict of its own is skipped unless --recheck, which reads them
+again (a scrub for bit rot). Event ids are derived from the commit and the
+outcome, so a retried or concurrent verify stores each verdict once.
 
 A commit whose path a later commit (say, a retry racing a zombie attempt) filled
 with other bytes is superseded: it is neither checked nor counted as a failure.
+A commit that a later commit of the same output replaced is still checked, but
+its failure does not fail verify: the output's latest commit decides.
 
-Re-running is harmless and cheap: an artifact whose (path, digest) already has a
-verdict is skipped unless --recheck, and event ids are derived from the outcome,
-so a retried or concurrent verify stores each verdict once.
+The verifier's own mistakes record nothing. --root must be a readable
+directory. An artifact whose path lies outside it (an absolute path elsewhere,
+or `..` or a symlink leading out), or that the verifier may not read, is never
+judged: it is listed as NOT CHECKED (outside_root, permission_denied), nothing
+is recorded for it, and verify exits 5. When --root holds none of the run's
+committed artifacts, verify refuses before reading any (exit 5): a wrong
+directory must not condemn a good run.
 
-Paths are resolved against --root (default: the current directory); an absolute
-path, or a relative one that escapes through `..` or a symlink, must land inside
-it. An artifact outside the root is never opened: it is recorded as FAILED with
-reason outside_root, because an artifact the verifier may not read cannot be
-confirmed, and leaving it unrecorded would hide it from `status`.
+examples:
+  shardledger verify night-01 --root /scratch/night-01/out
+  shardledger verify night-01 --root out/ --recheck --workers 16 --json
 
-exit codes: 0 every committed artifact's latest verdict is PASSED; 1 some
-artifact failed (now or in an earlier verify) or a verdict was refused;
-3 unreachable; 4 refused (e.g. unknown run); 5 --root is not a directory
+exit codes: 0 every current commit (the latest commit of each output, not
+superseded) has a PASSED verdict of its own; 1 some current commit failed, now
+or in an earlier verify, or a verdict was refused; 3 unreachable; 4 refused
+(e.g. unknown run); 5 --root does not exist, is not a directory, cannot be read
+or holds none of the run's artifacts, or some artifact was not checked
 """
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    """The latest commit of one name in one attempt."""
-
-    shard_id: str
-    attempt_id: str
-    name: str
-    path: str
-    size_bytes: int
-    blake3_hex: str
-    media_type: str
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        """Returns what a verdict is about: (shard, path, digest)."""
-        return (self.shard_id, self.path, self.blake3_hex)
-
-
-@dataclass(slots=True)
-class Scan:
-    """What the event log says about a run's artifacts."""
-
-    commits: dict[tuple[str, str, str], Commit]
-    verdicts: dict[tuple[str, str, str], tuple[str, str]]
-    verdict_count: Counter[tuple[str, str, str]]
-    path_heads: dict[str, str]  # path -> digest of the latest commit to it (what is on disk)
 
 
 def register(
@@ -95,72 +104,24 @@ def register(
     p.add_argument(
         "--workers", type=at_least(1), default=min(8, os.cpu_count() or 4), help="parallel readers"
     )
-    p.add_argument("--recheck", action="store_true", help="verify again artifacts already verified")
+    p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="read again commits that already have a verdict (a scrub for bit rot)",
+    )
     p.set_defaults(func=run_verify)
-
-
-def scan_events(events: Iterable[Any]) -> Scan:
-    """Collects the latest commit per (shard, attempt, name) and the verdicts given so far."""
-    commits: dict[tuple[str, str, str], Commit] = {}
-    verdicts: dict[tuple[str, str, str], tuple[str, str]] = {}
-    count: Counter[tuple[str, str, str]] = Counter()
-    heads: dict[str, str] = {}
-    for event in events:
-        kind = event.WhichOneof("payload")
-        if kind == "artifact_committed":
-            a = event.artifact_committed
-            heads[a.path] = a.blake3_hex
-            commits[(event.shard_id, event.attempt_id, a.name)] = Commit(
-                event.shard_id,
-                event.attempt_id,
-                a.name,
-                a.path,
-                a.size_bytes,
-                a.blake3_hex,
-                a.media_type,
-            )
-        elif kind == "verified":
-            v = event.verified
-            key = (event.shard_id, v.path, v.blake3_hex)
-            result = "passed" if v.result == pb.VERIFICATION_RESULT_PASSED else "failed"
-            verdicts[key] = (result, v.reason)
-            count[key] += 1
-    return Scan(commits, verdicts, count, heads)
-
-
-def targets(scan: Scan, *, recheck: bool) -> tuple[list[Commit], list[Commit], list[Commit]]:
-    """Returns (to check, skipped, superseded): one commit per (shard, path, digest), log order.
-
-    A commit whose path a later commit (another attempt's retry) filled with other
-    bytes is superseded: its bytes are gone, so it is neither checked nor a failure
-    (the ledger already counts only a path's latest commit).
-    """
-    seen: set[tuple[str, str, str]] = set()
-    todo: list[Commit] = []
-    skipped: list[Commit] = []
-    superseded: list[Commit] = []
-    for commit in scan.commits.values():
-        if commit.key in seen:
-            continue  # two attempts wrote identical bytes to one path: one verdict covers both
-        seen.add(commit.key)
-        if scan.path_heads.get(commit.path, commit.blake3_hex) != commit.blake3_hex:
-            superseded.append(commit)
-        elif recheck or commit.key not in scan.verdicts:
-            todo.append(commit)
-        else:
-            skipped.append(commit)
-    return todo, skipped, superseded
 
 
 def verdict_event(
     commit: Commit, result: CheckResult, *, namespace: str, run_id: str, generation: int
 ) -> pb.ShardEvent:
-    """Returns the verified event for one check; its id is derived from what it says.
+    """Returns the verified event for one check of one commit; its id is derived from what it says.
 
-    The id hashes the verdict's content (and how many verdicts on the artifact
-    came before), so a retried or concurrent verify that reaches the same verdict
-    is stored once, while --recheck records a new one. client_time stays unset
-    so the content, and hence the retry, is byte-identical.
+    The id hashes the commit (attempt and commit event), the verdict's content and
+    how many verdicts of its own the commit had before, so a retried or concurrent
+    verify that reaches the same verdict is stored once, two attempts' identical
+    commits get one verdict each, and --recheck records a new one. client_time
+    stays unset so the content, and hence the retry, is byte-identical.
     """
     reason = "" if result.passed else (result.reason or "unknown")[:MAX_REASON_CHARS]
     detail = result.detail[:MAX_DETAIL_CHARS]
@@ -169,6 +130,8 @@ def verdict_event(
         namespace or "default",
         run_id,
         commit.shard_id,
+        commit.attempt_id,
+        commit.event_id,
         commit.name,
         commit.path,
         commit.blake3_hex,
@@ -183,7 +146,7 @@ def verdict_event(
         namespace=namespace,
         run_id=run_id,
         shard_id=commit.shard_id,
-        attempt_id="",
+        attempt_id=commit.attempt_id,
         verified=pb.ArtifactVerified(
             name=commit.name,
             path=commit.path,
@@ -265,8 +228,8 @@ class Recorder:
                 except LedgerRejected as exc:
                     self.refused += 1
                     print(
-                        f"shardledger: verdict on {event.shard_id} {event.verified.path} "
-                        f"refused ({exc.reason}): {exc}",
+                        f"shardledger: verdict on {event.shard_id} {event.attempt_id} "
+                        f"{event.verified.path} refused ({exc.reason}): {exc}",
                         file=sys.stderr,
                     )
 
@@ -278,86 +241,81 @@ class Recorder:
                 self.duplicate += 1
 
 
-def run_verify(args: argparse.Namespace) -> int:
-    """Verifies the run's committed artifacts and appends the verdicts."""
-    root = os.path.abspath(args.root)
+def check_root(given: str) -> str:
+    """Returns --root made absolute, or raises CommandError when it cannot be the artifacts' home."""
+    root = os.path.abspath(given)
+    if not os.path.lexists(root):
+        raise CommandError(f"--root {given} does not exist")
     if not os.path.isdir(root):
-        raise CommandError(f"--root {args.root} is not a directory")
+        raise CommandError(f"--root {given} is not a directory")
+    try:
+        with os.scandir(root) as entries:
+            next(entries, None)
+    except OSError as exc:
+        raise CommandError(f"--root {given} cannot be read: {exc.strerror or exc}") from None
+    return root
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Verifies the run's committed artifacts and appends one verdict per commit."""
+    root = check_root(args.root)
     client = client_from(args)
     scan = scan_events(client.list_events(args.run, namespace=args.namespace, page_size=5000))
-    todo, skipped, superseded = targets(scan, recheck=args.recheck)
+    todo = plan(scan, recheck=args.recheck)
+    reads: dict[tuple[str, str, int, str], list[CommitState]] = {}
+    for state in todo.todo:
+        reads.setdefault(state.commit.read_key, []).append(state)
+    held = [s.commit.path for s in (*todo.todo, *todo.skipped)]
+    if reads and not any_present(root, unique(held)):
+        # Every file missing (or outside the root) means the wrong directory far more often
+        # than a wiped disk; recording `missing` for all of them would condemn a good run.
+        paths = list(unique(held))
+        away = outside(root, paths)
+        share = f"all {len(away)}" if len(away) == len(paths) else f"{len(away)} of them"
+        hint = f" ({share} lie outside it, under {common_dir(root, away)})" if away else ""
+        raise CommandError(
+            f"--root {args.root} holds none of the run's {len(paths)} artifacts: is it the right"
+            f" directory?{hint} Nothing was recorded."
+        )
     validators = load_entry_point_validators()
     recorder = Recorder(client)
-    failures: list[dict[str, Any]] = []
-    passed = 0
-    with _Progress(len(todo), enabled=not args.json and sys.stderr.isatty()) as advance:
-        for commit, result in check_all(
-            todo, root=root, workers=args.workers, validators=validators, on_done=advance
+    tally = Tally(current=todo.current)
+    first = [group[0].commit for group in reads.values()]
+    with _Progress(len(first), enabled=not args.json and sys.stderr.isatty()) as advance:
+        for read, result in check_all(
+            first, root=root, workers=args.workers, validators=validators, on_done=advance
         ):
-            generation = scan.verdict_count[commit.key]
-            recorder.add(
-                verdict_event(
-                    commit, result, namespace=args.namespace, run_id=args.run, generation=generation
+            for state in reads[read.read_key]:
+                if result.reason in VERIFIER_REASONS and not result.passed:
+                    tally.unchecked.append(entry(state.commit, result.reason, result.detail))
+                    continue
+                recorder.add(
+                    verdict_event(
+                        state.commit,
+                        result,
+                        namespace=args.namespace,
+                        run_id=args.run,
+                        generation=len(state.verdicts),
+                    )
                 )
-            )
-            if result.passed:
-                passed += 1
-            else:
-                failures.append(_failure(commit, result.reason, result.detail, earlier=False))
+                tally.add(state, result.passed, result.reason, result.detail, earlier=False)
         recorder.flush()
-    for commit in skipped:
-        verdict, reason = scan.verdicts[commit.key]
-        if verdict != "passed":
-            failures.append(_failure(commit, reason, "", earlier=True))
-    report = {
-        "run_id": args.run,
-        "root": root,
-        "checked": len(todo),
-        "passed": passed,
-        "failed": len(todo) - passed,
-        "skipped": len(skipped),
-        "skipped_failed": sum(1 for f in failures if f["earlier"]),
-        "superseded": len(superseded),
-        "appended": recorder.appended,
-        "duplicate": recorder.duplicate,
-        "refused": recorder.refused,
-        "failures": failures,
-    }
-    _print_report(report, as_json=args.json)
-    return EXIT_PROBLEMS if failures or recorder.refused else EXIT_OK
-
-
-def _failure(commit: Commit, reason: str, detail: str, *, earlier: bool) -> dict[str, Any]:
-    return {
-        "shard_id": commit.shard_id,
-        "attempt_id": commit.attempt_id,
-        "name": commit.name,
-        "path": commit.path,
-        "reason": reason,
-        "detail": detail,
-        "earlier": earlier,
-    }
-
-
-def _print_report(report: dict[str, Any], *, as_json: bool) -> None:
-    if as_json:
-        print_json(report)
-        return
-    for f in report["failures"]:
-        when = " (earlier verdict)" if f["earlier"] else ""
-        detail = f": {f['detail']}" if f["detail"] else ""
-        print(f"FAILED {f['shard_id']} {f['name']} {f['path']} {f['reason']}{when}{detail}")
-    print(
-        f"verify {report['run_id']}: {report['checked']} checked, {report['passed']} passed, "
-        f"{report['failed']} failed; {report['skipped']} skipped as already verified "
-        f"({report['skipped_failed']} of them failed); {report['appended']} verdicts recorded"
-        + (f", {report['refused']} refused" if report["refused"] else "")
-        + (
-            f"; {report['superseded']} superseded by a later commit to the same path"
-            if report["superseded"]
-            else ""
+    for state in todo.skipped:
+        passed, reason = state.verdicts[-1]
+        tally.add(state, passed, reason, "", earlier=True)
+    report = tally.report(args.run, root, read=len(first), recorder=recorder)
+    report["superseded"] = len(todo.superseded)
+    print_report(report, as_json=args.json)
+    if tally.unchecked:
+        where = common_dir(root, [u["path"] for u in tally.unchecked])
+        print(
+            f"shardledger: {len(tally.unchecked)} artifacts were not checked and nothing was"
+            f" recorded for them ({', '.join(sorted({u['reason'] for u in tally.unchecked}))}):"
+            f" run verify with a --root that holds them (they lie under {where}) and may read them",
+            file=sys.stderr,
         )
-    )
+        return EXIT_LOCAL
+    return EXIT_PROBLEMS if tally.current_failed or recorder.refused else EXIT_OK
 
 
 class _Progress:
