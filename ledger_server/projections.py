@@ -31,11 +31,8 @@ from ledger_server.events import (
 from ledger_server.record import Attempt, ShardRecord, plan_line_for
 from ledger_server.states import QueryState, ShardState
 from shard_client.canonical import canonical_json
+from shard_client.vocabulary import VERIFIER_REASONS
 
-# Verdict reasons that describe the verifier, not the artifact (an artifact outside the
-# verifier's --root): recorded by versions before 2 and folded as no verdict at all, so
-# a wrong --root never poisons a run.
-VERIFIER_REASONS: Final = frozenset({"outside_root"})
 # An event that reached the ledger this long (or its attempt's heartbeat timeout, if
 # longer) after its client time had waited in a spool.
 LATE_MIN_US: Final = 60 * 1_000_000

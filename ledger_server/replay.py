@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from ledger_server.chain import event_from_parsed, parse_row
 from ledger_server.events import ArtifactVerified, Heartbeat, RecordedEvent, ShardPlanned
-from ledger_server.projections import VERIFIER_REASONS, fold, fold_beat, live_state
+from ledger_server.projections import fold, fold_beat, live_state
 from ledger_server.record import ShardRecord
 from ledger_server.states import QueryState
 from ledger_server.summary import PASS_CLOSED_KEY, contributions
+from shard_client.vocabulary import VERIFIER_REASONS
 
 
 def closes_first_pass(rec: RecordedEvent) -> bool:

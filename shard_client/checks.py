@@ -12,9 +12,11 @@ import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeAlias
+from typing import Any, TypeAlias
 
 import blake3
+
+from shard_client.vocabulary import VERIFIER_REASONS
 
 __all__ = [
     "CONTENT_CHECKS",
@@ -41,12 +43,11 @@ class CheckResult:
 
 Validator: TypeAlias = Callable[[Path], CheckResult | None]
 
-# Failures that describe the verifier (where it looked, what it may read), not the
-# artifact's bytes: `shardledger verify` records none of them, because a verdict
-# from a verifier pointed at the wrong place would condemn a good artifact. Every
-# other reason (missing, size_mismatch, digest_mismatch, empty, truncated, ...) is
-# about the artifact and is recorded.
-VERIFIER_REASONS: Final = frozenset({"outside_root", "permission_denied"})
+# VERIFIER_REASONS (shard_client.vocabulary) are failures that describe the verifier
+# (where it looked, what it may read), not the artifact's bytes: `shardledger verify`
+# records none of them, because a verdict from a verifier pointed at the wrong place
+# would condemn a good artifact. Every other reason (missing, size_mismatch,
+# digest_mismatch, empty, truncated, ...) is about the artifact and is recorded.
 
 
 @dataclass(frozen=True, slots=True)

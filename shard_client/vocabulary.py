@@ -1,4 +1,4 @@
-"""Names the SDK and the server share: failure tags.
+"""Names the SDK and the server share: failure tags, the verifier's own reasons.
 
 One home for each string a job, the ledger and the CLI must agree on. A
 `StrEnum` member compares and serializes as its string, so stored events and
@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
-__all__ = ["FAILURE_TAGS", "FailureTag"]
+__all__ = ["FAILURE_TAGS", "VERIFIER_REASONS", "FailureTag"]
 
 
 class FailureTag(StrEnum):
@@ -28,3 +28,8 @@ class FailureTag(StrEnum):
 
 # In the documented order (the proto comment and docs/projections.md list them so).
 FAILURE_TAGS: Final[tuple[str, ...]] = tuple(tag.value for tag in FailureTag)
+
+# Verification outcomes that describe the verifier, not the artifact (a path outside
+# its --root, a file it may not read): never recorded as verdicts, and folded as no
+# verdict where an older verifier recorded them.
+VERIFIER_REASONS: Final = frozenset({"outside_root", "permission_denied"})
