@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shard_client import atomic, checkpoint
+from shard_client import atomic, checkpoint, checkpoint_records
 from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.classify import describe, failure_tag
@@ -391,29 +391,25 @@ class Shard:
             )
 
     def load_latest_checkpoint(self, **kwargs: Any) -> checkpoint.LoadedCheckpoint | None:
-        """Restores the newest torch checkpoint that loads; None if there is none.
+        """Restores the newest checkpoint the ledger recorded for this run and shard; None: fresh.
 
-        A newest file that cannot be loaded (damaged after its commit, say) is logged
-        and the next older one is tried, so a retry resumes instead of crash-looping;
-        when none loads, the newest one's error is raised.
+        Only a ``checkpoint_saved`` of this run and shard counts, and its file is
+        re-hashed (BLAKE3) before loading: another run's checkpoint in the same
+        directory is ignored, a file replaced after its commit is skipped for an
+        older recorded one, and with the ledger unreachable the shard starts
+        fresh. Each decision is logged (see shard_client.checkpoint_records).
         """
-        found = checkpoint.checkpoints_newest_first(os.path.dirname(self._checkpoint_path(0, None)))
-        first_error: Exception | None = None
-        for path in found:
-            try:
-                loaded = checkpoint.load_checkpoint(path, **kwargs)
-            except Exception as exc:  # raised below when no older checkpoint loads
-                log.warning(
-                    "checkpoint_unloadable shard=%s path=%s error=%s: %s; trying an older one",
-                    self.shard_id,
-                    path,
-                    type(exc).__name__,
-                    exc,
-                )
-                first_error = first_error or exc
-                continue
+        self._check_active()
+        client, namespace = self.ledger.client, self.ledger.namespace
+        with self._clock.paused():
+            loaded = checkpoint_records.load_recorded_checkpoint(
+                lambda: checkpoint_records.recorded_checkpoints(
+                    client, namespace=namespace, run_id=self.run_id, shard_id=self.shard_id
+                ),
+                directory=self._checkpoint_dir(),
+                label=f"run={self.run_id} shard={self.shard_id}",
+                **kwargs,
+            )
+        if loaded is not None:
             self._heartbeats.step = max(self._heartbeats.step, loaded.step)
-            return loaded
-        if first_error is not None:
-            raise first_error
-        return None
+        return loaded
