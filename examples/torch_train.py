@@ -8,8 +8,14 @@ What the SDK adds to an ordinary training loop:
 
 * every ``checkpoint_every`` steps, ``shard.save_checkpoint`` writes model,
   optimizer and every RNG state atomically and records the checkpoint;
-* on start, ``shard.load_latest_checkpoint`` restores the newest one, so a
-  rerun of a preempted or killed shard continues where it stopped, bit-exactly;
+* on start, ``shard.load_latest_checkpoint`` restores the newest one the ledger
+  recorded for this run and shard (its bytes re-hashed), so a rerun of a
+  preempted or killed shard continues where it stopped, bit-exactly, and a new
+  run never starts from an old run's weights; outputs live in
+  ``OUT/<run>/<shard>/`` so two runs never share a checkpoint directory;
+* ``shard.progress`` every few steps arms the SDK's hang watchdog: a deadlock
+  (no progress for 10 x the step time + 5 min) is diagnosed, recorded as
+  failed(timeout) and stopped without any external watchdog;
 * on SIGTERM (Slurm's ``--signal``, a spot reclaim), ``shard.stopping`` turns
   true: the loop saves a checkpoint and leaves within ``sigterm_grace``
   seconds; the attempt is recorded as failed(preempted) and the shard lands in
@@ -88,7 +94,8 @@ def train(shard: Shard, line: dict[str, Any], work: Path) -> int:
 def run_line(ledger: Ledger, run_id: str, line: dict[str, Any], *, out_dir: str) -> None:
     """Runs one shard of the plan line as one attempt."""
     shard_id = line["shard_id"]
-    work = Path(out_dir) / shard_id
+    # One directory per run and shard: a new run over the same inputs starts clean.
+    work = Path(out_dir) / run_id / shard_id
     # Before the shard starts, so the fingerprint records the deterministic settings.
     determinism.enable(int(line["params"]["seed"]))
     with ledger.shard(
@@ -97,7 +104,7 @@ def run_line(ledger: Ledger, run_id: str, line: dict[str, Any], *, out_dir: str)
         expected_outputs=["weights", "metrics"],
         output_dir=work,
         checkpoint_dir=work / "checkpoints",
-        heartbeat_timeout=120.0,  # the watchdog's limit: ten slow steps plus slack
+        heartbeat_timeout=120.0,  # stale on the ledger after this long without a beat
         sigterm_grace=30.0,
     ) as shard:
         resumed = train(shard, line, work)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerClientError
 from shard_client.signals import SigtermGrace
+from shard_client.watchdog import ProgressClock, Watchdog
 
 __all__ = ["Heartbeats"]
 
@@ -23,7 +24,8 @@ class Heartbeats:
     With ``progress_timeout_s`` the beats stop once no progress (a ``progress()``,
     checkpoint or commit) came for that long, so a job hung with its process alive
     goes stale on the ledger; they resume with progress. The same thread ends the
-    SIGTERM grace period, because the main thread may be the one that hangs.
+    SIGTERM grace period and runs the hang ``watchdog``'s check, because the main
+    thread may be the one that hangs; once the watchdog tripped, no beat is sent.
     """
 
     def __init__(
@@ -37,6 +39,8 @@ class Heartbeats:
         active: Callable[[], bool],
         shard_id: str,
         attempt_id: str,
+        clock: ProgressClock,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.step, self.progress = 0, 0.0
         self._interval_s = interval_s
@@ -47,7 +51,8 @@ class Heartbeats:
         self._active = active
         self._shard_id, self._attempt_id = shard_id, attempt_id
         self._last_beat = 0.0
-        self._last_progress = time.monotonic()  # progress(), a checkpoint or a commit
+        self._clock = clock
+        self._watchdog = watchdog
         self._quiet_logged = False
         self._thread: threading.Thread | None = None
 
@@ -68,17 +73,22 @@ class Heartbeats:
     def beat_sent(self, step: int, progress: float) -> None:
         """Notes a heartbeat the job sent itself: progress, and no beat due for an interval."""
         self.step, self.progress = step, progress
-        self._last_beat = self._last_progress = time.monotonic()
+        self._clock.stepped()
+        self._last_beat = time.monotonic()
 
     def made_progress(self, step: int | None = None) -> None:
         """Notes progress other than a heartbeat (a commit or checkpoint), at least ``step``."""
         if step is not None:
             self.step = max(self.step, step)
-        self._last_progress = time.monotonic()
+        self._clock.progressed()
 
     def _run(self) -> None:
         while True:
             due = min(self._last_beat + self._interval_s, self._sigterm.deadline())
+            if self._watchdog is not None:
+                # A progress() call can move the deadline earlier (the first step time
+                # arms it) without waking this thread, so it looks again every second.
+                due = min(due, self._watchdog.deadline(), time.monotonic() + 1.0)
             if self._wake.wait(max(due - time.monotonic(), 0.0)):
                 self._wake.clear()
             if not self._active():
@@ -86,6 +96,10 @@ class Heartbeats:
             now = time.monotonic()
             if now >= self._sigterm.deadline():
                 self._sigterm.expire()
+            if self._watchdog is not None and self._watchdog.check(now):
+                # The attempt is recorded failed(timeout): a beat now would be refused.
+                self._last_beat = now
+                continue
             if now >= self._last_beat + self._interval_s:
                 self._last_beat = now
                 if self._stalled(now):
@@ -96,8 +110,8 @@ class Heartbeats:
 
     def _stalled(self, now: float) -> bool:
         """Whether progress_timeout passed without progress (logged once per stall)."""
-        limit = self._progress_timeout_s
-        if limit is None or now - self._last_progress <= limit:
+        limit, since = self._progress_timeout_s, self._clock.quiet_since()
+        if limit is None or since is None or now - since <= limit:
             self._quiet_logged = False
             return False
         if not self._quiet_logged:
@@ -106,6 +120,6 @@ class Heartbeats:
                 "no_progress shard=%s attempt=%s seconds=%.0f: heartbeats stop until it resumes",
                 self._shard_id,
                 self._attempt_id,
-                now - self._last_progress,
+                now - since,
             )
         return True

@@ -81,7 +81,21 @@ class Ledger:
           process lives; with this it stops once no ``progress()``, checkpoint or
           commit came for that long, so a job hung with its process alive (a
           deadlock, a stuck collective) goes stale on the ledger; beats resume
-          with progress.
+          with progress;
+        - ``watchdog=True``: the in-job hang watchdog (see shard_client.watchdog;
+          $SHARDLEDGER_WATCHDOG=off turns it off): once ``progress()`` has been
+          called twice, no progress for 10 × the median step time + ``hang_grace``
+          (the clock paused while a checkpoint or commit is written) writes a
+          diagnostics bundle under $SHARDLEDGER_DIAG_DIR, records failed(timeout)
+          with it, sends SIGTERM and, ``kill_grace`` later, SIGKILL;
+        - ``hang_timeout=None``: a fixed quiet time that counts as hung instead,
+          watched with or without ``progress()`` calls ($SHARDLEDGER_HANG_TIMEOUT);
+        - ``hang_grace=None``: the fixed part of the threshold (None:
+          $SHARDLEDGER_HANG_GRACE, else 300 s);
+        - ``kill_grace=None``: seconds from the watchdog's SIGTERM to its SIGKILL
+          (None: $SHARDLEDGER_KILL_GRACE, else 30 s);
+        - ``log_file=None``: the job's log, whose last 200 lines go into the
+          diagnostics bundle (None: $SHARDLEDGER_LOG_FILE, else none).
 
         ``attempt_id`` defaults to a fresh random id.
         """

@@ -10,14 +10,48 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final, TypedDict, Unpack
+from typing import Any, Final, TypedDict, Unpack, overload
 
 from shard_client.fingerprint import Fingerprint
 from shard_client.ids import check_id
+from shard_client.watchdog import DEFAULT_HANG_GRACE_S, DEFAULT_KILL_GRACE_S, HangPolicy
 
-__all__ = ["MAX_HEARTBEAT_TIMEOUT_S", "ShardOptionKwargs", "ShardOptions"]
+__all__ = [
+    "HANG_GRACE_ENV",
+    "HANG_TIMEOUT_ENV",
+    "KILL_GRACE_ENV",
+    "LOG_FILE_ENV",
+    "MAX_HEARTBEAT_TIMEOUT_S",
+    "WATCHDOG_ENV",
+    "ShardOptionKwargs",
+    "ShardOptions",
+]
 
 MAX_HEARTBEAT_TIMEOUT_S: Final = 7 * 24 * 3600
+# A cluster admin tunes the watchdog for every job without touching their code.
+WATCHDOG_ENV: Final = "SHARDLEDGER_WATCHDOG"
+HANG_TIMEOUT_ENV: Final = "SHARDLEDGER_HANG_TIMEOUT"
+HANG_GRACE_ENV: Final = "SHARDLEDGER_HANG_GRACE"
+KILL_GRACE_ENV: Final = "SHARDLEDGER_KILL_GRACE"
+LOG_FILE_ENV: Final = "SHARDLEDGER_LOG_FILE"
+
+
+@overload
+def _env_seconds(name: str, default: float) -> float: ...
+@overload
+def _env_seconds(name: str, default: None) -> float | None: ...
+def _env_seconds(name: str, default: float | None) -> float | None:
+    """Returns a duration from the environment, else the default; a bad value is an error."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise ValueError(f"${name}={raw!r} must be >= 0")
+    return value
 
 
 class ShardOptionKwargs(TypedDict, total=False):
@@ -32,6 +66,11 @@ class ShardOptionKwargs(TypedDict, total=False):
     sigterm_grace: float | None
     fingerprint: bool | Fingerprint
     progress_timeout: float | None
+    watchdog: bool
+    hang_timeout: float | None
+    hang_grace: float | None
+    kill_grace: float | None
+    log_file: str | os.PathLike[str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +86,23 @@ class ShardOptions:
     sigterm_grace: float | None = 30.0
     fingerprint: bool | Fingerprint = True
     progress_timeout: float | None = None
+    watchdog: bool = True
+    hang_timeout: float | None = None
+    hang_grace: float | None = None
+    kill_grace: float | None = None
+    log_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
             raise ValueError("heartbeat_timeout must be > 0 and at most 7 days")
-        if self.progress_timeout is not None and not self.progress_timeout > 0:
-            raise ValueError("progress_timeout must be > 0 (or None)")
+        for name in ("progress_timeout", "hang_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or None)")
+        for name in ("hang_grace", "kill_grace"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0 (or None)")
         for name in self.expected_outputs or ():
             check_id("expected output", name)
 
@@ -62,7 +112,7 @@ class ShardOptions:
         values: dict[str, Any] = dict(options)
         if values.get("expected_outputs") is not None:
             values["expected_outputs"] = tuple(values["expected_outputs"])
-        for key in ("output_dir", "checkpoint_dir"):
+        for key in ("output_dir", "checkpoint_dir", "log_file"):
             if values.get(key) is not None:
                 values[key] = os.fspath(values[key])
         return cls(**values)
@@ -71,3 +121,18 @@ class ShardOptions:
     def interval(self) -> float:
         """Returns the heartbeat interval: the given one, else a quarter of the timeout."""
         return self.heartbeat_interval or self.heartbeat_timeout / 4
+
+    def hang_policy(self) -> HangPolicy | None:
+        """Returns the watchdog's policy (options first, then $SHARDLEDGER_*), None when off."""
+        off = os.environ.get(WATCHDOG_ENV, "").strip().lower() in ("0", "off", "false", "no")
+        if not self.watchdog or off:
+            return None
+        grace, kill = self.hang_grace, self.kill_grace
+        return HangPolicy(
+            hang_timeout=self.hang_timeout or _env_seconds(HANG_TIMEOUT_ENV, None) or None,
+            hang_grace=_env_seconds(HANG_GRACE_ENV, DEFAULT_HANG_GRACE_S)
+            if grace is None
+            else grace,
+            kill_grace=_env_seconds(KILL_GRACE_ENV, DEFAULT_KILL_GRACE_S) if kill is None else kill,
+            log_file=self.log_file or os.environ.get(LOG_FILE_ENV) or None,
+        )

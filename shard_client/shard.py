@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shard_client import atomic, checkpoint
+from shard_client import atomic, checkpoint, checkpoint_records
 from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.classify import describe, failure_tag
+from shard_client.diagnostics import BundleContext
 from shard_client.errors import LedgerClientError
 from shard_client.failures import IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint
@@ -43,6 +44,7 @@ from shard_client.options import ShardOptions
 from shard_client.sender import new_event_id
 from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
 from shard_client.vocabulary import FailureTag
+from shard_client.watchdog import ProgressClock, Watchdog
 
 if TYPE_CHECKING:
     from shard_client.ledger import Ledger
@@ -50,6 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["Shard"]
 
 log = logging.getLogger("shard_client")
+
+# The watchdog's failed(timeout) must be on record before it signals, but a ledger
+# that never answers (policy="block", no ack_timeout_s) must not keep a hang alive.
+_WATCHDOG_ACK_S = 120.0
 
 
 def _now() -> Timestamp:
@@ -81,11 +87,24 @@ class Shard:
         self.options = options or ShardOptions()
         self._lock = threading.Lock()
         self._committed: list[str] = []
-        self._state = "new"  # new -> active -> closed
+        self._state = "new"  # new -> active -> closed, or active -> timed_out -> closed
         self._diagnostics = contextlib.ExitStack()
         wake = threading.Event()
         self._sigterm = SigtermGrace(
             grace_s=self.options.sigterm_grace, label=f"shard {shard_id}", on_term=wake.set
+        )
+        self._clock = ProgressClock()
+        policy = self.options.hang_policy()
+        self._watchdog = (
+            Watchdog(
+                policy=policy,
+                clock=self._clock,
+                context=BundleContext(run_id, shard_id, self.attempt_id),
+                claim=self._claim_timeout,
+                record_failed=self._record_timeout,
+            )
+            if policy is not None
+            else None
         )
         self._heartbeats = Heartbeats(
             interval_s=self.options.interval,
@@ -93,9 +112,12 @@ class Shard:
             sigterm=self._sigterm,
             wake=wake,
             send=lambda beat: self._emit(heartbeat=beat),
-            active=lambda: self._state == "active",
+            # After a trip the thread still ends the SIGTERM grace, so it lives on.
+            active=lambda: self._state in ("active", "timed_out"),
             shard_id=shard_id,
             attempt_id=self.attempt_id,
+            clock=self._clock,
+            watchdog=self._watchdog,
         )
 
     @property
@@ -146,11 +168,20 @@ class Shard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._state = "closed"  # from here on a late SIGTERM is ignored, not raised
+        with self._lock:
+            timed_out, self._state = self._state == "timed_out", "closed"
+        # From here on a late SIGTERM is ignored, not raised.
         self._sigterm.restore()
         self._diagnostics.close()
         self._heartbeats.stop()
         clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
+        if timed_out:
+            # The watchdog recorded failed(timeout); the ledger refuses a second ending.
+            log.warning("shard_ended_after_hang shard=%s clean=%s", self.shard_id, clean)
+            self.ledger.flush(self.ledger.flush_timeout_s)
+            if clean:
+                raise Preempted(f"shard {self.shard_id}: stopped by the SDK hang watchdog")
+            return
         if not clean:
             assert exc is not None
             tag = failure_tag(exc)
@@ -194,6 +225,20 @@ class Shard:
             log.error("failure_not_recorded shard=%s tag=%s error=%s", self.shard_id, tag, error)
         self.ledger.flush(self.ledger.flush_timeout_s)
 
+    def _claim_timeout(self) -> bool:
+        """Lets the watchdog end the attempt, unless the block is ending by itself."""
+        with self._lock:
+            if self._state != "active":
+                return False
+            self._state = "timed_out"
+            return True
+
+    def _record_timeout(self, failed: pb.AttemptFailed) -> None:
+        """Records the watchdog's failed(timeout), acknowledged or durably spooled."""
+        timeout = self.ledger.ack_timeout_s
+        self._emit(failed=failed).result(_WATCHDOG_ACK_S if timeout is None else timeout)
+        self.ledger.flush(self.ledger.flush_timeout_s)
+
     def _read_fingerprint(self) -> Fingerprint:
         if isinstance(self.options.fingerprint, Fingerprint):
             return self.options.fingerprint
@@ -219,6 +264,11 @@ class Shard:
         return self.ledger.sender.emit(event)
 
     def _check_active(self) -> None:
+        if self._state == "timed_out":
+            raise RuntimeError(
+                f"shard {self.shard_id} was stopped by the SDK hang watchdog"
+                " (failed(timeout) is recorded; a rerun resumes from the last recorded checkpoint)"
+            )
         if self._state != "active":
             raise RuntimeError(f"shard {self.shard_id} is not inside its `with` block")
 
@@ -272,7 +322,7 @@ class Shard:
         def on_commit(info: atomic.CommitInfo) -> None:
             self._record_commit(artifact, info, media_type)
 
-        with atomic.atomic_write(path, mode=mode, on_commit=on_commit) as f:
+        with self._clock.paused(), atomic.atomic_write(path, mode=mode, on_commit=on_commit) as f:
             yield f
 
     def commit(
@@ -281,9 +331,10 @@ class Shard:
         """Makes a file another library wrote durable and records it as an artifact."""
         self._check_active()
         artifact = self._artifact_name(path, name)
-        return atomic.commit_file(
-            path, on_commit=lambda info: self._record_commit(artifact, info, media_type)
-        )
+        with self._clock.paused():
+            return atomic.commit_file(
+                path, on_commit=lambda info: self._record_commit(artifact, info, media_type)
+            )
 
     # --- checkpoints ------------------------------------------------------------
 
@@ -318,9 +369,12 @@ class Shard:
         """Writes a checkpoint of any format atomically and records it (no torch needed)."""
         self._check_active()
         target = self._checkpoint_path(step, path)
-        with atomic.atomic_write(
-            target, mode=mode, on_commit=lambda info: self._record_checkpoint(step, info)
-        ) as f:
+        with (
+            self._clock.paused(),
+            atomic.atomic_write(
+                target, mode=mode, on_commit=lambda info: self._record_checkpoint(step, info)
+            ) as f,
+        ):
             yield f
 
     def save_checkpoint(
@@ -328,37 +382,34 @@ class Shard:
     ) -> atomic.CommitInfo:
         """Saves model/optimizer/scheduler/extra and every RNG with torch; records the checkpoint."""
         self._check_active()
-        return checkpoint.save_checkpoint(
-            self._checkpoint_path(step, path),
-            step=step,
-            on_commit=lambda info: self._record_checkpoint(step, info),
-            **states,
-        )
+        with self._clock.paused():
+            return checkpoint.save_checkpoint(
+                self._checkpoint_path(step, path),
+                step=step,
+                on_commit=lambda info: self._record_checkpoint(step, info),
+                **states,
+            )
 
     def load_latest_checkpoint(self, **kwargs: Any) -> checkpoint.LoadedCheckpoint | None:
-        """Restores the newest torch checkpoint that loads; None if there is none.
+        """Restores the newest checkpoint the ledger recorded for this run and shard; None: fresh.
 
-        A newest file that cannot be loaded (damaged after its commit, say) is logged
-        and the next older one is tried, so a retry resumes instead of crash-looping;
-        when none loads, the newest one's error is raised.
+        Only a ``checkpoint_saved`` of this run and shard counts, and its file is
+        re-hashed (BLAKE3) before loading: another run's checkpoint in the same
+        directory is ignored, a file replaced after its commit is skipped for an
+        older recorded one, and with the ledger unreachable the shard starts
+        fresh. Each decision is logged (see shard_client.checkpoint_records).
         """
-        found = checkpoint.checkpoints_newest_first(os.path.dirname(self._checkpoint_path(0, None)))
-        first_error: Exception | None = None
-        for path in found:
-            try:
-                loaded = checkpoint.load_checkpoint(path, **kwargs)
-            except Exception as exc:  # raised below when no older checkpoint loads
-                log.warning(
-                    "checkpoint_unloadable shard=%s path=%s error=%s: %s; trying an older one",
-                    self.shard_id,
-                    path,
-                    type(exc).__name__,
-                    exc,
-                )
-                first_error = first_error or exc
-                continue
+        self._check_active()
+        client, namespace = self.ledger.client, self.ledger.namespace
+        with self._clock.paused():
+            loaded = checkpoint_records.load_recorded_checkpoint(
+                lambda: checkpoint_records.recorded_checkpoints(
+                    client, namespace=namespace, run_id=self.run_id, shard_id=self.shard_id
+                ),
+                directory=self._checkpoint_dir(),
+                label=f"run={self.run_id} shard={self.shard_id}",
+                **kwargs,
+            )
+        if loaded is not None:
             self._heartbeats.step = max(self._heartbeats.step, loaded.step)
-            return loaded
-        if first_error is not None:
-            raise first_error
-        return None
+        return loaded

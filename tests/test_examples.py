@@ -190,7 +190,7 @@ def test_torch_train_checkpoints_on_sigterm_and_its_rerun_resumes(
     rerun = example(*argv)
     resumed = int(rerun.stdout.split("resumed from step ")[1].split()[0])
     assert resumed >= 20
-    assert os.path.exists(out / shard_id / "weights.pt")
+    assert os.path.exists(out / "ex-train" / shard_id / "weights.pt")
     assert cli(["verify", "ex-train", "--root", str(out), "--server", ledger]) == 0
     assert list(client.resume("ex-train")) == []
 

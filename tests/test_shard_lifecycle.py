@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -26,7 +27,6 @@ from shard_client import (
     plan_events,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "night-01"
@@ -51,8 +51,10 @@ def ledger(target: str) -> Iterator[Ledger]:
     led.close()
 
 
-def plan(client: LedgerClient, *shard_ids: str, outputs: tuple[str, ...] = ()) -> None:
-    """Registers shards in RUN."""
+def plan(
+    client: LedgerClient, *shard_ids: str, outputs: tuple[str, ...] = (), run: str = RUN
+) -> None:
+    """Registers shards in a run (RUN unless given)."""
     entries = [
         PlanEntry(
             shard_id=s,
@@ -64,7 +66,7 @@ def plan(client: LedgerClient, *shard_ids: str, outputs: tuple[str, ...] = ()) -
         )
         for i, s in enumerate(shard_ids)
     ]
-    client.append(plan_events(RUN, entries))
+    client.append(plan_events(run, entries))
 
 
 def kinds(client: LedgerClient, shard_id: str) -> list[str]:
@@ -262,7 +264,7 @@ def test_checkpoints_are_recorded_and_the_latest_one_loads(
     assert steps == [3, 7]
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
+def test_a_checkpoint_replaced_on_disk_is_skipped_for_the_older_recorded_one(
     ledger: Ledger, client: LedgerClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     plan(client, "hd")
@@ -270,19 +272,77 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
         shard.save_checkpoint(100, extra={"epoch": 1})
         newest = shard.save_checkpoint(200, extra={"epoch": 2})
         data = Path(newest.path).read_bytes()
-        Path(newest.path).write_bytes(data[: len(data) // 2])  # damaged after its commit
+        Path(newest.path).write_bytes(data[: len(data) // 2])  # replaced after its commit
         loaded = shard.load_latest_checkpoint()
         assert loaded is not None and (loaded.step, loaded.extra) == (100, {"epoch": 1})
-        assert "checkpoint_unloadable" in caplog.text and newest.path in caplog.text
-        Path(loaded.path).write_bytes(b"also damaged")
-        try:
-            load_checkpoint(newest.path)
-        except Exception as exc:  # what loading the newest alone raises
-            alone = exc
-        with pytest.raises(type(alone)) as raised:
-            shard.load_latest_checkpoint()  # none loads: the newest one's error
-        assert str(raised.value) == str(alone)
+        assert "checkpoint_digest_mismatch" in caplog.text and newest.path in caplog.text
+        Path(loaded.path).write_bytes(b"also replaced")
+        assert shard.load_latest_checkpoint() is None  # nothing on record matches: fresh
+        assert "checkpoint_fresh_start" in caplog.text
         shard.commit(_touch(tmp_path / "hd.bin"))
+
+
+def test_a_recorded_checkpoint_that_does_not_load_is_raised_when_no_older_one_loads(
+    ledger: Ledger, client: LedgerClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch = pytest.importorskip("torch")
+    plan(client, "hm")
+    with ledger.shard(RUN, "hm", output_dir=tmp_path, fingerprint=False) as shard:
+        shard.save_checkpoint(5)  # no model state: the job's model cannot be restored from it
+        with pytest.raises(ValueError, match="checkpoint has no model state"):
+            shard.load_latest_checkpoint(model=torch.nn.Linear(2, 2))
+        assert "checkpoint_unloadable" in caplog.text
+        shard.commit(_touch(tmp_path / "hm.bin"))
+
+
+def test_a_new_run_over_the_same_output_dir_starts_at_step_zero(
+    ledger: Ledger, client: LedgerClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="shard_client")
+    plan(client, "s")
+    with ledger.shard(RUN, "s", output_dir=tmp_path, fingerprint=False) as shard:
+        final = shard.save_checkpoint(200)
+        shard.commit(_touch(tmp_path / "s.bin"))
+    plan(client, "s", run="night-02")
+    with ledger.shard("night-02", "s", output_dir=tmp_path, fingerprint=False) as shard:
+        assert shard.load_latest_checkpoint() is None  # night-01's checkpoint is not this run's
+        shard.commit(_touch(tmp_path / "s.bin"))
+    assert f"checkpoint_not_recorded run=night-02 shard=s path={final.path}" in caplog.text
+
+
+def test_a_rerun_of_the_same_run_and_shard_resumes_from_its_recorded_checkpoint(
+    ledger: Ledger, client: LedgerClient, tmp_path: Path
+) -> None:
+    plan(client, "r", "other")
+    with (
+        pytest.raises(RuntimeError),
+        ledger.shard(RUN, "r", output_dir=tmp_path, fingerprint=False) as shard,
+    ):
+        shard.save_checkpoint(40, extra={"epoch": 4})
+        raise RuntimeError("preempted mid-training")
+    # Another shard sharing the directory saves a later step: not this shard's.
+    with ledger.shard(RUN, "other", output_dir=tmp_path, fingerprint=False) as shard:
+        shard.save_checkpoint(90)
+        shard.commit(_touch(tmp_path / "other.bin"))
+    with ledger.shard(RUN, "r", output_dir=tmp_path, fingerprint=False) as shard:
+        loaded = shard.load_latest_checkpoint()
+        assert loaded is not None and (loaded.step, loaded.extra) == (40, {"epoch": 4})
+        shard.commit(_touch(tmp_path / "r.bin"))
+
+
+def test_with_the_ledger_unreachable_no_checkpoint_on_disk_is_trusted(
+    client: LedgerClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan(client, "u")
+    led = Ledger(target=client.target, unavailable_after_s=0.5)
+    with led.shard(RUN, "u", output_dir=tmp_path, fingerprint=False) as shard:
+        shard.save_checkpoint(10)
+        led.client = LedgerClient("127.0.0.1:1", timeout_s=0.5, retry_deadline_s=0.5)
+        assert shard.load_latest_checkpoint() is None
+        led.client = client
+        shard.commit(_touch(tmp_path / "u.bin"))
+    led.close()
+    assert "checkpoint_resume_skipped run=night-01 shard=u reason=ledger_unreachable" in caplog.text
 
 
 def test_with_progress_timeout_a_job_hung_with_its_process_alive_goes_stale_then_recovers(
