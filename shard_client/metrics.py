@@ -66,25 +66,30 @@ class TelemetryCoercer:
 
     def coerce(self, step: object, progress: object, metrics: Mapping[str, object]) -> Coerced:
         """Returns the heartbeat's content; never raises for any value a caller passes."""
+        numbers: dict[str, float] = {}
+        cut = 0
+        for raw_name, value in metrics.items():
+            name = self._name(raw_name)
+            if name is None:
+                continue
+            if len(name) > MAX_METRIC_NAME_CHARS:
+                name, cut = name[:MAX_METRIC_NAME_CHARS], cut + 1
+            if name in numbers:
+                continue  # the first of two names cut to the same prefix wins
+            number = self._number(name, value)
+            if number is not None:
+                numbers[name] = number
         finite: dict[str, float] = {}
         nonfinite: set[str] = set()
         budget = MAX_METRICS_JSON_BYTES
-        for raw_name, value in metrics.items():
-            name = self._name(raw_name)
-            if name is None or name in finite or name in nonfinite:
-                continue
-            number = self._number(name, value)
-            if number is None:
-                continue
+        over: list[str] = []
+        # Non-finite names first: numeric pollution is the evidence the ledger flags.
+        ordered = sorted(numbers.items(), key=lambda item: math.isfinite(item[1]))
+        for name, number in ordered:
             ok = math.isfinite(number)
             cost = _name_bytes(name) + (_NUMBER_JSON_BYTES if ok else 0)
             if len(finite if ok else nonfinite) >= MAX_METRICS or cost > budget:
-                self._once(
-                    "metric_dropped",
-                    name,
-                    f"over the ledger's limit of {MAX_METRICS} metrics"
-                    f" or {MAX_METRICS_JSON_BYTES} bytes of them per heartbeat",
-                )
+                over.append(name)
                 continue
             budget -= cost
             if ok:
@@ -96,17 +101,26 @@ class TelemetryCoercer:
                     name,
                     f"value {number!r} at step {step!r}, sent in nonfinite_metrics; the job goes on",
                 )
+        # Limits are met with many names at once: one line per attempt, not one per name.
+        if cut:
+            self._once(
+                "metrics_renamed", "*", f"{cut} names cut to {MAX_METRIC_NAME_CHARS} characters"
+            )
+        if over:
+            self._once(
+                "metrics_dropped",
+                over[0],
+                f"{len(over)} metrics left out, over the ledger's limit of {MAX_METRICS}"
+                f" metrics or {MAX_METRICS_JSON_BYTES} bytes of them per heartbeat",
+                key="*",
+            )
         return Coerced(self._step(step), self._progress(progress), finite, tuple(sorted(nonfinite)))
 
     def _name(self, raw: object) -> str | None:
         if not isinstance(raw, str) or not raw:
             self._once("metric_dropped", repr(raw), "a metric name must be non-empty text")
             return None
-        name = raw.replace("\x00", "?")
-        if len(name) > MAX_METRIC_NAME_CHARS:
-            name = name[:MAX_METRIC_NAME_CHARS]
-            self._once("metric_renamed", name, f"cut to {MAX_METRIC_NAME_CHARS} characters")
-        return name
+        return raw.replace("\x00", "?")
 
     def _number(self, name: str, value: object) -> float | None:
         if isinstance(value, str | bytes | bytearray):
@@ -150,10 +164,11 @@ class TelemetryCoercer:
             return min(max(number, 0.0), 1.0)
         return number
 
-    def _once(self, event: str, name: str, detail: str) -> None:
-        """Logs a problem the first time this attempt meets it for this name."""
+    def _once(self, event: str, name: str, detail: str, *, key: str | None = None) -> None:
+        """Logs a problem the first time this attempt meets it for this name (or key)."""
         with self._lock:
-            if (event, name) in self._logged or len(self._logged) >= _MAX_LOGGED:
+            seen = (event, name if key is None else key)
+            if seen in self._logged or len(self._logged) >= _MAX_LOGGED:
                 return
-            self._logged.add((event, name))
+            self._logged.add(seen)
         log.warning("%s %s metric=%r: %s", event, self._label, name[:80], detail)
