@@ -305,9 +305,12 @@ class Sender:
             self._wakeup.notify()
             thread = self._thread
         if self.orphans is not None:
-            self.orphans.stop()
+            self.orphans.stop()  # no new attempts; a drain under way may use the exit wait
         if thread is not None:
             thread.join(wait_s)
+        if self.orphans is not None:
+            # A short job must not cut off the drain of the spools an earlier job left.
+            self.orphans.join(max(self._exit_deadline - time.monotonic(), 0.0))
         with self._cond:
             self._closed = True
             if (self._buffer or self._inflight) and self.policy == "spool":
