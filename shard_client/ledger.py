@@ -23,7 +23,14 @@ class Ledger:
     ``policy`` says what happens while the ledger is unreachable (see
     shard_client.sender). Waits for commits are bounded by ``ack_timeout_s``
     (None: as long as the policy takes); the end of a shard waits at most
-    ``flush_timeout_s`` for its remaining heartbeats.
+    ``flush_timeout_s`` until its remaining events are acknowledged or spooled.
+
+    ``close()`` (and interpreter exit) waits at most ``exit_wait_s`` (None:
+    $SHARDLEDGER_EXIT_WAIT, else 10 s) for the ledger to acknowledge every event,
+    spooled ones included; what is left is logged with its spool directory and
+    drains later (docs/spools.md). With ``drain_orphans`` (the default) the
+    sender also sends, in the background, the spools that dead processes left
+    under the same spool root.
     """
 
     def __init__(
@@ -37,6 +44,8 @@ class Ledger:
         unavailable_after_s: float = 5.0,
         ack_timeout_s: float | None = None,
         flush_timeout_s: float = 30.0,
+        exit_wait_s: float | None = None,
+        drain_orphans: bool = True,
     ) -> None:
         self.client = client or LedgerClient(target)
         self.namespace = namespace
@@ -47,6 +56,8 @@ class Ledger:
             spool_root=spool_dir,
             policy=policy,
             unavailable_after_s=unavailable_after_s,
+            exit_wait_s=exit_wait_s,
+            drain_orphans=drain_orphans,
         )
 
     def shard(
@@ -117,9 +128,9 @@ class Ledger:
         """Waits until every emitted event is acknowledged, spooled or refused."""
         return self.sender.flush(timeout)
 
-    def close(self) -> None:
-        """Delivers or spools what is queued and stops the sender."""
-        self.sender.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Waits up to ``timeout`` (default ``exit_wait_s``) for acknowledgements, then stops the sender."""
+        self.sender.close(timeout)
 
     def __enter__(self) -> Ledger:
         return self

@@ -12,7 +12,15 @@ the ledger cannot be reached, the policy decides:
 - ``"raise"``: the acks fail with ``LedgerUnavailable``, and so does every
   later ``emit``: the job is meant to stop.
 
-Draining is idempotent because every event carries its id. An event the ledger
+Draining is idempotent because every event carries its id. Once its thread
+starts, a sender also drains, from another daemon thread, the spools that dead
+processes left under its spool root (`shard_client.orphans`).
+
+Closing (``Ledger.close()``, or interpreter exit) waits up to ``exit_wait_s``
+(default $SHARDLEDGER_EXIT_WAIT, else 10 s) for every event to be acknowledged,
+spooled ones included, retrying a ledger that is away; when it gives up it logs
+one ``events_spooled`` line naming the count, the spool directory and the
+command that drains it. An event the ledger
 refuses is logged on ``logging.getLogger("shard_client")`` and appended to
 ``rejected.jsonl`` in the process's spool directory: nothing is lost silently.
 Events still queued in memory die with a SIGKILLed process; ``Ack.wait`` tells
@@ -42,7 +50,8 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.delivery import MAX_BATCH_BYTES, MAX_BATCH_EVENTS, deliver
 from shard_client.errors import LedgerClientError, LedgerRejected, LedgerUnavailable
-from shard_client.spool import Spool
+from shard_client.orphans import OrphanDrainer
+from shard_client.spool import Spool, SpoolLockedError
 from shard_client.spooldir import (
     default_spool_root,
     drain_spool,
@@ -52,7 +61,16 @@ from shard_client.spooldir import (
     remove_finished_spool,
 )
 
-__all__ = ["MAX_EVENT_BYTES", "Ack", "Policy", "Sender", "new_event_id"]
+__all__ = [
+    "DEFAULT_EXIT_WAIT_S",
+    "ENV_EXIT_WAIT",
+    "MAX_EVENT_BYTES",
+    "Ack",
+    "Policy",
+    "Sender",
+    "exit_wait_from_env",
+    "new_event_id",
+]
 
 Policy = Literal["spool", "block", "raise"]
 log = logging.getLogger("shard_client")
@@ -62,6 +80,24 @@ log = logging.getLogger("shard_client")
 # entries are allowed). Sent, it would wait in the queue and the spool forever, holding
 # up every event behind it; it is refused at emit instead.
 MAX_EVENT_BYTES: Final = 1024 * 1024
+ENV_EXIT_WAIT: Final = "SHARDLEDGER_EXIT_WAIT"
+# Long enough for a ledger restart or a replica failover; short enough that a node
+# whose ledger is down for good does not hold its GPUs long after each job.
+DEFAULT_EXIT_WAIT_S: Final = 10.0
+
+
+def exit_wait_from_env() -> float:
+    """Returns $SHARDLEDGER_EXIT_WAIT in seconds, or the default; raises ValueError if malformed."""
+    text = os.environ.get(ENV_EXIT_WAIT, "").strip()
+    if not text:
+        return DEFAULT_EXIT_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"${ENV_EXIT_WAIT} must be a number of seconds >= 0, not {text!r}")
+    return value
 
 
 _ids: tuple[int, str, itertools.count[int]] = (-1, "", itertools.count())
@@ -103,10 +139,15 @@ class Sender:
         max_queue: int = 10_000,
         unavailable_after_s: float = 5.0,
         max_backoff_s: float = backoff.SENDER_MAX_DELAY_S,
-        exit_timeout_s: float = 30.0,
+        exit_wait_s: float | None = None,
+        drain_orphans: bool = True,
     ) -> None:
         if policy not in ("spool", "block", "raise"):
             raise ValueError(f"policy must be 'spool', 'block' or 'raise', not {policy!r}")
+        if exit_wait_s is None:
+            exit_wait_s = exit_wait_from_env()
+        elif not 0 <= exit_wait_s < float("inf"):
+            raise ValueError("exit_wait_s must be a number of seconds >= 0")
         self.client = client
         self.spool_root = os.path.abspath(spool_root or default_spool_root(client.target))
         self.policy: Policy = policy
@@ -115,7 +156,8 @@ class Sender:
         self.max_queue = max_queue
         self.unavailable_after_s = unavailable_after_s
         self.max_backoff_s = max_backoff_s
-        self.exit_timeout_s = exit_timeout_s
+        self.exit_wait_s = exit_wait_s
+        self.drain_orphans = drain_orphans
         self._reset()
         _SENDERS.add(self)
 
@@ -141,7 +183,9 @@ class Sender:
         self._down: LedgerClientError | None = None
         self._unsettled = 0
         self._urgent = self._closing = self._closed = False
+        self._exit_deadline = float("inf")  # set by close(): retries stop there
         self._thread: threading.Thread | None = None
+        self.orphans: OrphanDrainer | None = None
 
     def emit(self, event: pb.ShardEvent) -> Ack:
         """Queues a copy of the event and returns its Ack; never waits for the network.
@@ -175,8 +219,22 @@ class Sender:
                     target=self._run, name="shard_client-sender", daemon=True
                 )
                 self._thread.start()
+                self._start_orphan_drain()
             self._wakeup.notify()
         return item.ack
+
+    def _start_orphan_drain(self) -> None:
+        """Starts draining the spools dead processes left under our root (once per process)."""
+        if not self.drain_orphans or self.orphans is not None:
+            return
+        try:
+            self.orphans = OrphanDrainer(
+                root=self.spool_root, client=self.client, exclude=self.spool_dir, gate=self._gate
+            ).start()
+        except (
+            RuntimeError
+        ) as exc:  # no thread to be had (interpreter exit): a later process drains
+            log.warning("orphan_spool_drain_not_started root=%s error=%s", self.spool_root, exc)
 
     def _refuse_oversized(self, item: _Item) -> Ack:
         refusal = LedgerRejected(
@@ -230,16 +288,29 @@ class Sender:
             return self._cond.wait_for(done, timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Delivers or spools what is queued, stops the thread and releases the spool."""
+        """Waits up to ``timeout`` (default ``exit_wait_s``) for every event to be acknowledged.
+
+        What the ledger has not acknowledged by then stays in the spool (one
+        ``events_spooled`` warning names the count and the directory) or, with
+        the block and raise policies, is logged as lost. Then the thread stops
+        and the spool is released.
+        """
+        wait_s = self.exit_wait_s if timeout is None else timeout
         with self._cond:
             if self._closed or self._pid != os.getpid():
                 return
             self._closing = self._urgent = True
             self._retry_at = 0.0
+            self._exit_deadline = time.monotonic() + wait_s
             self._wakeup.notify()
             thread = self._thread
+        if self.orphans is not None:
+            self.orphans.stop()  # no new attempts; a drain under way may use the exit wait
         if thread is not None:
-            thread.join(self.exit_timeout_s if timeout is None else timeout)
+            thread.join(wait_s)
+        if self.orphans is not None:
+            # A short job must not cut off the drain of the spools an earlier job left.
+            self.orphans.join(max(self._exit_deadline - time.monotonic(), 0.0))
         with self._cond:
             self._closed = True
             if (self._buffer or self._inflight) and self.policy == "spool":
@@ -256,7 +327,17 @@ class Sender:
                 left = spool.pending_count()
                 spool.close()
             if left:
-                log.warning("events_spooled count=%d directory=%s", left, self.spool_dir)
+                log.warning(
+                    "events_spooled count=%d directory=%s: %s did not acknowledge them within"
+                    " the exit wait of %gs ($%s); the next SDK process on this host sends"
+                    " them, or run: shardledger spool drain --dir %s",
+                    left,
+                    self.spool_dir,
+                    self.client.target,
+                    wait_s,
+                    ENV_EXIT_WAIT,
+                    self.spool_dir,
+                )
             else:
                 remove_finished_spool(self.spool_dir)
 
@@ -301,8 +382,8 @@ class Sender:
                     self._spill_locked()  # one order: the spool, then anything newer
                 if time.monotonic() >= self._retry_at:
                     return []
-                if self._closing:
-                    return None
+                if self._closing and self._retry_at >= self._exit_deadline:
+                    return None  # the exit wait is over: the rest stays for a later drain
                 self._wakeup.wait(self._retry_at - time.monotonic())
             elif self._buffer:
                 self._linger_locked()
@@ -376,8 +457,13 @@ class Sender:
             if stop is None:
                 self._backoff = backoff.FIRST_DELAY_S
             else:
-                # While closing, one last try is all: the rest stays for `spool drain`.
-                self._retry_at = float("inf") if self._closing else time.monotonic() + self._backoff
+                now = time.monotonic()
+                self._retry_at = now + self._backoff
+                if self._closing and self._retry_at >= self._exit_deadline:
+                    # While closing, one last try just before the exit wait ends, if there
+                    # is time for one; after it the rest stays for a later drain.
+                    left = self._exit_deadline - now
+                    self._retry_at = self._exit_deadline - 0.2 if left > 0.5 else float("inf")
                 self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
             self._dirty = not empty
             self._cond.notify_all()
@@ -422,7 +508,10 @@ class Sender:
             if self._spool is None:
                 self._spool = open_process_spool(self.spool_dir, target=self.client.target)
             self._spool.append([item.event.SerializeToString() for item in chosen])
-        except OSError as exc:  # the events stay in memory and a later attempt retries them
+        except (
+            OSError,
+            SpoolLockedError,
+        ) as exc:  # the events stay in memory; a later spill retries
             log.error("spool_write_failed directory=%s error=%s", self.spool_dir, exc)
             self._buffer.extendleft(reversed(items))
             return

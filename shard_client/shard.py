@@ -40,6 +40,7 @@ from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
+from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
 from shard_client.sender import new_event_id
 from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
@@ -119,6 +120,7 @@ class Shard:
             clock=self._clock,
             watchdog=self._watchdog,
         )
+        self._telemetry = TelemetryCoercer(shard_id=shard_id, attempt_id=self.attempt_id)
 
     @property
     def committed(self) -> tuple[str, ...]:
@@ -272,16 +274,23 @@ class Shard:
         if self._state != "active":
             raise RuntimeError(f"shard {self.shard_id} is not inside its `with` block")
 
-    def progress(self, step: int, progress: float = 0.0, **metrics: float) -> Ack:
-        """Records a heartbeat with the step, progress in [0, 1] and a few metrics, now."""
+    def progress(self, step: int, progress: float = 0.0, **metrics: object) -> Ack:
+        """Records a heartbeat with the step, progress in [0, 1] and a few metrics, now.
+
+        Telemetry never raises into the job: NaN and ±Inf metrics are sent by name in
+        ``nonfinite_metrics``, numpy and torch scalars are read with float(), values
+        that are no number are dropped, and each problem is logged once (see
+        shard_client.metrics).
+        """
         self._check_active()
-        if step < 0 or not 0.0 <= progress <= 1.0:
-            raise ValueError("step must be >= 0 and progress in [0, 1]")
-        values = {k: float(v) for k, v in metrics.items()}
-        if any(v != v or v in (float("inf"), float("-inf")) for v in values.values()):
-            raise ValueError("metrics must be finite numbers")
-        self._heartbeats.beat_sent(step, progress)
-        heartbeat = pb.Heartbeat(step=step, progress=progress, metrics=values)
+        values = self._telemetry.coerce(step, progress, metrics)
+        self._heartbeats.beat_sent(values.step, values.progress)
+        heartbeat = pb.Heartbeat(
+            step=values.step,
+            progress=values.progress,
+            metrics=values.metrics,
+            nonfinite_metrics=values.nonfinite,
+        )
         return self._emit(heartbeat=heartbeat)
 
     # --- artifacts --------------------------------------------------------------

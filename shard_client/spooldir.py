@@ -20,6 +20,7 @@ import secrets
 import shutil
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -279,23 +280,33 @@ def drain_spool_dirs(
     target: str | None = None,
     exclude: Sequence[str] = (),
     client_factory: Callable[[str], LedgerClient] = LedgerClient,
-    connect_timeout_s: float = 5.0,
+    connect_timeout_s: float | None = 5.0,
+    only_target: str | None = None,
+    gate: threading.Lock | None = None,
+    retry: bool = True,
 ) -> list[DrainResult]:
     """Sends the spools of dead processes to their ledger; spools a live process owns are skipped.
 
     Each spool goes to ``target`` when given, else to the one its process
     recorded; ``client_factory(target)`` makes the clients (credentials come
     from the environment by default), and a ledger that does not answer within
-    ``connect_timeout_s`` counts as unreachable. A spool emptied without refusals is removed. A ledger that cannot
-    be reached leaves its spools in place, reported with status "unavailable".
+    ``connect_timeout_s`` counts as unreachable (None: the first append tells).
+    A spool emptied without refusals is removed. A ledger that cannot be reached
+    leaves its spools in place, reported with status "unavailable".
+
+    ``only_target`` skips every spool that did not record exactly that target,
+    including one whose process has not written it yet (a spool being opened);
+    ``gate`` and ``retry`` are passed to `drain_spool` (the background drain of a
+    job's sender uses them).
     """
     results: list[DrainResult] = []
     clients: dict[str, LedgerClient] = {}
     unreachable: set[str] = set()
     denied: dict[str, str] = {}  # target -> why it refused our credentials
     for directory in find_spool_dirs(root or default_spool_root(target)):
-        dest = target or _read_text(os.path.join(directory, TARGET_FILE)) or default_target()
-        if directory in exclude:
+        recorded = _read_text(os.path.join(directory, TARGET_FILE))
+        dest = target or recorded or default_target()
+        if directory in exclude or (only_target is not None and recorded != only_target):
             continue
         if dest in denied:
             results.append(DrainResult(directory, 0, 0, -1, "denied", denied[dest]))
@@ -312,18 +323,23 @@ def drain_spool_dirs(
             log.error("spool_damaged directory=%s error=%s", directory, _damage(exc))
             results.append(DrainResult(directory, 0, 0, -1, "damaged", _damage(exc)))
             continue
+        _DRAINING.add(spool)
         with spool:
             if dest not in clients:
                 clients[dest] = client_factory(dest)
             client = clients[dest]
             stop: LedgerClientError | None
             try:
-                client.wait_ready(connect_timeout_s)
+                if connect_timeout_s is not None:
+                    client.wait_ready(connect_timeout_s)
             except LedgerUnavailable as exc:
                 sent, rejected, stop = 0, 0, exc
             else:
-                sent, rejected, stop = drain_spool(spool, client, directory=directory, retry=True)
+                sent, rejected, stop = drain_spool(
+                    spool, client, directory=directory, gate=gate, retry=retry
+                )
             remaining = spool.pending_count()
+        _DRAINING.discard(spool)
         if stop is not None:
             unreachable.add(dest)
             log.warning(
@@ -346,6 +362,20 @@ def _damage(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename or ''}".rstrip(": ")
     return str(exc) or type(exc).__name__
+
+
+# Spools a drain holds open; a forked child closes its copies of their descriptors, or
+# its copy of the flock would keep the directory locked for as long as the child lives.
+_DRAINING: weakref.WeakSet[Spool] = weakref.WeakSet()
+
+
+def _forget_draining_in_child() -> None:
+    for spool in list(_DRAINING):
+        spool.forget_inherited()
+    _DRAINING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_draining_in_child)
 
 
 def remove_finished_spool(directory: str) -> bool:

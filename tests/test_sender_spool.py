@@ -280,6 +280,7 @@ def test_spool_of_a_job_that_ended_during_an_outage_is_drained_by_the_cli(
         PYTHONPATH=str(REPO),
         SHARDLEDGER_SERVER=target,
         SHARDLEDGER_SPOOL_DIR=str(spool_root),
+        SHARDLEDGER_EXIT_WAIT="0.5",  # the ledger stays down: no point waiting for it
     )
     job = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(JOB.format(run=RUN))],
