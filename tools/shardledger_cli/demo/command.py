@@ -163,7 +163,7 @@ def _run(demo: Demo) -> dict[str, Any]:
     verify_after = demo.verify("rerun")
     after = demo.summary()
     left = demo.resume_list(demo.work / "resume-after-rerun.jsonl")
-    after_check = _check_after(after, left, rerun)
+    after_check = _check_after(after, left, rerun, first_pass=summary["first_pass"])
     matched = all(c.ok for c in checks)
     steps = int(demo.settings.steps)
     return {
@@ -284,9 +284,16 @@ def _hang_stack(demo: Demo) -> list[str]:
 
 
 def _check_after(
-    after: dict[str, Any], left: list[tuple[str, str, str]], rerun: list[dict[str, Any]]
+    after: dict[str, Any],
+    left: list[tuple[str, str, str]],
+    rerun: list[dict[str, Any]],
+    *,
+    first_pass: dict[str, Any],
 ) -> Check:
     problems = [f"{s}: still to re-run ({r})" for s, r, _ in left]
+    if after["first_pass"] != first_pass:
+        # The first pass is history: a rerun must never rewrite it.
+        problems.append(f"first-pass figures changed: {first_pass} -> {after['first_pass']}")
     problems += [f"{r['shard_id']}: {r['outcome']}" for r in rerun if r["outcome"] != "committed"]
     if after["completion_rate"] != 1.0:
         problems.append(f"completion rate {after['completion_rate']:.4f}, expected 1.0")

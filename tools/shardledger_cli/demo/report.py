@@ -231,6 +231,38 @@ def _rerun(console: Any, report: Mapping[str, Any]) -> None:
         f"(verified / submitted); resume list now {report['after']['resume_list']} shards",
         style="bold",
     )
+    _first_pass_table(console, after)
+
+
+def _first_pass_table(console: Any, after: Mapping[str, Any]) -> None:
+    """Shows the night's first pass beside the final figures: history the rerun did not rewrite."""
+    from rich.table import Column, Table
+
+    fp = after["first_pass"]
+    table = Table(
+        "figure",
+        Column("first pass", justify="right"),
+        Column("final", justify="right"),
+        title="first pass (the night as launched) vs after the rerun",
+    )
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f} %"
+
+    table.add_row(
+        "completion (verified / submitted)",
+        pct(fp["completion_rate"]),
+        pct(after["completion_rate"]),
+    )
+    table.add_row(
+        "silent error rate", pct(fp["silent_error_rate"]), pct(after["silent_error_rate"])
+    )
+    table.add_row("reconciled on the first attempt", pct(fp["reconciliation_rate"]), "")
+    table.add_row(
+        "recomputed shards", "", f"{after['recomputed']} ({pct(after['recomputed_rate'])})"
+    )
+    table.add_row("repairs (not duplicates)", "", str(after["repairs"]))
+    console.print(table)
 
 
 def _explain(console: Any, report: Mapping[str, Any]) -> None:
