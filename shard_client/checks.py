@@ -9,13 +9,19 @@ import math
 import os
 import stat
 import zipfile
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import blake3
 
+from shard_client.checks_registry import (
+    CONTENT_CHECKS,
+    CheckResult,
+    ContentCheck,
+    Validator,
+    content_check,
+)
 from shard_client.vocabulary import VERIFIER_REASONS
 
 __all__ = [
@@ -32,56 +38,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    """The outcome of one check: a pass flag, a machine-readable reason slug and a human detail."""
-
-    passed: bool
-    reason: str
-    detail: str
-
-
-Validator: TypeAlias = Callable[[Path], CheckResult | None]
-
 # VERIFIER_REASONS (shard_client.vocabulary) are failures that describe the verifier
 # (where it looked, what it may read), not the artifact's bytes: `shardledger verify`
 # records none of them, because a verdict from a verifier pointed at the wrong place
 # would condemn a good artifact. Every other reason (missing, size_mismatch,
 # digest_mismatch, empty, truncated, ...) is about the artifact and is recorded.
-
-
-@dataclass(frozen=True, slots=True)
-class ContentCheck:
-    """A content check and the media types, file extensions and magic numbers that select it.
-
-    A media type ending in ``/*`` (``text/*``) selects every type under it.
-    """
-
-    name: str
-    run: Validator
-    # The reason reported when `run` raises: parsers of arbitrary bytes raise a zoo of types.
-    failure_reason: str
-    extensions: frozenset[str] = frozenset()
-    media_types: frozenset[str] = frozenset()
-    magic: tuple[bytes, ...] = ()
-
-
-# Run in order; extend with `content_check` or by appending a ContentCheck.
-CONTENT_CHECKS: list[ContentCheck] = []
-
-
-def content_check(
-    failure_reason: str, *, ext: str = "", media: str = "", magic: tuple[bytes, ...] = ()
-) -> Callable[[Validator], Validator]:
-    """Registers a function as a content check; ext and media are space-separated lists."""
-
-    def register(run: Validator) -> Validator:
-        name = getattr(run, "__name__", repr(run)).removeprefix("_check_")
-        selectors = frozenset(ext.lower().split()), frozenset(media.lower().split()), magic
-        CONTENT_CHECKS.append(ContentCheck(name, run, failure_reason, *selectors))
-        return run
-
-    return register
 
 
 class PathOutsideRoot(ValueError):

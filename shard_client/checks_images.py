@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shard_client.checks import CheckResult, content_check
+from shard_client.checks_registry import CheckResult, content_check
 
 __all__: list[str] = []
 

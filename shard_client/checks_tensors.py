@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from shard_client.checks import CheckResult, content_check
+from shard_client.checks_registry import CheckResult, content_check
 
 __all__: list[str] = []
 

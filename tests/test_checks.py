@@ -546,9 +546,11 @@ def test_validator_notes_on_passing_results_reach_the_detail(tmp_path: Path) -> 
 
 
 def test_registered_content_check_is_selected_by_extension(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    monkeypatch.setattr(checks, "CONTENT_CHECKS", list(checks.CONTENT_CHECKS))
+    # The registry is one list every checks module appends to: restore it afterwards.
+    registered = list(checks.CONTENT_CHECKS)
+    request.addfinalizer(lambda: checks.CONTENT_CHECKS.__setitem__(slice(None), registered))
 
     @content_check("csv_ragged", ext=".CSV", media="text/csv")
     def _check_csv(path: Path) -> CheckResult | None:

@@ -483,7 +483,22 @@ def _values(fd: Any) -> st.SearchStrategy[Any]:
 
 def _scalar_values(fd: Any) -> st.SearchStrategy[Any]:
     if fd.message_type is not None:
-        return timestamps() if fd.message_type.name == "Timestamp" else durations()
+        if fd.message_type.name == "Timestamp":
+            return timestamps()
+        if fd.message_type.name == "Duration":
+            return durations()
+        # Any other message (SchedulerIdentity): its string fields at their boundaries.
+        cls = (
+            type(pb.ShardEvent().started.scheduler)
+            if fd.message_type.name == "SchedulerIdentity"
+            else None
+        )
+        assert cls is not None, f"no fuzz values for message {fd.message_type.name}"
+        names = [f.name for f in fd.message_type.fields]
+        return st.builds(
+            lambda values: cls(**values),
+            st.fixed_dictionaries({}, optional={n: boundary_text for n in names}),
+        )
     return {
         FieldDescriptor.TYPE_STRING: boundary_text,
         FieldDescriptor.TYPE_INT64: int64s,

@@ -99,7 +99,9 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
             started(run, "s0", "a0", timeout_s=1),  # goes silent: stale after a second
             started(run, "s1", "a1"),
             committed(run, "s1", "a1", digest=DIGEST_A),
-            committed(run, "s1", "a1", digest=DIGEST_B),  # same group, new digest
+            # A second launch of s1 computes it again: same group, new digest.
+            started(run, "s1", "a1-again"),
+            committed(run, "s1", "a1-again", digest=DIGEST_B),
             started(run, "s2", "a2"),
             event(run, "s2", "a2", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM)),
         ]
