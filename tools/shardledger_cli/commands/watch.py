@@ -265,10 +265,12 @@ def run(args: argparse.Namespace) -> int:
     loop = args.interval > 0
     # A poll loop never ends, so it cannot print one JSON document: it streams JSON Lines.
     json_lines = args.json and loop
+    client = client_from(args)
+    if loop:
+        # The loop's own backoff, which logs, takes over from the client's silent retries.
+        client.retry_deadline_s = min(client.retry_deadline_s, args.timeout)
     with ThreadPoolExecutor(args.parallel, thread_name_prefix="watch") as pool:
-        watch = _Watch(
-            args, client_from(args), diag_dir, StartedIndex(args.run_id, args.namespace), pool
-        )
+        watch = _Watch(args, client, diag_dir, StartedIndex(args.run_id, args.namespace), pool)
         delay = 0.0
         while True:
             try:

@@ -42,6 +42,14 @@ def log_path(pattern: str, *, shard_id: str, attempt_id: str, pid: int | None) -
         raise ValueError(f"{pattern!r} is not a valid path template: {exc}") from None
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+
 def stack_dump(pid: int, attempt_id: str, diag_dir: Path, *, wait_s: float = STACK_WAIT_S) -> str:
     """Returns a stack dump of the process: py-spy if installed, else the SDK's faulthandler file."""
     if shutil.which("py-spy"):
@@ -50,6 +58,9 @@ def stack_dump(pid: int, attempt_id: str, diag_dir: Path, *, wait_s: float = STA
         )
         if proc.returncode == 0:
             return proc.stdout
+    if _stopped(pid):
+        # SIGUSR1 stays pending in a stopped process (SIGSTOP, a debugger): no dump comes.
+        return "(process is stopped: no stack dump)"
     stack_file = diag_dir / f"{attempt_id}.stack"
     before = stack_file.stat().st_size if stack_file.exists() else 0
     try:
