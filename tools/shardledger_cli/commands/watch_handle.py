@@ -109,7 +109,7 @@ def _stop(
             assert kill_command is not None
             watch_stop.stop_command(steps, kill_command, target, grace_s)
         elif how == "slurm":
-            watch_stop.stop_slurm(steps, target.scheduler["job_id"], grace_s)
+            watch_stop.stop_slurm(steps, watch_stop.slurm_job(target.scheduler), grace_s)
         elif how == "kubernetes":
             pod, ns = target.scheduler["job_id"], target.scheduler.get("namespace", "")
             watch_stop.stop_kubernetes(steps, pod, ns, grace_s)

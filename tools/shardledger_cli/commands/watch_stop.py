@@ -53,6 +53,8 @@ SLURM_DONE: Final = frozenset(
         "TIMEOUT",
     ]
 )
+# How long a cancelled job may take to end: above Slurm's default KillWait of 30 s.
+SLURM_KILL_WAIT_S: Final = 60.0
 # What scancel prints for a job that already ended (or that slurmctld forgot).
 _SLURM_GONE: Final = (
     "Invalid job id",
@@ -236,19 +238,42 @@ def _scancel(steps: list[str], *args: str) -> bool:
     return True
 
 
-def stop_slurm(steps: list[str], job_id: str, grace_s: float) -> None:
+def slurm_job(scheduler: Mapping[str, str]) -> str:
+    """Returns the id scancel takes for the job: ARRAYJOB_TASK for an array task, else JOBID."""
+    # Slurm 22.05 refuses a plain `scancel JOBID` of an array task by its own job id
+    # ("job_str_signal(3): invalid JobId=3"), though it takes --signal with it.
+    if scheduler.get("array_job_id") and scheduler.get("array_task_id"):
+        return f"{scheduler['array_job_id']}_{scheduler['array_task_id']}"
+    return scheduler["job_id"]
+
+
+def _slurm_wait(job: str, timeout_s: float) -> bool:
+    """Returns whether the job ended (or is completing) within the time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if slurm_state(job) in SLURM_DONE | {"", "COMPLETING"}:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.25)
+
+
+def stop_slurm(steps: list[str], job: str, grace_s: float) -> None:
     """Sends TERM to the batch script and its children, then cancels the job after the grace."""
     # --full: without it scancel signals only srun steps, never the batch script itself.
-    if not _scancel(steps, "--signal=TERM", "--full", job_id):
+    if not _scancel(steps, "--signal=TERM", "--full", job):
         return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if slurm_state(job_id) in SLURM_DONE | {""}:
-            steps.append("slurm job ended after TERM")
-            return
-        time.sleep(0.25)
-    # Plain scancel: TERM again, then KILL after the cluster's KillWait.
-    _scancel(steps, job_id)
+    if _slurm_wait(job, grace_s):
+        steps.append("slurm job ended after TERM")
+        return
+    # Plain scancel: TERM again, then KILL after the cluster's KillWait (30 s by default).
+    if not _scancel(steps, job):
+        return
+    if not _slurm_wait(job, SLURM_KILL_WAIT_S):
+        raise StopFailed(
+            f"slurm job {job} is still {slurm_state(job)} {SLURM_KILL_WAIT_S:g} s after scancel"
+        )
+    steps.append("slurm job ended")
 
 
 def stop_kubernetes(steps: list[str], pod: str, namespace: str, grace_s: float) -> None:
