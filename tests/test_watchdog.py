@@ -489,3 +489,56 @@ def test_watch_loop_outlives_a_ledger_restart_and_stops_what_hangs_after_it(
         if second is not None:
             second.stop(0)
     assert "ledger unreachable" in err and "ledger reachable again" in err
+
+
+def test_scheduler_identity_is_read_from_slurm_and_kubernetes_variables(tmp_path: Path) -> None:
+    from shard_client.scheduler import SchedulerIdentity, detect
+
+    slurm_env = {
+        "SLURM_JOB_ID": "41",
+        "SLURM_ARRAY_JOB_ID": "40",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_CLUSTER_NAME": "gpu",
+        "SLURMD_NODENAME": "n7",
+    }
+    assert detect(slurm_env) == SchedulerIdentity("slurm", "41", "40", "1", "gpu", "n7")
+    sa = tmp_path / "namespace"
+    sa.write_text("ml\n")
+    pod_env = {"POD_NAME": "train-7", "NODE_NAME": "gpu-3"}
+    assert detect(pod_env, sa_namespace=sa) == SchedulerIdentity(
+        "kubernetes", "train-7", node="gpu-3", namespace="ml"
+    )
+    bare_pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "train-8"}
+    assert detect(bare_pod, sa_namespace=tmp_path / "absent") == SchedulerIdentity(
+        "kubernetes", "train-8"
+    )
+    assert detect({"HOSTNAME": "laptop"}) is None
+
+
+def test_process_start_ticks_tell_a_process_from_a_later_one_with_its_pid() -> None:
+    mine = process_start_ticks()
+    assert mine > 0 and process_start_ticks(os.getpid()) == mine
+    assert process_start_ticks(2**22 + 12345) == 0  # no such process
+
+
+def test_started_event_from_the_sdk_carries_slurm_identity_and_start_time(
+    client: LedgerClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from shard_client import Ledger
+
+    client.append([planned()])
+    for name, value in {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    with Ledger(client.target) as ledger, ledger.shard("run-1", "shard-0", fingerprint=False) as s:
+        (tmp_path / "out").write_text("done\n")
+        s.commit(tmp_path / "out", name="out")
+    [started_event] = [e for e in client.list_events("run-1") if e.HasField("started")]
+    identity = started_event.started.scheduler
+    assert (identity.kind, identity.job_id, identity.array_job_id) == ("slurm", "41", "40")
+    assert started_event.started.process_start_ticks == process_start_ticks()
+    assert main(["events", "run-1", "--server", client.target]) == 0
+    assert "job=slurm:40_1" in capsys.readouterr().out
