@@ -42,6 +42,8 @@ from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
 from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
+from shard_client.scheduler import detect as detect_scheduler
+from shard_client.scheduler import process_start_ticks
 from shard_client.sender import new_event_id
 from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
 from shard_client.vocabulary import FailureTag
@@ -63,6 +65,16 @@ def _now() -> Timestamp:
     stamp = Timestamp()
     stamp.FromNanoseconds(time.time_ns())
     return stamp
+
+
+def _scheduler_identity() -> pb.SchedulerIdentity | None:
+    """Returns the scheduler identity for the started event; None outside a scheduler."""
+    try:
+        found = detect_scheduler()
+    except Exception as exc:  # identity is evidence, never a reason to fail the job
+        log.warning("scheduler_identity_unreadable error=%s", describe(exc))
+        return None
+    return None if found is None else pb.SchedulerIdentity(**found.fields())
 
 
 class Shard:
@@ -155,6 +167,8 @@ class Shard:
             heartbeat_timeout=timeout,
             fingerprint={k[:256]: v[:1024] for k, v in fp.fields.items()},
             fingerprint_digest=fp.digest,
+            scheduler=_scheduler_identity(),
+            process_start_ticks=process_start_ticks(),
         )
         # Waiting here turns a wrong run or shard id into an error before any work.
         self._emit(started=started).result(self.ledger.ack_timeout_s)

@@ -19,6 +19,7 @@ from google.protobuf.duration_pb2 import Duration
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.scheduler import process_start_ticks
 from shardledger_cli.cli import main
 from tests.conftest import event, planned, started
 
@@ -51,7 +52,10 @@ def hang_attempt(
                 shard_id,
                 attempt_id,
                 started=pb.AttemptStarted(
-                    host=socket.gethostname(), pid=proc.pid, heartbeat_timeout=Duration(seconds=1)
+                    host=socket.gethostname(),
+                    pid=proc.pid,
+                    heartbeat_timeout=Duration(seconds=1),
+                    process_start_ticks=process_start_ticks(proc.pid),
                 ),
             )
         ]
@@ -153,7 +157,8 @@ def test_watch_kill_stale_leaves_alone_a_shard_that_heartbeats_again_while_anoth
     helper = threading.Thread(target=second_recovers)
     helper.start()
     try:
-        code = kill_stale(client, diag, "3")
+        # One at a time, so that shard-1 recovers while shard-0 is being handled.
+        code = kill_stale(client, diag, "3", "--parallel", "1")
         assert second.poll() is None, "the recovered shard's process was signalled"
         # Still heartbeating here: stopped first, shard-1 would turn stale within its 1 s.
         assert states(client) == {"shard-0": ("failed", "timeout"), "shard-1": ("running", "")}
@@ -260,3 +265,280 @@ def test_watch_interval_json_prints_json_lines_one_object_per_stale_attempt(
         assert line.endswith("\n")
         assert json.loads(line)["shard_id"] == "shard-0"
         assert json.loads(line)["attempt_id"] == "att-1"
+
+
+def record_started(client: LedgerClient, shard_id: str, attempt_id: str, **fields: object) -> None:
+    """Records a started event with a 1 s heartbeat timeout and the given fields."""
+    started = pb.AttemptStarted(heartbeat_timeout=Duration(seconds=1), **fields)  # type: ignore[arg-type]
+    client.append([event("run-1", shard_id, attempt_id, started=started)])
+
+
+def test_watch_kill_stale_handles_twenty_hung_attempts_in_about_one_grace_period(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    shard_ids = {f"shard-{i:02}" for i in range(20)}
+    client.append([planned(shard_id=s, index=i) for i, s in enumerate(sorted(shard_ids))])
+    procs = [hang_attempt(client, children, s, f"att-{s}") for s in sorted(shard_ids)]
+    wait_stale(client, shard_ids)
+    began = time.monotonic()
+    code = kill_stale(client, tmp_path / "diag", "2")
+    took = time.monotonic() - began
+    assert code == 0
+    actions = json.loads(capsys.readouterr().out)
+    assert all(a["steps"][-2:] == ["SIGTERM", "SIGKILL"] for a in actions)
+    assert {a["shard_id"] for a in actions if a["recorded_failed_timeout"]} == shard_ids
+    assert all(p.poll() is not None for p in procs)
+    # One at a time this takes 20 grace periods (40 s); concurrently about one.
+    assert took < 2 * 2 + 4, f"20 hung attempts took {took:.1f} s"
+
+
+def test_watch_never_signals_a_reused_pid_whose_start_time_differs(
+    client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client.append([planned(shard_id="shard-0", index=0), planned(shard_id="shard-1", index=1)])
+    # A live, unrelated process holds the recorded pid now: the attempt's own process is gone.
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        host, pid = socket.gethostname(), unrelated.pid
+        ticks = process_start_ticks(pid)
+        assert ticks > 0
+        record_started(
+            client, "shard-0", "att-reused", host=host, pid=pid, process_start_ticks=ticks + 1
+        )
+        # An older SDK records no start time: the pid cannot be told apart from another process.
+        record_started(client, "shard-1", "att-unknown", host=host, pid=pid)
+        wait_stale(client, {"shard-0", "shard-1"})
+        code = kill_stale(client, tmp_path / "diag", "0.5")
+        time.sleep(0.3)
+        assert unrelated.poll() is None, "the unrelated process was signalled"
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+    assert code == 0
+    reused, unknown = json.loads(capsys.readouterr().out)
+    assert reused["steps"] == [
+        f"pid {pid} is now another process (its start time differs): not signalled"
+    ]
+    assert reused["recorded_failed_timeout"] is True
+    assert "no process start time recorded" in unknown["steps"][0]
+    assert unknown["recorded_failed_timeout"] is False
+    assert states(client) == {"shard-0": ("failed", "timeout"), "shard-1": ("stale", "")}
+
+
+PREEMPTED_JOB = """\
+import faulthandler, os, signal, sys, time, uuid
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+target, diag = sys.argv[1:3]
+faulthandler.register(signal.SIGUSR1, file=open(os.path.join(diag, "att-own.stack"), "a"))
+def on_term(*_):
+    # What the SDK's SIGTERM handler does: it records its own end first.
+    failed = pb.AttemptFailed(tag=pb.FAILURE_TAG_PREEMPTED, message="stopped by SIGTERM")
+    LedgerClient(target).append([pb.ShardEvent(event_id=uuid.uuid4().hex, run_id="run-1",
+        shard_id="shard-0", attempt_id="att-own", failed=failed)])
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_watch_treats_an_attempt_that_recorded_its_own_end_meanwhile_as_done(
+    client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client.append([planned()])
+    diag = tmp_path / "diag"
+    diag.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREEMPTED_JOB, client.target, str(diag)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        record_started(
+            client,
+            "shard-0",
+            "att-own",
+            host=socket.gethostname(),
+            pid=proc.pid,
+            process_start_ticks=process_start_ticks(proc.pid),
+        )
+        wait_stale(client, {"shard-0"})
+        code = kill_stale(client, diag, "5")
+        # The watchdog reaps its own children, so the exit status may already be collected.
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    [action] = json.loads(out)
+    assert action["ended_meanwhile"] is True
+    assert action["recorded_failed_timeout"] is False
+    assert action["steps"][-1].startswith("ended meanwhile")
+    assert states(client) == {"shard-0": ("failed", "preempted")}
+
+
+def _recorder(tmp_path: Path, name: str) -> Path:
+    """Writes an executable that appends its arguments, as one JSON line, to <name>.calls."""
+    script = tmp_path / "bin" / name
+    script.parent.mkdir(exist_ok=True)
+    calls = tmp_path / f"{name}.calls"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    script.chmod(0o755)
+    return calls
+
+
+def _calls(path: Path) -> list[list[str]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_watch_deletes_a_hung_kubernetes_pod_with_its_grace_period(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _recorder(tmp_path, "kubectl")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    client.append([planned()])
+    pod = pb.SchedulerIdentity(kind="kubernetes", job_id="train-7", namespace="ml", node="gpu-3")
+    record_started(client, "shard-0", "att-pod", host="train-7", pid=1, scheduler=pod)
+    wait_stale(client, {"shard-0"})
+    assert kill_stale(client, tmp_path / "diag", "30") == 0
+    [action] = json.loads(capsys.readouterr().out)
+    assert _calls(calls) == [["delete", "pod", "train-7", "--namespace", "ml", "--grace-period=30"]]
+    assert (action["method"], action["recorded_failed_timeout"]) == ("kubernetes", True)
+    assert action["scheduler"] == {
+        "kind": "kubernetes",
+        "job_id": "train-7",
+        "namespace": "ml",
+        "node": "gpu-3",
+    }
+    assert states(client) == {"shard-0": ("failed", "timeout")}
+
+
+def test_watch_kill_command_gets_each_placeholder_as_one_argument_without_a_shell(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _recorder(tmp_path, "stopper")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    client.append([planned()])
+    job = pb.SchedulerIdentity(kind="slurm", job_id="41", array_job_id="40", array_task_id="1")
+    record_started(client, "shard-0", "att-cmd", host="node 9; rm -rf /", pid=77, scheduler=job)
+    wait_stale(client, {"shard-0"})
+    template = "stopper {job_id} {array_job_id}_{array_task_id} {host} pid={pid} {grace}"
+    assert kill_stale(client, tmp_path / "diag", "7", "--kill-command", template) == 0
+    assert _calls(calls) == [["41", "40_1", "node 9; rm -rf /", "pid=77", "7"]]
+    assert states(client) == {"shard-0": ("failed", "timeout")}
+    assert main(["watch", "run-1", "--kill-stale", "--kill-command", "x {nope}"]) == 2
+    assert "unknown placeholder {nope}" in capsys.readouterr().err
+
+
+def test_watch_loop_outlives_a_ledger_restart_and_stops_what_hangs_after_it(
+    tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    from ledger_server.server import ServerConfig, create_server
+
+    db = str(tmp_path / "ledger.db")
+    first = create_server(ServerConfig(database=db, listen="127.0.0.1:0"))
+    target = f"127.0.0.1:{first.port}"
+    c = LedgerClient(target, timeout_s=5, retry_deadline_s=5)
+    c.append([planned()])
+    watch = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shardledger_cli", "watch", "run-1", "--server", target),
+            *("--kill-stale", "--interval", "0.2", "--grace", "1", "--timeout", "1", "--json"),
+            *("--diag-dir", str(tmp_path / "diag")),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children.append(watch)  # type: ignore[arg-type]
+    second: RunningServer | None = None
+    try:
+        time.sleep(1.0)
+        first.stop(0)
+        time.sleep(2.0)  # the watchdog polls a ledger that is gone
+        assert watch.poll() is None, "the watchdog exited when the ledger went away"
+        second = create_server(ServerConfig(database=db, listen=target))
+        proc = hang_attempt(c, children, "shard-0", "att-after")
+        assert watch.stdout is not None
+        action = json.loads(watch.stdout.readline())
+        assert (action["attempt_id"], action["recorded_failed_timeout"]) == ("att-after", True)
+        proc.wait(timeout=10)
+        assert states(c) == {"shard-0": ("failed", "timeout")}
+    finally:
+        c.close()
+        watch.terminate()
+        _, err = watch.communicate(timeout=10)
+        if second is not None:
+            second.stop(0)
+    assert "ledger unreachable" in err and "ledger reachable again" in err
+
+
+def test_scheduler_identity_is_read_from_slurm_and_kubernetes_variables(tmp_path: Path) -> None:
+    from shard_client.scheduler import SchedulerIdentity, detect
+
+    slurm_env = {
+        "SLURM_JOB_ID": "41",
+        "SLURM_ARRAY_JOB_ID": "40",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_CLUSTER_NAME": "gpu",
+        "SLURMD_NODENAME": "n7",
+    }
+    assert detect(slurm_env) == SchedulerIdentity("slurm", "41", "40", "1", "gpu", "n7")
+    sa = tmp_path / "namespace"
+    sa.write_text("ml\n")
+    pod_env = {"POD_NAME": "train-7", "NODE_NAME": "gpu-3"}
+    assert detect(pod_env, sa_namespace=sa) == SchedulerIdentity(
+        "kubernetes", "train-7", node="gpu-3", namespace="ml"
+    )
+    bare_pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "train-8"}
+    assert detect(bare_pod, sa_namespace=tmp_path / "absent") == SchedulerIdentity(
+        "kubernetes", "train-8"
+    )
+    assert detect({"HOSTNAME": "laptop"}) is None
+
+
+def test_process_start_ticks_tell_a_process_from_a_later_one_with_its_pid() -> None:
+    mine = process_start_ticks()
+    assert mine > 0 and process_start_ticks(os.getpid()) == mine
+    assert process_start_ticks(2**22 + 12345) == 0  # no such process
+
+
+def test_started_event_from_the_sdk_carries_slurm_identity_and_start_time(
+    client: LedgerClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from shard_client import Ledger
+
+    client.append([planned()])
+    for name, value in {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    with Ledger(client.target) as ledger, ledger.shard("run-1", "shard-0", fingerprint=False) as s:
+        (tmp_path / "out").write_text("done\n")
+        s.commit(tmp_path / "out", name="out")
+    [started_event] = [e for e in client.list_events("run-1") if e.HasField("started")]
+    identity = started_event.started.scheduler
+    assert (identity.kind, identity.job_id, identity.array_job_id) == ("slurm", "41", "40")
+    assert started_event.started.process_start_ticks == process_start_ticks()
+    assert main(["events", "run-1", "--server", client.target]) == 0
+    assert "job=slurm:40_1" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.scheduler import process_start_ticks
 
 
 def stuck_in_data_loader() -> None:
@@ -38,6 +39,7 @@ def main() -> None:
                     host=socket.gethostname(),
                     pid=os.getpid(),
                     heartbeat_timeout=Duration(seconds=1),
+                    process_start_ticks=process_start_ticks(),
                 ),
             )
         ]

@@ -375,7 +375,8 @@ def short_payload(event: Any, kind: str) -> str:
         return f"index={p.plan_index} input={p.input_ref} outputs={','.join(p.expected_outputs)}"
     if kind == "started":
         timeout = ts_us(p.heartbeat_timeout) / 1e6
-        return f"host={p.host} pid={p.pid} timeout={timeout:g}s fp={p.fingerprint_digest[:12]}"
+        text = f"host={p.host} pid={p.pid} timeout={timeout:g}s fp={p.fingerprint_digest[:12]}"
+        return text + (f" job={scheduler_label(p.scheduler)}" if p.HasField("scheduler") else "")
     if kind == "heartbeat":
         return f"step={p.step} progress={p.progress:.3f}"
     if kind in ("checkpoint", "artifact_committed"):
@@ -386,6 +387,16 @@ def short_payload(event: Any, kind: str) -> str:
         return f"{result} {p.name} {p.path}" + (f" reason={p.reason}" if p.reason else "")
     tag = pb.FailureTag.Name(p.tag).removeprefix("FAILURE_TAG_").lower()
     return f"tag={tag} {p.message[:80]}"
+
+
+def scheduler_label(s: Any) -> str:
+    """Returns a scheduler identity as one word: slurm:123_4@node, kubernetes:ns/pod@node."""
+    if s.kind == "slurm":
+        job = f"{s.array_job_id}_{s.array_task_id}" if s.array_task_id else s.job_id
+        where = f"{s.cluster}/" if s.cluster else ""
+    else:
+        job, where = s.job_id, f"{s.namespace}/" if s.namespace else ""
+    return f"{s.kind}:{where}{job}" + (f"@{s.node}" if s.node else "")
 
 
 def run_runs(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import IO, Any, Final
 
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerClientError
-from shardledger_cli.commands.watch import Action, handle_stale, stale_checker
+from shardledger_cli.commands.watch import Action, StartedIndex, handle_stale, stale_checker
 from shardledger_cli.demo.faults import Check
 
 START_TIMEOUT_S: Final = 30.0
@@ -97,6 +97,7 @@ class Watchdog:
         self.run_id, self.namespace = run_id, namespace
         self.grace_s, self.diag_dir, self.interval_s = grace_s, diag_dir, interval_s
         self.actions: list[Action] = []
+        self.started = StartedIndex(run_id, namespace)
         self._hold_until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="demo-watchdog", daemon=True)
@@ -125,9 +126,12 @@ class Watchdog:
     def sweep(self) -> None:
         """Handles every stale attempt once: stack dump, SIGTERM, grace, SIGKILL, failed(timeout)."""
         stale = list(self.client.shards(self.run_id, namespace=self.namespace, state="stale"))
-        for view in stale:
+        for shard in stale:
+            view = json.loads(shard.view_json)
             action = handle_stale(
-                json.loads(view.view_json),
+                view,
+                # The started event's pid start time: a pid is signalled only when it matches.
+                target=self.started.target(view, self.client),
                 append=self.client.append,
                 run_id=self.run_id,
                 namespace=self.namespace,

@@ -1,0 +1,107 @@
+"""Who runs this process: the batch scheduler's identity and the process start time.
+
+A watchdog elsewhere on the cluster acts on a hung attempt through what the
+``started`` event records here: ``scancel`` needs the Slurm job id, ``kubectl``
+the pod and its namespace, and a signal on the job's own host needs the pid
+*and* its start time, since a pid alone may have been reused by another process.
+
+Slurm sets its variables in every job. Kubernetes sets none by default; give the
+pod these through the downward API (the ``SHARDLEDGER_`` names win over the plain
+ones, so a job can override a variable another tool also uses)::
+
+    env:
+      - name: POD_NAME
+        valueFrom: {fieldRef: {fieldPath: metadata.name}}
+      - name: POD_NAMESPACE
+        valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+      - name: NODE_NAME
+        valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+
+Without ``POD_NAME`` a pod is still recognised by ``KUBERNETES_SERVICE_HOST``
+(its ``HOSTNAME`` is then the pod name), and its namespace is read from the
+service account's mounted ``namespace`` file when there is one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+__all__ = ["SchedulerIdentity", "detect", "process_start_ticks"]
+
+# The server refuses longer values (ledger_server/validation.py).
+_MAX_LEN: Final = 255
+_SA_NAMESPACE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# (field, variables tried in order) for each scheduler.
+SLURM_ENV: Final = (
+    ("job_id", ("SLURM_JOB_ID", "SLURM_JOBID")),
+    ("array_job_id", ("SLURM_ARRAY_JOB_ID",)),
+    ("array_task_id", ("SLURM_ARRAY_TASK_ID",)),
+    ("cluster", ("SLURM_CLUSTER_NAME",)),
+    ("node", ("SLURMD_NODENAME",)),
+)
+KUBERNETES_ENV: Final = (
+    ("job_id", ("SHARDLEDGER_POD_NAME", "POD_NAME")),
+    ("namespace", ("SHARDLEDGER_POD_NAMESPACE", "POD_NAMESPACE")),
+    ("node", ("SHARDLEDGER_NODE_NAME", "NODE_NAME")),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerIdentity:
+    """A job's name in its scheduler; the fields of the proto's SchedulerIdentity."""
+
+    kind: str
+    job_id: str = ""
+    array_job_id: str = ""
+    array_task_id: str = ""
+    cluster: str = ""
+    node: str = ""
+    namespace: str = ""
+
+    def fields(self) -> dict[str, str]:
+        """Returns the set fields, as the proto message's keyword arguments."""
+        names = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
+        return {n: getattr(self, n)[:_MAX_LEN] for n in names if getattr(self, n)}
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str:
+    return next((env[n] for n in names if env.get(n)), "")
+
+
+def detect(
+    env: Mapping[str, str] | None = None, *, sa_namespace: Path = _SA_NAMESPACE
+) -> SchedulerIdentity | None:
+    """Returns the Slurm or Kubernetes identity of this process, or None outside both."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"):
+        return SchedulerIdentity("slurm", **{f: _first(env, names) for f, names in SLURM_ENV})
+    found = {f: _first(env, names) for f, names in KUBERNETES_ENV}
+    if not found["job_id"] and env.get("KUBERNETES_SERVICE_HOST"):
+        found["job_id"] = env.get("HOSTNAME", "")
+    if not found["job_id"]:
+        return None
+    if not found["namespace"]:
+        # Without a mounted service account the namespace stays unknown.
+        with contextlib.suppress(OSError):
+            found["namespace"] = sa_namespace.read_text().strip()
+    return SchedulerIdentity("kubernetes", **found)
+
+
+def process_start_ticks(pid: int | str = "self") -> int:
+    """Returns the process's start time in clock ticks since boot (/proc/PID/stat field 22), or 0."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0  # not Linux, or no such process
+    # The command name (field 2) is in parentheses and may hold spaces or ')' itself,
+    # so the fields are counted from the last ')': field 3 is the first after it.
+    fields = stat.rpartition(")")[2].split()
+    try:
+        return int(fields[22 - 3])
+    except (IndexError, ValueError):
+        return 0
