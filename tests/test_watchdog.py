@@ -450,7 +450,8 @@ def test_watch_kill_command_gets_each_placeholder_as_one_argument_without_a_shel
 def test_watch_loop_outlives_a_ledger_restart_and_stops_what_hangs_after_it(
     tmp_path: Path, children: list[subprocess.Popen[bytes]]
 ) -> None:
-    from ledger_server.server import ServerConfig, create_server
+    from ledger_server.config import ServerConfig
+    from ledger_server.server import create_server
 
     db = str(tmp_path / "ledger.db")
     first = create_server(ServerConfig(database=db, listen="127.0.0.1:0"))
