@@ -175,6 +175,8 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
             last_seen_us=now,
             first_pass=first_pass,
             late=_arrived_late(rec, p.heartbeat_timeout_us),
+            scheduler=dict(p.scheduler),
+            process_start_ticks=p.process_start_ticks,
         )
         record.latest_attempt = event.attempt_id
         return

@@ -51,6 +51,10 @@ class Attempt:
     # Some of its events reached the ledger long after they were made (left in a spool
     # while the ledger was away, and drained later).
     late: bool = False
+    # Where it runs as its scheduler knows it (Slurm job, Kubernetes pod), and the start
+    # time of its process, so a watchdog can stop it there and never signal a reused pid.
+    scheduler: dict[str, str] = field(default_factory=dict)
+    process_start_ticks: int = 0
 
 
 @dataclass(slots=True)
@@ -160,6 +164,10 @@ def _attempt_json(a: Attempt) -> dict[str, Any]:
         out["numeric_metrics"] = a.numeric_metrics
     if a.late:
         out["late"] = True
+    if a.scheduler:
+        out["scheduler"] = a.scheduler
+    if a.process_start_ticks:
+        out["process_start_ticks"] = a.process_start_ticks
     return out
 
 

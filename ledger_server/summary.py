@@ -260,6 +260,8 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
         "latest_attempt": record.latest_attempt,
         "host": latest.host if latest else "",
         "pid": latest.pid if latest else None,
+        "scheduler": dict(latest.scheduler) if latest else {},
+        "process_start_ticks": latest.process_start_ticks if latest else 0,
         "deadline_us": deadline_us(record),
         "last_seen_us": latest.last_seen_us if latest else None,
         "last_step": latest.last_step if latest else None,

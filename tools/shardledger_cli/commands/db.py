@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Final
 
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
+from ledger_server.record import RECORD_VERSION
 from ledger_server.replay import RunReplay
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
-from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError
+from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError, WriterBusy
+from ledger_server.upgrade import upgrade_projections
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError
 from shardledger_cli.commands import rebuild as rebuild_command
 from shardledger_cli.output import print_json, progress
@@ -127,10 +129,11 @@ def _open(url: str) -> Store:
 
 
 def run_migrate(args: argparse.Namespace) -> int:
-    """Applies pending migrations and prints the applied versions."""
+    """Applies pending migrations, rebuilds records of an older format, prints the versions."""
     store = _open(args.database_url)
     try:
         applied = _applied(store)
+        upgraded, busy = _upgrade(store)
     finally:
         store.close()
     if args.json:
@@ -139,6 +142,9 @@ def run_migrate(args: argparse.Namespace) -> int:
                 "database": redact_url(args.database_url),
                 "schema_version": max((v for v, _, _ in applied), default=0),
                 "migrations": [{"version": v, "name": n, "applied_us": t} for v, n, t in applied],
+                "record_version": RECORD_VERSION,
+                "runs_upgraded": upgraded,
+                "upgrade_deferred": busy,
             }
         )
         return EXIT_OK
@@ -146,7 +152,23 @@ def run_migrate(args: argparse.Namespace) -> int:
     for version, name, applied_us in applied:
         when = datetime.fromtimestamp(applied_us / 1e6, UTC).isoformat(timespec="seconds")
         print(f"  {version:>4}  {name}  (applied {when})")
+    if busy:
+        print(f"  shard records: {busy}")
+    elif upgraded:
+        print(
+            f"  shard records: {len(upgraded)} runs rebuilt from their events to format {RECORD_VERSION}"
+        )
     return EXIT_OK
+
+
+def _upgrade(store: Store) -> tuple[list[str], str]:
+    """Rebuilds runs whose shard records are older; returns (runs, why it waited, if it did)."""
+    try:
+        store.claim_writer()
+    except WriterBusy as exc:
+        return [], f"not upgraded now ({exc}); the server upgrades them when it next starts"
+    done = upgrade_projections(store)
+    return [f"{r.namespace}/{r.run_id}" for r in done], ""
 
 
 def run_grants(args: argparse.Namespace) -> int:

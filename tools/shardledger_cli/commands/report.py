@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import IO, Any, Final
 
 from ledger_server.states import QUERY_STATES
@@ -216,7 +216,13 @@ def _counts_table(console: Any, title: str, head: str, counts: dict[str, int]) -
 
 # (header, width); the last column takes what is left.
 _SHARD_COLUMNS: Final = (("INDEX", 7), ("SHARD", 32), ("STATE", 13), ("DETAIL", 16))
-_SHARD_COLUMNS_2: Final = (("ATTEMPTS", 8), ("HOST", 16), ("LAST SEEN", 20), ("DUPLICATES", 0))
+_SHARD_COLUMNS_2: Final = (
+    ("ATTEMPTS", 8),
+    ("HOST", 16),
+    ("JOB", 24),
+    ("LAST SEEN", 20),
+    ("DUPLICATES", 0),
+)
 
 
 def run_shards(args: argparse.Namespace) -> int:
@@ -245,7 +251,8 @@ def run_shards(args: argparse.Namespace) -> int:
     for view in limited:
         v = json.loads(view.view_json)
         cells = [str(v["plan_index"]), v["shard_id"], v["state"], v["detail"] or "-"]
-        cells += [str(v["attempts"]), v["host"] or "-", iso_us(v["last_seen_us"])]
+        job = scheduler_label(v.get("scheduler") or {}) or "-"
+        cells += [str(v["attempts"]), v["host"] or "-", job, iso_us(v["last_seen_us"])]
         out.write(_columns([*cells, ",".join(v["duplicates"]) or "-"]))
     return EXIT_OK
 
@@ -376,7 +383,12 @@ def short_payload(event: Any, kind: str) -> str:
     if kind == "started":
         timeout = ts_us(p.heartbeat_timeout) / 1e6
         text = f"host={p.host} pid={p.pid} timeout={timeout:g}s fp={p.fingerprint_digest[:12]}"
-        return text + (f" job={scheduler_label(p.scheduler)}" if p.HasField("scheduler") else "")
+        if not p.HasField("scheduler"):
+            return text
+        fields = p.scheduler.DESCRIPTOR.fields
+        return (
+            text + f" job={scheduler_label({f.name: getattr(p.scheduler, f.name) for f in fields})}"
+        )
     if kind == "heartbeat":
         return f"step={p.step} progress={p.progress:.3f}"
     if kind in ("checkpoint", "artifact_committed"):
@@ -389,14 +401,20 @@ def short_payload(event: Any, kind: str) -> str:
     return f"tag={tag} {p.message[:80]}"
 
 
-def scheduler_label(s: Any) -> str:
+def scheduler_label(s: Mapping[str, str]) -> str:
     """Returns a scheduler identity as one word: slurm:123_4@node, kubernetes:ns/pod@node."""
-    if s.kind == "slurm":
-        job = f"{s.array_job_id}_{s.array_task_id}" if s.array_task_id else s.job_id
-        where = f"{s.cluster}/" if s.cluster else ""
+    kind, node = s.get("kind", ""), s.get("node", "")
+    if not kind:
+        return ""
+    if kind == "slurm":
+        task = s.get("array_task_id", "")
+        job = f"{s.get('array_job_id', '')}_{task}" if task else s.get("job_id", "")
+        cluster = s.get("cluster", "")
+        where = f"{cluster}/" if cluster else ""
     else:
-        job, where = s.job_id, f"{s.namespace}/" if s.namespace else ""
-    return f"{s.kind}:{where}{job}" + (f"@{s.node}" if s.node else "")
+        namespace = s.get("namespace", "")
+        job, where = s.get("job_id", ""), f"{namespace}/" if namespace else ""
+    return f"{kind}:{where}{job}" + (f"@{node}" if node else "")
 
 
 def run_runs(args: argparse.Namespace) -> int:
