@@ -42,6 +42,8 @@ from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
 log = structlog.get_logger("shardledger.server")
+# How long past the grace a stop may wait for grpcio before it cancels every call.
+STOP_MARGIN_S: Final = 3.0
 
 
 @dataclass(slots=True)
@@ -60,7 +62,12 @@ class RunningServer:
     def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, drains in-flight calls, closes the database."""
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+        # grpcio's graceful stop can wait forever on a call that never finishes (a stuck
+        # stream, a framework service that failed to decode a request): the drain is
+        # bounded, and then every call is cancelled so a SIGTERM always ends the process.
+        if not self.server.stop(grace_s).wait(grace_s + STOP_MARGIN_S):
+            log.warning("shutdown_forced", grace_s=grace_s, margin_s=STOP_MARGIN_S)
+            self.server.stop(0).wait(STOP_MARGIN_S)
         if self.metrics_http is not None:
             stop_metrics_server(self.metrics_http)
         self.ledger.close()
