@@ -101,3 +101,8 @@ def atomic_output(path: str | None) -> Iterator[IO[str]]:
                 yield fh
     except OSError as exc:
         raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def shards(n: int) -> str:
+    """Returns "1 shard" or "N shards": counts printed as integers, with the right plural."""
+    return f"{n} shard" if n == 1 else f"{n} shards"

@@ -21,6 +21,7 @@ from shardledger_cli.output import (
     equation,
     iso_us,
     print_json,
+    shards,
     ts_us,
     write_lines,
 )
@@ -149,14 +150,14 @@ def render_summary(s: dict[str, Any]) -> None:
     dups = ", ".join(f"{k} {n}" for k, n in sorted(s["duplicates"].items()))
     console.print(f"duplicates         {s['duplicate_shards']} shards: {dups}")
     console.print(
-        f"repairs            {s.get('repairs', 0)} shards  "
+        f"repairs            {shards(s.get('repairs', 0))}  "
         "(a rerun replaced a failed, corrupted or missing result)"
     )
     console.print(f"attempts           {s['attempts']}")
     _first_pass(console, s)
     if s.get("numeric"):
         console.print(
-            f"numeric pollution  {s['numeric']} shards reported NaN/Inf metrics"
+            f"numeric pollution  {shards(s['numeric'])} reported NaN/Inf metrics"
             f" (shardledger shards {s['run_id']} --json shows the first step)"
         )
     if s.get("late_attempts"):
@@ -197,7 +198,7 @@ def _first_pass(console: Any, s: dict[str, Any]) -> None:
     )
     console.print(
         f"  recomputed       {100 * s.get('recomputed_rate', 0.0):.2f} %  "
-        f"({s.get('recomputed', 0)} shards ran more than once or after the first pass)"
+        f"({shards(s.get('recomputed', 0))} ran more than once or after the first pass)"
     )
 
 
