@@ -9,7 +9,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ledger_server.errors import InvalidEvent
 from ledger_server.events import (
-    SCHEDULER_FIELDS,
     ArtifactCommitted,
     ArtifactVerified,
     AttemptFailed,
@@ -22,7 +21,7 @@ from ledger_server.events import (
     ShardPlanned,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.vocabulary import FailureTag
+from shard_client.vocabulary import SCHEDULER_FIELDS, FailureTag
 
 _TAGS: Final[dict[pb.FailureTag, FailureTag]] = {
     pb.FAILURE_TAG_OOM: FailureTag.OOM,

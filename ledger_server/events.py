@@ -39,18 +39,6 @@ class ShardPlanned:
         }
 
 
-# The fields of a scheduler identity (the proto's SchedulerIdentity), in its order.
-SCHEDULER_FIELDS: Final = (
-    "kind",
-    "job_id",
-    "array_job_id",
-    "array_task_id",
-    "cluster",
-    "node",
-    "namespace",
-)
-
-
 @dataclass(frozen=True, slots=True)
 class AttemptStarted:
     """An attempt at the shard started."""

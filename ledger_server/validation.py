@@ -15,7 +15,6 @@ from typing import Final, NamedTuple
 from ledger_server.errors import InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
-    SCHEDULER_FIELDS,
     VERIFY_RESULTS,
     ArtifactCommitted,
     ArtifactVerified,
@@ -29,7 +28,7 @@ from ledger_server.events import (
     payload_dict,
 )
 from shard_client.canonical import canonical_json
-from shard_client.vocabulary import FAILURE_TAGS
+from shard_client.vocabulary import FAILURE_TAGS, SCHEDULER_FIELDS
 
 # Limits a client can rely on (documented in docs/limits.md).
 MAX_ID_CHARS: Final = 128

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from shard_client.vocabulary import SCHEDULER_FIELDS
+
 __all__ = ["SchedulerIdentity", "detect", "process_start_ticks"]
 
 # The server refuses longer values (ledger_server/validation.py).
@@ -65,8 +67,7 @@ class SchedulerIdentity:
 
     def fields(self) -> dict[str, str]:
         """Returns the set fields, as the proto message's keyword arguments."""
-        names = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
-        return {n: getattr(self, n)[:_MAX_LEN] for n in names if getattr(self, n)}
+        return {n: getattr(self, n)[:_MAX_LEN] for n in SCHEDULER_FIELDS if getattr(self, n)}
 
 
 def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str:

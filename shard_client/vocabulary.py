@@ -1,4 +1,4 @@
-"""Names the SDK and the server share: failure tags, the verifier's own reasons.
+"""Names the SDK and the server share: failure tags, the verifier's own reasons, scheduler fields.
 
 One home for each string a job, the ledger and the CLI must agree on. A
 `StrEnum` member compares and serializes as its string, so stored events and
@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
-__all__ = ["FAILURE_TAGS", "VERIFIER_REASONS", "FailureTag"]
+__all__ = ["FAILURE_TAGS", "SCHEDULER_FIELDS", "VERIFIER_REASONS", "FailureTag"]
 
 
 class FailureTag(StrEnum):
@@ -33,3 +33,14 @@ FAILURE_TAGS: Final[tuple[str, ...]] = tuple(tag.value for tag in FailureTag)
 # its --root, a file it may not read): never recorded as verdicts, and folded as no
 # verdict where an older verifier recorded them.
 VERIFIER_REASONS: Final = frozenset({"outside_root", "permission_denied"})
+
+# The fields of a scheduler identity (the proto's SchedulerIdentity), in its order.
+SCHEDULER_FIELDS: Final = (
+    "kind",
+    "job_id",
+    "array_job_id",
+    "array_task_id",
+    "cluster",
+    "node",
+    "namespace",
+)

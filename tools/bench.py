@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: four ingest benchmarks sharing one harness and one entry point.
 """Ingest benchmarks: each measures its own baseline in the same run and prints ratios.
 
     python -m tools.bench unary     durable single-event appends vs a bare grpcio echo server

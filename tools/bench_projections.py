@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one benchmark script (populate, measure, report) read top to bottom.
 """Benchmarks the read side at scale: `status` latency and resume-list streaming rate.
 
     python -m tools.bench_projections --shards 1000000 [--via-grpc] [--profile]

@@ -19,7 +19,6 @@ from ledger_server.validation import check_namespace
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerRejected
 from shardledger_cli.audit_checks import (
-    ChainWalk,
     Checkpoint,
     check_proof,
     checkpoint_checks,
@@ -34,9 +33,8 @@ from shardledger_cli.audit_checks import (
     rpc_tree_head,
     server_checkpoint_checks,
     signed_head_check,
-    walk_server,
-    walk_store,
 )
+from shardledger_cli.audit_walk import ChainWalk, walk_server, walk_store
 from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,

@@ -25,13 +25,12 @@ from ledger_server.validation import check_namespace
 from shard_client.canonical import canonical_json
 from shard_client.errors import LedgerRejected
 from shardledger_cli.audit_checks import (
-    ChainWalk,
-    event_row,
     head_problem,
     read_public_key,
     rpc_public_key,
     rpc_tree_head,
 )
+from shardledger_cli.audit_walk import ChainWalk, event_row
 from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,

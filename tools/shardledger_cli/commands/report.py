@@ -1,32 +1,21 @@
-"""`shardledger status|shards|resume|events|runs`: read a run's projections and its events."""
+"""`shardledger status|shards|resume|events|runs`: their help and flags; status and runs."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import signal
 import sys
-import threading
-from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
-from typing import IO, Any, Final
+from typing import Any, Final
 
 from ledger_server.states import QUERY_STATES
-from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, at_least, client_from
-from shardledger_cli.output import (
-    REASON_KEY,
-    atomic_output,
-    equation,
-    iso_us,
-    print_json,
-    shards,
-    ts_us,
-    write_lines,
-)
+from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
+from shardledger_cli.commands.events import run_events
+from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume, slurm_ranges
+from shardledger_cli.commands.shards import run_shards
+from shardledger_cli.output import REASON_KEY, equation, iso_us, print_json, shards, ts_us
 
-RESUME_FORMATS: Final = ("jsonl", "ids", "slurm-array")
+# slurm_ranges stays importable from here: the report CLI's tests take it from this module.
+__all__ = ["register", "render_summary", "run_runs", "run_status", "slurm_ranges"]
 
 
 HELP: Final = {
@@ -211,211 +200,6 @@ def _counts_table(console: Any, title: str, head: str, counts: dict[str, int]) -
     for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         table.add_row(key, str(n))
     console.print(table)
-
-
-# --- shards -----------------------------------------------------------------
-
-# (header, width); the last column takes what is left.
-_SHARD_COLUMNS: Final = (("INDEX", 7), ("SHARD", 32), ("STATE", 13), ("DETAIL", 16))
-_SHARD_COLUMNS_2: Final = (
-    ("ATTEMPTS", 8),
-    ("HOST", 16),
-    ("JOB", 24),
-    ("LAST SEEN", 20),
-    ("DUPLICATES", 0),
-)
-
-
-def run_shards(args: argparse.Namespace) -> int:
-    """Lists shards in plan order as columns or one JSON array."""
-    page = min(args.limit, 1000) if args.limit else 1000
-    views = client_from(args).shards(
-        args.run, namespace=args.namespace, state=args.state, page_size=page
-    )
-    limited: Iterator[Any] = itertools.islice(views, args.limit or None)
-    # The first page is fetched before anything is printed: an unknown run or an
-    # unreachable server leaves stdout empty, not a half-opened array or a header.
-    first = next(limited, None)
-    if first is not None:
-        limited = itertools.chain([first], limited)
-    out = sys.stdout
-    if args.json:
-        # Streamed element by element so the array never sits in memory whole.
-        out.write("[")
-        empty = True
-        for view in limited:
-            out.write(("\n  " if empty else ",\n  ") + view.view_json)
-            empty = False
-        out.write("]\n" if empty else "\n]\n")
-        return EXIT_OK
-    out.write(_columns([c for c, _ in _SHARD_COLUMNS + _SHARD_COLUMNS_2]))
-    for view in limited:
-        v = json.loads(view.view_json)
-        cells = [str(v["plan_index"]), v["shard_id"], v["state"], v["detail"] or "-"]
-        job = scheduler_label(v.get("scheduler") or {}) or "-"
-        cells += [str(v["attempts"]), v["host"] or "-", job, iso_us(v["last_seen_us"])]
-        out.write(_columns([*cells, ",".join(v["duplicates"]) or "-"]))
-    return EXIT_OK
-
-
-def _columns(cells: list[str]) -> str:
-    widths = [w for _, w in _SHARD_COLUMNS + _SHARD_COLUMNS_2]
-    return " ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip() + "\n"
-
-
-def run_resume(args: argparse.Namespace) -> int:
-    """Streams the resume list; exits 1 when any shard must run again."""
-    if args.reasons and args.format != "jsonl":
-        raise CommandError("--reasons applies to --format jsonl only", code=2)
-    if args.json and args.format != "jsonl":
-        raise CommandError(f"--json writes JSON lines; --format {args.format} is not JSON", code=2)
-    entries = client_from(args).resume(args.run, namespace=args.namespace)
-    reasons: Counter[str] = Counter()
-    with atomic_output(args.output) as out:
-        if args.format == "slurm-array":
-            write_slurm_array(entries, out, reasons)
-        elif args.json:
-            write_entries_json(entries, out, reasons)
-        else:
-            write_lines(entries, out, reasons, ids=args.format == "ids", with_reason=args.reasons)
-    total = sum(reasons.values())
-    detail = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
-    where = f" (written to {args.output})" if args.output else ""
-    print(f"{total} shards to re-run{where}" + (f": {detail}" if detail else ""), file=sys.stderr)
-    return EXIT_PROBLEMS if total else EXIT_OK
-
-
-def write_entries_json(entries: Iterable[Any], out: IO[str], reasons: Counter[str]) -> None:
-    """Writes one JSON object per entry: shard id, plan index, reason, the parsed plan line."""
-    for entry in entries:
-        reasons[entry.reason] += 1
-        line = {
-            "shard_id": entry.shard_id,
-            "plan_index": entry.plan_index,
-            "reason": entry.reason,
-            "plan_line": json.loads(entry.plan_line) if entry.plan_line else None,
-        }
-        out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
-
-
-def slurm_ranges(indexes: Iterable[int]) -> Iterator[str]:
-    """Yields compact ranges ("3-5", "9") of ascending indexes, merging repeats."""
-    start = end = -2
-    for index in indexes:
-        if index == end or index == end + 1:
-            end = index
-            continue
-        if index < end:
-            raise ValueError(f"plan indexes are not ascending: {index} after {end}")
-        if start >= 0:
-            yield f"{start}-{end}" if end > start else str(start)
-        start = end = index
-    if start >= 0:
-        yield f"{start}-{end}" if end > start else str(start)
-
-
-def write_slurm_array(entries: Iterable[Any], out: IO[str], reasons: Counter[str]) -> None:
-    """Writes plan_index ranges, comma-separated, on one line."""
-
-    def indexes() -> Iterator[int]:
-        for entry in entries:
-            reasons[entry.reason] += 1
-            yield entry.plan_index
-
-    first = True
-    for part in slurm_ranges(indexes()):
-        out.write(part if first else "," + part)
-        first = False
-    if not first:
-        out.write("\n")
-
-
-def run_events(args: argparse.Namespace) -> int:
-    """Prints the run's events, following new ones with --follow until Ctrl-C."""
-    client = client_from(args)
-    ns, after, out = args.namespace, args.after, sys.stdout
-    if not args.follow:
-        for event in client.list_events(args.run, namespace=ns, after_sequence=after):
-            out.write(_event_text(event, args.json) + "\n")
-        return EXIT_OK
-    tail = client.tail(args.run, namespace=ns, after_sequence=after)
-    # Ctrl-C cancels the stream from another thread instead of raising inside gRPC.
-    previous = signal.signal(
-        signal.SIGINT, lambda *_: threading.Thread(target=tail.cancel, daemon=True).start()
-    )
-    try:
-        for event in tail:
-            out.write(_event_text(event, args.json) + "\n")
-            out.flush()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        client.close()
-    return EXIT_OK
-
-
-def _event_text(event: Any, as_json: bool) -> str:
-    """Returns one event as a JSON line (the protobuf JSON mapping) or a text line."""
-    if as_json:
-        from google.protobuf.json_format import MessageToDict
-
-        return _compact(MessageToDict(event, preserving_proto_field_name=True))
-    return event_line(event)
-
-
-def _compact(data: dict[str, Any]) -> str:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def event_line(event: Any) -> str:
-    """Returns the one-line text form of a ShardEvent."""
-    when = iso_us(ts_us(event.receive_time))
-    kind = event.WhichOneof("payload")
-    return (
-        f"{event.sequence:>8} {when} {event.shard_id} {event.attempt_id or '-'} {kind} "
-        f"{short_payload(event, kind)}"
-    ).rstrip()
-
-
-def short_payload(event: Any, kind: str) -> str:
-    """Returns a few key fields of the event's payload."""
-    p = getattr(event, kind)
-    if kind == "planned":
-        return f"index={p.plan_index} input={p.input_ref} outputs={','.join(p.expected_outputs)}"
-    if kind == "started":
-        timeout = ts_us(p.heartbeat_timeout) / 1e6
-        text = f"host={p.host} pid={p.pid} timeout={timeout:g}s fp={p.fingerprint_digest[:12]}"
-        if not p.HasField("scheduler"):
-            return text
-        fields = p.scheduler.DESCRIPTOR.fields
-        return (
-            text + f" job={scheduler_label({f.name: getattr(p.scheduler, f.name) for f in fields})}"
-        )
-    if kind == "heartbeat":
-        return f"step={p.step} progress={p.progress:.3f}"
-    if kind in ("checkpoint", "artifact_committed"):
-        name = "" if kind == "checkpoint" else f"{p.name} "
-        return f"{name}{p.path} {p.size_bytes}B blake3={p.blake3_hex[:12]}"
-    if kind == "verified":
-        result = "PASSED" if p.result == pb.VERIFICATION_RESULT_PASSED else "FAILED"
-        return f"{result} {p.name} {p.path}" + (f" reason={p.reason}" if p.reason else "")
-    tag = pb.FailureTag.Name(p.tag).removeprefix("FAILURE_TAG_").lower()
-    return f"tag={tag} {p.message[:80]}"
-
-
-def scheduler_label(s: Mapping[str, str]) -> str:
-    """Returns a scheduler identity as one word: slurm:123_4@node, kubernetes:ns/pod@node."""
-    kind, node = s.get("kind", ""), s.get("node", "")
-    if not kind:
-        return ""
-    if kind == "slurm":
-        task = s.get("array_task_id", "")
-        job = f"{s.get('array_job_id', '')}_{task}" if task else s.get("job_id", "")
-        cluster = s.get("cluster", "")
-        where = f"{cluster}/" if cluster else ""
-    else:
-        namespace = s.get("namespace", "")
-        job, where = s.get("job_id", ""), f"{namespace}/" if namespace else ""
-    return f"{kind}:{where}{job}" + (f"@{node}" if node else "")
 
 
 def run_runs(args: argparse.Namespace) -> int:

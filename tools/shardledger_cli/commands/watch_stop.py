@@ -21,15 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from shard_client.scheduler import process_start_ticks
+from shard_client.vocabulary import SCHEDULER_FIELDS
 
-# Placeholders a --kill-command template may use.
+# Placeholders a --kill-command template may use: the scheduler identity's fields but its kind.
 KILL_FIELDS: Final = (
-    "job_id",
-    "array_job_id",
-    "array_task_id",
-    "cluster",
-    "node",
-    "namespace",
+    *(name for name in SCHEDULER_FIELDS if name != "kind"),
     "pod",
     "host",
     "pid",
@@ -127,8 +123,9 @@ class StartedIndex:
                 start_ticks=int(view.get("process_start_ticks") or 0),
                 scheduler=dict(view.get("scheduler") or {}),
             )
-        names = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
-        scheduler = {n: getattr(s.scheduler, n) for n in names if getattr(s.scheduler, n)}
+        scheduler = {
+            n: getattr(s.scheduler, n) for n in SCHEDULER_FIELDS if getattr(s.scheduler, n)
+        }
         return Target(
             self.run_id,
             view["shard_id"],

@@ -20,7 +20,8 @@ from shard_client.client import LedgerClient
 from shard_client.spooldir import drain_spool_dirs
 from shardledger_cli.cli import CommandError
 from shardledger_cli.cli import main as cli_main
-from shardledger_cli.commands.plan import entries_from_manifest, send_plan
+from shardledger_cli.commands.plan import send_plan
+from shardledger_cli.commands.plan_entries import entries_from_manifest
 from shardledger_cli.demo.faults import DUPLICATE_RETRY, ENV_DRIFT, LETHAL, FaultPlan
 from shardledger_cli.demo.infra import LedgerProcess, Watchdog
 from shardledger_cli.demo.pool import PoolHooks, WorkerPool

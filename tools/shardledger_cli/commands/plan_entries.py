@@ -1,0 +1,203 @@
+"""The plan's entries: manifest lines or a directory's files parsed, hashed and checked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+
+from shard_client.canonical import canonical_json
+from shard_client.ids import (
+    PlanEntry,
+    check_digest,
+    duplicate_ids,
+    hash_input,
+    plan_events,
+    shard_id_for,
+)
+from shardledger_cli.cli import EXIT_USAGE, CommandError
+from shardledger_cli.output import progress
+
+MAX_ERRORS_SHOWN: Final = 20
+_RULES_RUN: Final = "plan-check"  # any valid run id: the rules checked do not depend on it
+# The server refuses events whose canonical content exceeds 64 KiB; keep room for the envelope.
+MAX_ENTRY_CHARS: Final = 60 * 1024
+
+
+def _parse_line(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("must be a JSON object")
+    if not isinstance(obj.get("input"), str) or not obj["input"]:
+        raise ValueError('needs "input": a non-empty string (a path or a reference)')
+    if not isinstance(obj.get("params", {}), dict):
+        raise ValueError('"params" must be a JSON object')
+    outputs = obj.get("expected_outputs", [])
+    if not isinstance(outputs, list) or not all(isinstance(n, str) for n in outputs):
+        raise ValueError('"expected_outputs" must be a list of names')
+    for key in ("shard_id", "input_blake3"):
+        if key in obj and not isinstance(obj[key], str):
+            raise ValueError(f'"{key}" must be a string')
+    size = obj.get("input_bytes", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError('"input_bytes" must be a non-negative integer')
+    return obj
+
+
+def _entry(obj: dict[str, Any], index: int, digest: tuple[int, str] | None) -> PlanEntry:
+    """Returns the entry for a parsed line; digest is (size, blake3) when the input was hashed."""
+    given = obj.get("input_blake3", "")
+    if digest is not None:
+        if given and given != digest[1]:
+            raise ValueError(f"input_blake3 {given} does not match the file ({digest[1]})")
+        size, blake = digest
+    elif given:
+        check_digest("input_blake3", given)
+        size, blake = obj.get("input_bytes", 0), given
+    elif os.path.isdir(obj["input"]):
+        raise ValueError(f"input {obj['input']!r} is a directory: a shard's input is one file")
+    else:
+        raise ValueError(
+            f"input {obj['input']!r} does not exist here and the line has no input_blake3"
+        )
+    params = obj.get("params", {})
+    shard_id = obj.get("shard_id") or shard_id_for(input_blake3=blake, params=params)
+    entry = PlanEntry(
+        shard_id=shard_id,
+        input_ref=obj["input"],
+        input_bytes=size,
+        input_blake3=blake,
+        params=params,
+        expected_outputs=tuple(obj.get("expected_outputs", [])),
+        plan_line=canonical_json({**obj, "shard_id": shard_id}),
+        plan_index=index,
+    )
+    entry.check()
+    if len(entry.plan_line) + len(canonical_json(entry.definition())) > MAX_ENTRY_CHARS:
+        raise ValueError(f"the line is too large (the limit is {MAX_ENTRY_CHARS} characters)")
+    _check_server_rules(entry)
+    return entry
+
+
+def _check_server_rules(entry: PlanEntry) -> None:
+    """Raises ValueError when the ledger would refuse the entry's planned event.
+
+    The server's own validation runs here, so a line it would refuse stops the
+    whole plan before anything is sent instead of leaving a hole in it.
+    """
+    from ledger_server.codec import decode_event
+    from ledger_server.errors import LedgerError
+    from ledger_server.validation import validate
+
+    try:
+        validate(decode_event(plan_events(_RULES_RUN, [entry])[0]))
+    except LedgerError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _read_manifest(path: str) -> list[tuple[int, str]]:
+    try:
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CommandError(f"cannot read manifest {path}: {exc}") from None
+    return [(number, text) for number, text in enumerate(lines, 1) if text.strip()]
+
+
+def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
+    """Parses, hashes and checks every manifest line; raises CommandError listing the bad ones."""
+    errors: list[str] = []
+    parsed: list[tuple[int, dict[str, Any]]] = []
+    for number, text in _read_manifest(path):
+        try:
+            parsed.append((number, _parse_line(text)))
+        except ValueError as exc:
+            errors.append(f"line {number}: {exc}")
+    local = [obj["input"] for _, obj in parsed if os.path.isfile(obj["input"])]
+    digests = _hash_all(local, workers=workers)
+    entries: list[PlanEntry] = []
+    for index, (number, obj) in enumerate(parsed):
+        try:
+            entries.append(_entry(obj, index, digests.get(obj["input"])))
+        except (ValueError, TypeError) as exc:
+            errors.append(f"line {number}: {exc}")
+    numbers = [number for number, _ in parsed]
+    for shard_id, indexes in duplicate_ids(entries).items():
+        lines = ", ".join(str(numbers[i]) for i in indexes)
+        errors.append(f"lines {lines}: shard id {shard_id} appears more than once")
+    _raise_errors(path, errors)
+    return entries
+
+
+def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
+    """Plans one shard per file under --inputs matching --glob, in sorted order."""
+    root = Path(args.inputs)
+    if not root.is_dir():
+        raise CommandError(f"--inputs {args.inputs} is not a directory")
+    try:
+        params = json.loads(args.params) if args.params else {}
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"--params is not valid JSON: {exc}", EXIT_USAGE) from None
+    if not isinstance(params, dict):
+        raise CommandError("--params must be a JSON object", EXIT_USAGE)
+    outputs = [n.strip() for n in (args.expected_outputs or "").split(",") if n.strip()]
+    files = sorted(str(p.resolve()) for p in _glob(root, args.glob) if p.is_file())
+    digests = _hash_all(files, workers=args.workers)
+    entries, errors = [], []
+    for index, path in enumerate(files):
+        obj = {"input": path, "params": params, "expected_outputs": outputs}
+        try:
+            entries.append(_entry(obj, index, digests[path]))
+        except ValueError as exc:
+            errors.append(f"{path}: {exc}")
+    for shard_id, indexes in duplicate_ids(entries).items():
+        same = ", ".join(files[i] for i in indexes)
+        errors.append(f"{same}: identical content and params give one shard id {shard_id}")
+    _raise_errors(args.inputs, errors)
+    return entries
+
+
+def _glob(root: Path, pattern: str) -> list[Path]:
+    """Returns the files under root that pattern (relative, inside root) matches."""
+    if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+        raise CommandError(
+            f"--glob {pattern!r} must be a non-empty pattern relative to --inputs, without '..'",
+            EXIT_USAGE,
+        )
+    return list(root.glob(pattern))
+
+
+def _raise_errors(source: str, errors: Sequence[str]) -> None:
+    if not errors:
+        return
+    shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
+    more = (
+        f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more"
+        if len(errors) > MAX_ERRORS_SHOWN
+        else ""
+    )
+    raise CommandError(f"{source}: {len(errors)} bad line(s), nothing was sent:\n  {shown}{more}")
+
+
+def _hash_all(paths: Sequence[str], *, workers: int) -> dict[str, tuple[int, str]]:
+    unique = sorted(set(paths))
+    out: dict[str, tuple[int, str]] = {}
+    with (
+        progress("hashing inputs", len(unique)) as advance,
+        ThreadPoolExecutor(max(1, workers)) as pool,
+    ):
+        for path, digest in zip(unique, pool.map(hash_input, unique), strict=True):
+            out[path] = digest
+            advance(1)
+    return out
