@@ -1,0 +1,109 @@
+"""Event builders and helpers the tests import: ShardEvents of each kind, digests, the in-process CLI."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Runs the CLI in process; returns (exit code, stdout, stderr), usage errors included."""
+    from shardledger_cli.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse exits 2 on a usage error
+        assert isinstance(exc.code, int), exc.code
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+DIGEST_A = "a" * 64
+DIGEST_B = "b" * 64
+
+
+def event(
+    run_id: str = "run-1",
+    shard_id: str = "shard-0",
+    attempt_id: str = "",
+    *,
+    event_id: str | None = None,
+    **payload: Any,
+) -> pb.ShardEvent:
+    """Returns a ShardEvent with a fresh event id."""
+    return pb.ShardEvent(
+        event_id=uuid.uuid4().hex if event_id is None else event_id,
+        run_id=run_id,
+        shard_id=shard_id,
+        attempt_id=attempt_id,
+        **payload,
+    )
+
+
+def planned(
+    run_id: str = "run-1",
+    shard_id: str = "shard-0",
+    index: int = 0,
+    outputs: tuple[str, ...] = ("out",),
+) -> pb.ShardEvent:
+    """Returns a planned event."""
+    return event(
+        run_id,
+        shard_id,
+        planned=pb.ShardPlanned(
+            input_ref=f"/data/{shard_id}.bin",
+            input_bytes=10,
+            input_blake3=DIGEST_A,
+            params_json='{"lr":0.1}',
+            expected_outputs=list(outputs),
+            plan_index=index,
+        ),
+    )
+
+
+def started(
+    run_id: str = "run-1", shard_id: str = "shard-0", attempt_id: str = "att-1", timeout_s: int = 60
+) -> pb.ShardEvent:
+    """Returns a started event."""
+    return event(
+        run_id,
+        shard_id,
+        attempt_id,
+        started=pb.AttemptStarted(
+            host="node-1",
+            pid=123,
+            heartbeat_timeout=Duration(seconds=timeout_s),
+            fingerprint={"driver": "550.54"},
+            fingerprint_digest=DIGEST_B,
+        ),
+    )
+
+
+def committed(
+    run_id: str = "run-1",
+    shard_id: str = "shard-0",
+    attempt_id: str = "att-1",
+    name: str = "out",
+    digest: str = DIGEST_A,
+    path: str = "/out/x",
+) -> pb.ShardEvent:
+    """Returns an artifact_committed event."""
+    return event(
+        run_id,
+        shard_id,
+        attempt_id,
+        artifact_committed=pb.ArtifactCommitted(
+            name=name,
+            path=path,
+            size_bytes=5,
+            blake3_hex=digest,
+            media_type="application/octet-stream",
+        ),
+    )

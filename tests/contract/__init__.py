@@ -1,0 +1,1 @@
+"""End-to-end contracts across the server, the SDK and the CLI: nights, Slurm, verdicts, import graph."""

@@ -1,0 +1,262 @@
+"""Prometheus /metrics, scraped over HTTP from a live server while faults are injected."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from wsgiref.simple_server import WSGIServer
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import ledger_server
+from ledger_server.codec import decode_event
+from ledger_server.errors import LedgerError
+from ledger_server.metrics import (
+    REJECT_REASONS,
+    SHARD_STATES,
+    LedgerMetrics,
+    RunExport,
+    bind_address,
+    start_metrics_server,
+    stop_metrics_server,
+)
+from ledger_server.server import RunningServer
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+from tests.builders import DIGEST_A, DIGEST_B, committed, event, planned, started
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Returns every sample of one HTTP scrape, keyed by name and sorted labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def scrape_until(port: int, done: Callable[[Samples], bool], timeout_s: float = 5.0) -> Samples:
+    """Scrapes until done(samples) holds (the server clock decides staleness) or fails."""
+    deadline = time.monotonic() + timeout_s
+    while not done(samples := scrape(port)):
+        assert time.monotonic() < deadline, "the scraped metrics never reached the expected state"
+        time.sleep(0.1)
+    return samples
+
+
+def run_value(samples: Samples, name: str, run_id: str, **labels: str) -> float | None:
+    """Returns one per-run sample of the default namespace, or None when absent."""
+    key = tuple(sorted({"namespace": "default", "run_id": run_id, **labels}.items()))
+    return samples.get((name, key))
+
+
+def exported_runs(samples: Samples) -> set[str]:
+    """Returns the run ids that have per-run series."""
+    return {
+        dict(labels)["run_id"]
+        for (name, labels) in samples
+        if name == "shardledger_run_events_total"
+    }
+
+
+def start(server: RunningServer, export: RunExport | None = None) -> tuple[WSGIServer, int]:
+    """Starts a metrics endpoint for the server's ledger on an ephemeral loopback port."""
+    return start_metrics_server(LedgerMetrics(), server.ledger, "127.0.0.1:0", export=export)
+
+
+@pytest.fixture
+def metrics_port(server: RunningServer) -> Iterator[int]:
+    """Serves /metrics for the fixture server with the default export bounds."""
+    httpd, port = start(server)
+    yield port
+    stop_metrics_server(httpd)
+
+
+def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
+    client: LedgerClient, metrics_port: int
+) -> None:
+    run = "night-1"
+    client.append([planned(run, f"s{i}", i) for i in range(4)])
+
+    before = scrape(metrics_port)
+    assert run_value(before, "shardledger_run_shards", run, state="planned") == 4
+    assert run_value(before, "shardledger_run_shards", run, state="missing") == 4
+    assert run_value(before, "shardledger_run_shards", run, state="stale") == 0
+    assert run_value(before, "shardledger_run_events_total", run) == 4
+    assert run_value(before, "shardledger_run_oldest_heartbeat_age_seconds", run) is None
+
+    client.append(
+        [
+            started(run, "s0", "a0", timeout_s=1),  # goes silent: stale after a second
+            started(run, "s1", "a1"),
+            committed(run, "s1", "a1", digest=DIGEST_A),
+            # A second launch of s1 computes it again: same group, new digest.
+            started(run, "s1", "a1-again"),
+            committed(run, "s1", "a1-again", digest=DIGEST_B),
+            started(run, "s2", "a2"),
+            event(run, "s2", "a2", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM)),
+        ]
+    )
+    during = scrape(metrics_port)
+    assert run_value(during, "shardledger_run_shards", run, state="running") == 1
+    assert run_value(during, "shardledger_run_shards", run, state="missing") == 1
+    assert run_value(during, "shardledger_run_shards", run, state="unverified") == 1
+    assert run_value(during, "shardledger_run_shards", run, state="failed") == 1
+    assert run_value(during, "shardledger_run_failed_by_tag", run, tag="oom") == 1
+    assert run_value(during, "shardledger_run_duplicates", run, kind="wasted") == 1
+    assert run_value(during, "shardledger_run_duplicates", run, kind="nondeterministic") == 1
+    assert run_value(during, "shardledger_run_duplicates", run, kind="zombie") == 0
+    assert run_value(during, "shardledger_run_completion_ratio", run) == 0.0
+    partition = [run_value(during, "shardledger_run_shards", run, state=s) for s in SHARD_STATES]
+    assert sum(v or 0 for v in partition[1:]) == partition[0] == 4  # planned is the total
+
+    after = scrape_until(
+        metrics_port, lambda s: run_value(s, "shardledger_run_shards", run, state="stale") == 1
+    )
+    assert run_value(after, "shardledger_run_shards", run, state="running") == 0
+    age = run_value(after, "shardledger_run_oldest_heartbeat_age_seconds", run)
+    assert age is not None and age >= 1.0
+    last_event_age = run_value(after, "shardledger_run_last_event_age_seconds", run)
+    assert last_event_age is not None and last_event_age >= 1.0
+    assert after[("shardledger_metrics_collect_up", ())] == 1
+
+
+def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
+    server: RunningServer, client: LedgerClient
+) -> None:
+    for i in range(5):
+        client.append([planned(f"old-{i}")])
+    time.sleep(1.2)  # every old run is now outside the 1 s active window
+    client.append([planned("live-0"), planned("live-1")])
+    httpd, port = start(server, RunExport(active_window_s=1.0, finished_runs=2))
+    try:
+        samples = scrape(port)
+    finally:
+        stop_metrics_server(httpd)
+
+    assert exported_runs(samples) == {"live-0", "live-1", "old-4", "old-3"}
+    assert samples[("shardledger_metrics_exported_runs", (("kind", "active"),))] == 2
+    assert samples[("shardledger_metrics_exported_runs", (("kind", "finished"),))] == 2
+    assert samples[("shardledger_ledger_last_event_age_seconds", ())] < 1.0
+
+
+def test_active_runs_beyond_the_hard_cap_are_not_exported(
+    server: RunningServer, client: LedgerClient
+) -> None:
+    client.append([planned(f"burst-{i}") for i in range(6)])
+    httpd, port = start(server, RunExport(max_active_runs=3, finished_runs=0))
+    try:
+        assert len(exported_runs(scrape(port))) == 3
+    finally:
+        stop_metrics_server(httpd)
+
+
+def test_server_counters_record_appends_rejections_and_group_commits(
+    server: RunningServer,
+) -> None:
+    metrics = LedgerMetrics()
+    httpd, port = start_metrics_server(metrics, server.ledger, "127.0.0.1:0")
+    try:
+        metrics.observe_append(0.003, 10, None)
+        metrics.observe_append(0.001, 4, "PLAN_CONFLICT")
+        metrics.observe_append(0.001, 2, "SOMETHING_NEW")
+        metrics.observe_group(jobs=3, events=16)
+        metrics.observe_rejected_call("TOKEN_EXPIRED")
+        samples = scrape(port)
+    finally:
+        stop_metrics_server(httpd)
+
+    def rejected(reason: str) -> float:
+        return samples[("shardledger_events_rejected_total", (("reason", reason),))]
+
+    assert samples[("shardledger_events_appended_total", ())] == 10
+    assert rejected("PLAN_CONFLICT") == 4
+    assert rejected("OTHER") == 2  # an unknown reason never adds a label value
+    assert all(rejected(r) == 0 for r in REJECT_REASONS if r not in ("PLAN_CONFLICT", "OTHER"))
+    calls = "shardledger_calls_rejected_total"
+    assert samples[(calls, (("reason", "TOKEN_EXPIRED"),))] == 1
+    assert samples[(calls, (("reason", "PLAN_CONFLICT"),))] == 0  # not an auth refusal
+    assert samples[("shardledger_append_duration_seconds_count", (("result", "ok"),))] == 1
+    assert samples[("shardledger_append_duration_seconds_count", (("result", "rejected"),))] == 2
+    assert samples[("shardledger_append_batch_events_sum", ())] == 16
+    assert samples[("shardledger_group_commit_batches_sum", ())] == 3
+    assert samples[("shardledger_group_commit_events_sum", ())] == 16
+
+
+def test_timed_append_records_latency_and_the_reason_of_a_refused_append(
+    server: RunningServer,
+) -> None:
+    metrics = LedgerMetrics()
+    httpd, port = start_metrics_server(metrics, server.ledger, "127.0.0.1:0")
+    try:
+        with metrics.timed_append(1):
+            server.ledger.append([decode_event(planned("run-1"))])
+        with pytest.raises(LedgerError), metrics.timed_append(1):
+            server.ledger.append([decode_event(started("run-1", "never-planned"))])
+        samples = scrape(port)
+    finally:
+        stop_metrics_server(httpd)
+
+    assert samples[("shardledger_events_appended_total", ())] == 1
+    lifecycle = (("reason", "SHARD_NOT_PLANNED"),)
+    assert samples[("shardledger_events_rejected_total", lifecycle)] == 1
+    assert samples[("shardledger_append_duration_seconds_count", (("result", "ok"),))] == 1
+
+
+def test_a_failing_store_is_reported_as_a_series_not_an_http_error(
+    server: RunningServer, client: LedgerClient, metrics_port: int
+) -> None:
+    client.append([planned("run-1")])
+    assert scrape(metrics_port)[("shardledger_metrics_collect_up", ())] == 1
+    server.ledger.store.close()  # every read connection, including the scraper's, is gone
+
+    samples = scrape(metrics_port)
+
+    assert samples[("shardledger_metrics_collect_up", ())] == 0
+    assert not exported_runs(samples)
+
+
+def test_every_reason_the_append_and_auth_paths_raise_has_its_own_label() -> None:
+    sources = (
+        "errors.py",
+        "events.py",
+        "validation.py",
+        "projections.py",
+        "service.py",
+        "committer.py",
+        "batch.py",
+        "auth.py",
+        "servicer.py",
+    )
+    raised = set()
+    for name in sources:
+        path = Path(ledger_server.__file__).parent / name
+        if path.exists():
+            raised |= set(re.findall(r'reason\s*=\s*"([A-Z_]+)"', path.read_text()))
+    assert raised and not raised - set(REJECT_REASONS)
+
+
+@pytest.mark.parametrize(
+    ("listen", "expected"),
+    [
+        ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+        (":9464", ("0.0.0.0", 9464)),
+        ("[::1]:0", ("::1", 0)),
+    ],
+)
+def test_listen_addresses_parse_to_host_and_port(listen: str, expected: tuple[str, int]) -> None:
+    assert bind_address(listen) == expected
+
+
+def test_a_listen_address_without_a_port_is_refused() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        bind_address("localhost")
