@@ -5,7 +5,7 @@ Two kinds of series live here:
 - ``LedgerMetrics`` counts what the server does (append latency, events
   appended and rejected, batch and group-commit sizes). The servicer and the
   ledger call its ``observe_*`` methods.
-- ``RunCollector`` (run_metrics.py, re-exported here) turns run summaries into
+- ``RunCollector`` (run_metrics.py) turns run summaries into
   gauges when Prometheus scrapes, for a bounded set of runs.
 
 The registry is private (not prometheus_client's global one), so two servers
@@ -28,16 +28,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 
 from ledger_server.config import split_listen
 from ledger_server.errors import LedgerError
-from ledger_server.run_metrics import SHARD_STATES, RunCollector, RunExport
+from ledger_server.run_metrics import RunCollector, RunExport
 from ledger_server.service import LedgerService
 from ledger_server.store.base import StoreError
 
 __all__ = [
     "REJECT_REASONS",
-    "SHARD_STATES",
     "LedgerMetrics",
-    "RunCollector",
-    "RunExport",
     "bind_address",
     "start_metrics_server",
     "stop_metrics_server",

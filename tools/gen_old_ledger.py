@@ -11,7 +11,7 @@ The night it records exercises what the upgrade must carry over: a verified shar
 a shard whose commit failed verification and was rerun with identical bytes (0.1.0
 handed the rerun the old verdict), a verdict recorded with the wrong --root
 (outside_root), a swallowed error, and a shard never started. The upgrade tests
-(tests/*/test_upgrade.py) read it; regenerating it changes its bytes, so do it only
+(tests/server/test_upgrade.py) read it; regenerating it changes its bytes, so do it only
 to add a case.
 """
 

@@ -23,7 +23,7 @@ import pytest
 from ledger_server.config import ServerConfig
 from ledger_server.server import create_server
 from shardledger_cli.cli import main as cli
-from shardledger_cli.commands.plan import entries_from_manifest
+from shardledger_cli.commands.plan_entries import entries_from_manifest
 from shardledger_cli.demo.faults import EXPECTED_REASON, FORMS, MIN_SHARDS, FaultPlan
 from shardledger_cli.demo.report import render
 

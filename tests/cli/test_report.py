@@ -26,7 +26,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
 from shardledger_cli.cli import main
-from shardledger_cli.commands.report import slurm_ranges
+from shardledger_cli.commands.resume import slurm_ranges
 from shardledger_cli.output import with_resume_reason
 
 RUN = "night-01"

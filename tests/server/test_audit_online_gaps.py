@@ -26,7 +26,8 @@ from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerRejected
 from shardledger_cli import audit_checks
-from shardledger_cli.audit_checks import ChainWalk, rpc_public_key, signed_head_check, walk_server
+from shardledger_cli.audit_checks import rpc_public_key, signed_head_check
+from shardledger_cli.audit_walk import ChainWalk, walk_server
 from shardledger_cli.cli import EXIT_REJECTED, main
 from tests.builders import planned, started
 from tests.server.test_audit import tree_head

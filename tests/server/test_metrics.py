@@ -17,13 +17,12 @@ from ledger_server.codec import decode_event
 from ledger_server.errors import LedgerError
 from ledger_server.metrics import (
     REJECT_REASONS,
-    SHARD_STATES,
     LedgerMetrics,
-    RunExport,
     bind_address,
     start_metrics_server,
     stop_metrics_server,
 )
+from ledger_server.run_metrics import SHARD_STATES, RunExport
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient

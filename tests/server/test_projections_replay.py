@@ -209,6 +209,8 @@ class MShard:
             "latest_attempt": latest_id,
             "host": latest.host if latest else "",
             "pid": latest.pid if latest else None,
+            "scheduler": {},
+            "process_start_ticks": 0,
             "deadline_us": latest.seen + latest.timeout
             if latest and self.state()[0] == "running"
             else None,

@@ -32,8 +32,7 @@ from shardledger_cli.cli import (
 from shardledger_cli.commands.plan_entries import entries_from_dir, entries_from_manifest
 from shardledger_cli.output import print_json, progress
 
-# entries_from_manifest stays importable from here: the demo's tests take it from this module.
-__all__ = ["Outcome", "entries_from_manifest", "keep_stored_indexes", "register", "send_plan"]
+__all__ = ["Outcome", "keep_stored_indexes", "register", "send_plan"]
 
 BATCH: Final = 1000
 

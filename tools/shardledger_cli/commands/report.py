@@ -10,12 +10,11 @@ from typing import Any, Final
 from ledger_server.states import QUERY_STATES
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.commands.events import run_events
-from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume, slurm_ranges
+from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume
 from shardledger_cli.commands.shards import run_shards
 from shardledger_cli.output import REASON_KEY, equation, iso_us, print_json, shards, ts_us
 
-# slurm_ranges stays importable from here: the report CLI's tests take it from this module.
-__all__ = ["register", "render_summary", "run_runs", "run_status", "slurm_ranges"]
+__all__ = ["register", "render_summary", "run_runs", "run_status"]
 
 
 HELP: Final = {

@@ -19,9 +19,9 @@ from ledger_server.server import create_server
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.upgrade import stale_runs
 from shard_client import LedgerClient
-from tests.conftest import run_cli
+from tests.builders import run_cli
 
-OLD = Path(__file__).parent / "data" / "ledger-0.1.0.db"
+OLD = Path(__file__).parents[1] / "data" / "ledger-0.1.0.db"
 RUN = "night-0.1.0"
 
 
