@@ -5,7 +5,7 @@ Rules the docs follow, so that this file can run them:
 * ``<!-- include: PATH -->`` before a code block and ``<!-- end include -->``
   after it: the block is PATH's text, byte for byte (``python -m tools.sync_docs``).
 * ``<!-- not run: WHY -->`` on the line before a block: the test skips it.
-* Every other ``bash`` block of docs/tutorial.md runs, in order, in one temp
+* Every other ``bash`` block of docs/tutorial.md (and examples/README.md) runs, in order, in one temp
   directory that holds a copy of ``examples/``, against a fresh ledger whose
   address is in ``$SHARDLEDGER_SERVER``; exports carry from block to block as
   in a reader's shell. One command per line; a line ending in ``# exit N``
@@ -39,6 +39,7 @@ from tools import sync_docs
 REPO: Final = Path(__file__).resolve().parents[1]
 TUTORIAL: Final = REPO / "docs" / "tutorial.md"
 README: Final = REPO / "README.md"
+EXAMPLES_README: Final = REPO / "examples" / "README.md"
 SHELLS: Final = ("bash", "sh", "shell", "console")
 NOT_RUN: Final = re.compile(r"<!-- not run: (?P<why>.+?) -->")
 INCLUDE: Final = re.compile(r"<!-- include: (?P<path>[^ ]+) -->")
@@ -172,7 +173,7 @@ def test_the_tutorial_shows_the_example_job_byte_for_byte() -> None:
 
 def test_every_code_block_a_reader_would_run_is_run_or_says_why_not() -> None:
     reasons = []
-    for doc in (TUTORIAL, README):
+    for doc in (TUTORIAL, README, EXAMPLES_README):
         for block in blocks(doc):
             if block.lang == "python":
                 assert block.include or block.not_run, (
@@ -189,7 +190,7 @@ def test_every_code_block_a_reader_would_run_is_run_or_says_why_not() -> None:
                     f"{block.where()}: one command per line, so each exit status is checked"
                 )
     # The blocks left out are few, and each says why (install, long-running, a sketch).
-    assert len(reasons) <= 8, "\n".join(reasons)
+    assert len(reasons) <= 10, "\n".join(reasons)
     assert len(runnable(TUTORIAL)) >= 6
 
 
@@ -197,15 +198,32 @@ def test_the_tutorial_runs_through_a_hang_a_damaged_file_and_a_rerun_to_100_perc
     reader_shell: Path, tmp_path: Path, server: RunningServer
 ) -> None:
     pytest.importorskip("torch")
-    env = reader_env(tmp_path, server)
+    run_doc(TUTORIAL, reader_shell, reader_env(tmp_path, server), tmp_path)
+    # The end state the tutorial promises, read from the ledger rather than from the text.
+    views = [json.loads(v.view_json) for v in _shards(server)]
+    assert [v["state"] for v in views] == ["verified", "verified"]
+    assert list((reader_shell / "diag").glob("*.hang.txt")), "the hang left no diagnostics"
+
+
+def test_the_examples_readme_runs_a_plain_night_and_a_training_night(
+    reader_shell: Path, tmp_path: Path, server: RunningServer
+) -> None:
+    pytest.importorskip("torch")
+    run_doc(EXAMPLES_README, reader_shell, reader_env(tmp_path, server), tmp_path)
+    views = [json.loads(v.view_json) for v in _shards(server, "night-01")]
+    assert [v["state"] for v in views] == ["verified"] * 4
+
+
+def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Runs a document's shell blocks in order, as a reader's shell would; checks their output."""
     state = tmp_path / "shell-state.sh"
     transcript = []
-    for block in runnable(TUTORIAL):
+    for block in runnable(doc):
         path = tmp_path / f"block-{block.line}.sh"
         path.write_text(script(block, state))
         proc = subprocess.run(
             ["bash", "--noprofile", "--norc", "-o", "pipefail", str(path)],
-            cwd=reader_shell,
+            cwd=cwd,
             env=env,
             capture_output=True,
             text=True,
@@ -217,16 +235,12 @@ def test_the_tutorial_runs_through_a_hang_a_damaged_file_and_a_rerun_to_100_perc
         if block.expected is not None:
             missing = missing_lines(block.expected, output)
             assert not missing, f"{block.where()} did not print {missing}:\n{output}"
-    # The end state the tutorial promises, read from the ledger rather than from the text.
-    views = [json.loads(v.view_json) for v in _shards(server)]
-    assert [v["state"] for v in views] == ["verified", "verified"]
-    assert list((reader_shell / "diag").glob("*.hang.txt")), "the hang left no diagnostics"
 
 
-def _shards(server: RunningServer) -> list[pb.ShardView]:
+def _shards(server: RunningServer, run_id: str = "night-01") -> list[pb.ShardView]:
     client = LedgerClient(f"127.0.0.1:{server.port}")
     try:
-        return list(client.shards("night-01"))
+        return list(client.shards(run_id))
     finally:
         client.close()
 
