@@ -4,6 +4,8 @@
     LINE=$(shardledger plan night-02 --manifest examples/train_jobs.jsonl --dry-run | head -1)
     python examples/torch_train.py --run night-02 --line "$LINE" --out out/
 
+docs/tutorial.md shows this file as it is (a test keeps the two identical).
+
 What the SDK adds to an ordinary training loop:
 
 * every ``checkpoint_every`` steps, ``shard.save_checkpoint`` writes model,
@@ -16,6 +18,7 @@ What the SDK adds to an ordinary training loop:
 * ``shard.progress`` every few steps arms the SDK's hang watchdog: a deadlock
   (no progress for 10 x the step time + 5 min) is diagnosed, recorded as
   failed(timeout) and stopped without any external watchdog;
+  ``--deadlock-at-step N`` makes the data loader hang at step N to see it;
 * on SIGTERM (Slurm's ``--signal``, a spot reclaim), ``shard.stopping`` turns
   true: the loop saves a checkpoint and leaves within ``sigterm_grace``
   seconds; the attempt is recorded as failed(preempted) and the shard lands in
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +55,7 @@ def load_data(path: str, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ w)
 
 
-def train(shard: Shard, line: dict[str, Any], work: Path) -> int:
+def train(shard: Shard, line: dict[str, Any], work: Path, deadlock_at_step: int | None) -> int:
     """Trains from the latest checkpoint; returns the step it resumed from."""
     params = line["params"]
     steps, every = int(params["steps"]), int(params["checkpoint_every"])
@@ -65,6 +69,8 @@ def train(shard: Shard, line: dict[str, Any], work: Path) -> int:
     loaded = shard.load_latest_checkpoint(model=model, optimizer=optimizer)
     start = loaded.step if loaded else 0
     for step in range(start + 1, steps + 1):
+        if step == deadlock_at_step:
+            threading.Event().wait()  # a data loader waiting for a batch that never comes
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -91,7 +97,14 @@ def train(shard: Shard, line: dict[str, Any], work: Path) -> int:
     return start
 
 
-def run_line(ledger: Ledger, run_id: str, line: dict[str, Any], *, out_dir: str) -> None:
+def run_line(
+    ledger: Ledger,
+    run_id: str,
+    line: dict[str, Any],
+    *,
+    out_dir: str,
+    deadlock_at_step: int | None = None,
+) -> None:
     """Runs one shard of the plan line as one attempt."""
     shard_id = line["shard_id"]
     # One directory per run and shard: a new run over the same inputs starts clean.
@@ -107,7 +120,7 @@ def run_line(ledger: Ledger, run_id: str, line: dict[str, Any], *, out_dir: str)
         heartbeat_timeout=120.0,  # stale on the ledger after this long without a beat
         sigterm_grace=30.0,
     ) as shard:
-        resumed = train(shard, line, work)
+        resumed = train(shard, line, work, deadlock_at_step)
         print(f"{shard_id}: resumed from step {resumed}" if resumed else f"{shard_id}: fresh start")
 
 
@@ -118,12 +131,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--line", required=True, help="one plan line (JSON) with its shard_id")
     parser.add_argument("--out", default="out", help="output directory (default: out)")
     parser.add_argument("--server", default=None, help="ledger HOST:PORT ($SHARDLEDGER_SERVER)")
+    parser.add_argument(
+        "--deadlock-at-step", type=int, default=None, help="hang at this step (see the watchdog)"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     with Ledger(args.server) as ledger:
         try:
-            run_line(ledger, args.run, json.loads(args.line), out_dir=args.out)
+            line = json.loads(args.line)
+            run_line(
+                ledger, args.run, line, out_dir=args.out, deadlock_at_step=args.deadlock_at_step
+            )
         except Preempted as exc:
             print(f"preempted: {exc}", file=sys.stderr)
             return EXIT_PREEMPTED
