@@ -33,10 +33,10 @@ import pytest
 from ledger_server.server import RunningServer
 from shard_client import Ledger, LedgerClient
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from tests.conftest import run_cli
+from tests.builders import run_cli
 from tools import sync_docs
 
-REPO: Final = Path(__file__).resolve().parents[1]
+REPO: Final = Path(__file__).resolve().parents[2]
 TUTORIAL: Final = REPO / "docs" / "tutorial.md"
 README: Final = REPO / "README.md"
 EXAMPLES_README: Final = REPO / "examples" / "README.md"
