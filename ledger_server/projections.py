@@ -206,6 +206,8 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         ):
             record.path_heads[p.path] = p.blake3_hex  # other bytes were committed there
         attempt.artifacts[p.name] = (p.path, p.size_bytes, p.blake3_hex)
+        if attempt.first_pass and not first_pass and p.name not in attempt.after_pass:
+            attempt.after_pass.append(p.name)  # the first pass never saw this commit
         attempt.verdicts.pop(p.name, None)  # a new commit is unverified until verified itself
         group = f"{p.name}\x00{attempt.fingerprint_digest}"
         digests = record.commit_digests.setdefault(group, [])
@@ -217,6 +219,7 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
     elif isinstance(p, AttemptFailed):
         attempt.failed_tag = p.tag
         attempt.failed_message = p.message
+        attempt.failed_after_pass = attempt.first_pass and not first_pass
         record.failures.append(p.tag)
 
 

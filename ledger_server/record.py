@@ -45,6 +45,10 @@ class Attempt:
     verdicts: dict[str, tuple[str, str]] = field(default_factory=dict)
     # Started while the run's first pass was open (before the run's first verdict).
     first_pass: bool = True
+    # Names whose current commit, and whether its failure, reached the ledger after the
+    # first pass closed (drained late from a spool): the first pass did not see them.
+    after_pass: list[str] = field(default_factory=list)
+    failed_after_pass: bool = False
     # The first step at which a metric was reported NaN or infinite, and which metrics.
     numeric_step: int = -1
     numeric_metrics: list[str] = field(default_factory=list)
@@ -159,6 +163,10 @@ def _attempt_json(a: Attempt) -> dict[str, Any]:
         out["verdicts"] = {n: list(v) for n, v in a.verdicts.items()}
     if not a.first_pass:
         out["first_pass"] = False
+    if a.after_pass:
+        out["after_pass"] = a.after_pass
+    if a.failed_after_pass:
+        out["failed_after_pass"] = True
     if a.numeric_step >= 0:
         out["numeric_step"] = a.numeric_step
         out["numeric_metrics"] = a.numeric_metrics

@@ -35,18 +35,34 @@ def _sound(record: ShardRecord, attempt: Attempt) -> bool:
     )
 
 
+def _seen_in_first_pass(record: ShardRecord, attempt: Attempt) -> bool:
+    """Returns whether the attempt's complete set reached the ledger before its first pass closed.
+
+    A commit drained late from a spool, after the run's first verdict, was not part
+    of the night as first reconciled: the first pass never counts it, whatever a
+    later verify finds, so the first-pass figures stay what they were.
+    """
+    if not is_complete(record, attempt):
+        return False
+    names = required_outputs(record) or tuple(attempt.artifacts)
+    late = attempt.after_pass
+    return not late or (
+        all(n not in late for n in names) if required_outputs(record) else len(late) < len(names)
+    )
+
+
 def _verified(record: ShardRecord, attempt: Attempt) -> bool:
-    """Returns whether the attempt's own commits were all verified as passing."""
-    return is_complete(record, attempt) and all(
+    """Returns whether the attempt's first-pass commits were all verified as passing."""
+    return _seen_in_first_pass(record, attempt) and all(
         v is not None and v[0] == "passed" for v in verdicts_of(record, attempt)
     )
 
 
 def _silent(record: ShardRecord, attempt: Attempt) -> bool:
-    """Returns whether the attempt believed it succeeded and was wrong."""
-    if attempt.failed_tag == FailureTag.INCOMPLETE:
+    """Returns whether the attempt, as the first pass saw it, believed it succeeded and was wrong."""
+    if attempt.failed_tag == FailureTag.INCOMPLETE and not attempt.failed_after_pass:
         return True
-    return is_complete(record, attempt) and any(
+    return _seen_in_first_pass(record, attempt) and any(
         v is not None and v[0] == "failed" for v in verdicts_of(record, attempt)
     )
 

@@ -76,6 +76,9 @@ class MAttempt:
     steps: list[int] = field(default_factory=list)
     first_pass: bool = True
     numeric: dict[str, int] = field(default_factory=dict)  # metric -> first step seen NaN/Inf
+    # What reached the ledger only after the first pass closed: commits by name, the failure.
+    late_names: set[str] = field(default_factory=set)
+    failed_late: bool = False
 
     def warning(self) -> dict[str, Any] | None:
         if not self.numeric:
@@ -132,12 +135,22 @@ class MShard:
         # A result: every output committed and no verdict on them failed (files replaced or not).
         return self.complete(a) and not any(v and v[0] == "failed" for v in self.output_verdicts(a))
 
+    def seen_first(self, a: MAttempt) -> bool:
+        # The first pass judges only the commits that reached the ledger before it closed.
+        outs = a.outputs()
+        if not self.complete(a):
+            return False
+        if self.expected:
+            return not any(n in a.late_names for n in self.expected)
+        return any(n not in a.late_names for n in outs)
+
     def verified_alone(self, a: MAttempt) -> bool:
-        return self.complete(a) and all(v and v[0] == "passed" for v in self.output_verdicts(a))
+        verdicts = self.output_verdicts(a)
+        return self.seen_first(a) and all(v and v[0] == "passed" for v in verdicts)
 
     def silent(self, a: MAttempt) -> bool:
         failing = any(v and v[0] == "failed" for v in self.output_verdicts(a))
-        return a.failed == "incomplete" or (self.complete(a) and failing)
+        return (a.failed == "incomplete" and not a.failed_late) or (self.seen_first(a) and failing)
 
     def first_pass(self) -> str:
         attempts = [a for a in self.attempts.values() if a.first_pass]
@@ -331,10 +344,13 @@ class Model:
                     attempt.numeric[metric] = min(attempt.numeric.get(metric, p.step), p.step)
             elif isinstance(p, ArtifactCommitted):
                 attempt.commits.append((p.name, p.path, p.size_bytes, p.blake3_hex))
+                if attempt.first_pass and self.pass_closed:
+                    attempt.late_names.add(p.name)
                 zombie = e.attempt_id != list(shard.attempts)[-1]
                 shard.commits.append((e.attempt_id, p.name, p.path, p.blake3_hex, zombie))
             elif isinstance(p, AttemptFailed):
                 attempt.failed = p.tag
+                attempt.failed_late = attempt.first_pass and bool(self.pass_closed)
                 shard.failures.append(p.tag)
         self.ids[e.event_id] = e
         self.count += 1
