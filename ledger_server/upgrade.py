@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ledger_server.rebuild import RunRebuild, rebuild_run
+import structlog
+
+from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.record import RECORD_VERSION, record_version
 from ledger_server.store.base import RunRow, Store
+
+log = structlog.get_logger("shardledger.upgrade")
 
 # list_runs pages by recency; a ledger with more runs than this is upgraded in passes.
 _RUNS_PER_PASS = 1_000_000
@@ -35,11 +39,22 @@ def upgrade_projections(
     """Rebuilds every run whose records are older than RECORD_VERSION; returns what it did.
 
     A run rebuilds in one transaction, so an interrupted upgrade leaves each run
-    either as it was or upgraded, and the next start finishes the rest.
+    either as it was or upgraded, and the next start finishes the rest. A run the
+    rebuild must refuse (its chain is broken, or another replica moved it meanwhile)
+    is left as it is and logged: `shardledger db rebuild` names why.
     """
     done = []
     for run in stale_runs(store):
-        result = rebuild_run(store, run, write=True)
+        try:
+            result = rebuild_run(store, run, write=True)
+        except RebuildRefused as exc:
+            log.warning(
+                "projections_upgrade_refused",
+                namespace=run.namespace,
+                run_id=run.run_id,
+                reason=str(exc),
+            )
+            continue
         on_run(result)
         done.append(result)
     return done

@@ -86,3 +86,30 @@ def test_db_migrate_upgrades_old_records_without_a_server(
     assert code == 0 and "consistent" in out
     code, out, _ = run_cli(capsys, "db", "migrate", "--database-url", url, "--json")
     assert json.loads(out)["runs_upgraded"] == []  # nothing left to upgrade
+
+
+def test_a_run_the_upgrade_must_refuse_is_left_as_it_was_and_the_server_still_starts(
+    old_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sqlite3
+
+    import structlog.testing
+
+    # Someone edited a stored row: its chain no longer holds, so no replay may vouch for it.
+    conn = sqlite3.connect(old_db)
+    try:
+        conn.execute("DROP TRIGGER IF EXISTS events_no_update")
+        conn.execute("UPDATE events SET hash = zeroblob(32) WHERE seq = 3")
+        conn.commit()
+    finally:
+        conn.close()
+    with structlog.testing.capture_logs() as logs:
+        running = create_server(ServerConfig(database=str(old_db), listen="127.0.0.1:0"))
+        running.stop(0)
+    refused = [e for e in logs if e["event"] == "projections_upgrade_refused"]
+    assert [e["run_id"] for e in refused] == [RUN]
+    store = SqliteStore(str(old_db))
+    try:
+        assert [r.run_id for r in stale_runs(store)] == [RUN]  # nothing was rewritten
+    finally:
+        store.close()
