@@ -8,7 +8,7 @@ parse of its stored record.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
 from ledger_server import projections as proj
@@ -59,7 +59,7 @@ class _BatchState:
     runs: dict[tuple[str, str], RunRow]
     records: dict[tuple[int, str], ShardRecord]
     # event_id -> (canonical content, result) of the events earlier in this batch.
-    in_batch: dict[str, tuple[str, AppendResult]] = field(default_factory=dict)
+    in_batch: dict[str, tuple[Event, str, AppendResult]] = field(default_factory=dict)
     # Shards whose row changes, and those of them that need more than a heartbeat touch.
     dirty: set[tuple[int, str]] = field(default_factory=set)
     full: set[tuple[int, str]] = field(default_factory=set)
@@ -69,6 +69,20 @@ class _BatchState:
     heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
     # run_pk -> the global sequence that closed the run's first pass (0: still open).
     pass_closed: dict[int, int] = field(default_factory=dict)
+
+
+def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
+    """Returns whether a resent event says what the first one said.
+
+    An event's identity is its content without client_time: the client clock is
+    informative only, so a retry that rebuilt the event with a new timestamp is
+    the same event (DUPLICATE, the original sequence), not a reused id.
+    """
+    if content == first_content:
+        return True
+    if event.client_time_us == first.client_time_us:
+        return False
+    return replace(event, client_time_us=first.client_time_us).content_json() == first_content
 
 
 class BatchFolder:
@@ -178,7 +192,7 @@ class BatchFolder:
                 result = self._apply_one(tx, event, content, state, receive_us)
             except LedgerError as exc:
                 raise EventRejected(index, exc) from None
-            state.in_batch.setdefault(event.event_id, (content, result))
+            state.in_batch.setdefault(event.event_id, (event, content, result))
             results.append(result)
         for shard_key in state.dirty:
             record = records[shard_key]
@@ -214,8 +228,8 @@ class BatchFolder:
         self, tx: WriteTx, event: Event, content: str, state: _BatchState, receive_us: int
     ) -> AppendResult:
         if event.event_id in state.in_batch:
-            earlier_content, earlier = state.in_batch[event.event_id]
-            if earlier_content != content:
+            earlier_event, earlier_content, earlier = state.in_batch[event.event_id]
+            if not same_meaning(earlier_event, earlier_content, event, content):
                 raise EventIdReused(
                     f"event_id {event.event_id} is used twice in this batch with different content",
                     event_id=event.event_id,
@@ -231,7 +245,7 @@ class BatchFolder:
                     f"event_id {event.event_id} is already used: choose another",
                     event_id=event.event_id,
                 )
-            if first.content_json() != content:
+            if not same_meaning(first, first.content_json(), event, content):
                 raise EventIdReused(
                     f"event_id {event.event_id} was stored at sequence {original.sequence}"
                     " with different content",

@@ -27,7 +27,7 @@ from ledger_server.store.base import StoreError
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from shard_client.errors import Conflict, InvalidArgument, LifecycleError, NotFound
+from shard_client.errors import Conflict, InvalidArgument, LedgerRejected, LifecycleError, NotFound
 from tests.builders import DIGEST_A, DIGEST_B, committed, event, planned, started
 
 
@@ -87,6 +87,40 @@ def test_append_with_reused_event_id_returns_original_sequence(
     assert [r.sequence for r in again] == [r.sequence for r in first]
     assert [r.outcome for r in again] == [pb.APPEND_OUTCOME_DUPLICATE] * 2
     assert _event_count(db_path) == 2
+
+
+def test_a_retry_rebuilt_with_a_new_client_time_is_the_same_event(
+    client: LedgerClient, db_path: Path
+) -> None:
+    first = client.append([planned(), started()])
+    resent = started()
+    resent.event_id = first[1].event_id
+    resent.client_time.FromSeconds(1_700_000_000)  # the retry stamped the event anew
+    again = client.append([resent])
+    assert [(r.sequence, r.outcome) for r in again] == [
+        (first[1].sequence, pb.APPEND_OUTCOME_DUPLICATE)
+    ]
+    # Twice in one batch, with two timestamps: also one event.
+    twin = started(attempt_id="att-2")
+    later = started(attempt_id="att-2")
+    later.event_id = twin.event_id
+    later.client_time.FromSeconds(1_700_000_001)
+    pair = client.append([twin, later])
+    assert [r.outcome for r in pair] == [pb.APPEND_OUTCOME_APPENDED, pb.APPEND_OUTCOME_DUPLICATE]
+    assert pair[0].sequence == pair[1].sequence
+    assert _event_count(db_path) == 3
+
+
+def test_a_resent_id_with_other_content_is_still_refused_whatever_its_client_time(
+    client: LedgerClient,
+) -> None:
+    first = client.append([planned(), started()])
+    other = started(timeout_s=99)
+    other.event_id = first[1].event_id
+    other.client_time.FromSeconds(1_700_000_000)
+    with pytest.raises(LedgerRejected) as refused:
+        client.append([other])
+    assert refused.value.reason == "EVENT_ID_REUSED"
 
 
 def test_idempotent_retry_survives_a_server_restart(db_path: Path) -> None:
