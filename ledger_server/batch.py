@@ -234,6 +234,8 @@ class BatchFolder:
                     f"event_id {event.event_id} is used twice in this batch with different content",
                     event_id=event.event_id,
                 )
+            if earlier.outcome == ALREADY_PLANNED:
+                return earlier  # nothing was stored under this id: the plan already was
             return AppendResult(event.event_id, earlier.sequence, DUPLICATE)
         if event.event_id in state.stored:
             original = state.stored[event.event_id]

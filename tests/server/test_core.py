@@ -148,6 +148,18 @@ def test_identical_replan_is_acknowledged_without_a_new_row(
     assert _event_count(db_path) == 1
 
 
+def test_an_identical_replan_sent_twice_in_one_batch_is_already_planned_both_times(
+    client: LedgerClient, db_path: Path
+) -> None:
+    first = client.append([planned()])
+    replan = planned()  # a new id, the same definition; nothing is stored under it
+    outcomes = client.append([replan, replan])
+    assert [(r.outcome, r.sequence) for r in outcomes] == [
+        (pb.APPEND_OUTCOME_ALREADY_PLANNED, first[0].sequence)
+    ] * 2
+    assert _event_count(db_path) == 1
+
+
 def test_replan_with_another_line_or_index_keeps_the_first(client: LedgerClient) -> None:
     first = planned()
     first.planned.plan_line = '{"cmd": "first"}'
