@@ -21,7 +21,7 @@ from ledger_server.errors import (
 from ledger_server.events import Event, RecordedEvent
 from ledger_server.record import record_from_row
 from ledger_server.states import QUERY_STATES, stored_states
-from ledger_server.store.base import RunRow, Store
+from ledger_server.store.base import RunRow, ShardRow, Store
 from ledger_server.summary import matches, run_summary, shard_view
 from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
 
@@ -144,23 +144,43 @@ class LedgerService:
         now: int | None = None,
     ) -> tuple[list[dict[str, Any]], tuple[int, str] | None]:
         """Returns a page of shard views (optionally one state) and the cursor for the next."""
+        out: list[dict[str, Any]] = []
+        for cursor, view in self.iter_shards(namespace, run_id, state=state, after=after, now=now):
+            out.append(view)
+            if len(out) >= limit:
+                return out, cursor
+        return out, None
+
+    def iter_shards(
+        self,
+        namespace: str,
+        run_id: str,
+        *,
+        state: str = "",
+        after: tuple[int, str] | None = None,
+        now: int | None = None,
+    ) -> Iterator[tuple[tuple[int, str], dict[str, Any]]]:
+        """Yields (cursor, view) of the run's shards (optionally one state) in plan order."""
+        # Checked eagerly, so a bad state or run fails before the caller reads anything.
         if state and state not in QUERY_STATES:
             raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES))
         run = self.run(namespace, run_id)
         at = self.clock() if now is None else now
-        sql_states = stored_states(state)
-        out: list[dict[str, Any]] = []
-        cursor: tuple[int, str] | None = None
-        for row in self.store.read().iter_shards(run.run_pk, states=sql_states, after_index=after):
+        rows = self.store.read().iter_shards(
+            run.run_pk, states=stored_states(state), after_index=after
+        )
+        return self._views(rows, state, at)
+
+    @staticmethod
+    def _views(
+        rows: Iterator[ShardRow], state: str, at: int
+    ) -> Iterator[tuple[tuple[int, str], dict[str, Any]]]:
+        for row in rows:
             assert row.record is not None
             record = record_from_row(row.record, row.beat_us, row.beat_step)
-            cursor = (row.plan_index, row.shard_id)
             if state and not matches(record, state, at):
                 continue
-            out.append(shard_view(record, at))
-            if len(out) >= limit:
-                return out, cursor
-        return out, None
+            yield (row.plan_index, row.shard_id), shard_view(record, at)
 
     def resume(
         self, namespace: str, run_id: str, *, now: int | None = None

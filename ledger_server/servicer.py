@@ -25,6 +25,12 @@ from shard_client.canonical import canonical_json
 
 MAX_PAGE_SIZE: Final = 5000
 RESUME_CHUNK: Final = 1000
+# Bytes of entries in one read response or stream message: a quarter of the 16 MiB message
+# limit, so a page of maximal events (64 KiB each) ends early instead of failing the call.
+READ_BUDGET_BYTES: Final = 4 * 1024 * 1024
+# Events read from the store per step while a ListEvents page fills: a page that stops at
+# the byte budget never holds thousands of large rows in memory.
+_EVENTS_PER_READ: Final = 256
 TAIL_POLL_S: Final = 1.0
 
 
@@ -49,6 +55,34 @@ def _int64(value: Any) -> int:
     if not -(2**63) <= number < 2**63:
         raise ValueError("outside the 64-bit range")
     return number
+
+
+def entry_bytes(message: Any) -> int:
+    """Returns the bytes a message takes as one element of a repeated field: tag, length, body."""
+    size = int(message.ByteSize())
+    return size + 1 + (size.bit_length() + 6) // 7
+
+
+class BytePage:
+    """Counts the entries of one response against the count limit and the byte budget."""
+
+    __slots__ = ("bytes", "count", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.bytes = 0
+
+    def admits(self, size: int) -> bool:
+        """Returns whether an entry of size bytes fits; the first entry always does."""
+        return self.count < self.limit and (
+            not self.count or self.bytes + size <= READ_BUDGET_BYTES
+        )
+
+    def add(self, size: int) -> None:
+        """Counts one entry of size bytes."""
+        self.count += 1
+        self.bytes += size
 
 
 def _page_size(value: int) -> int:
@@ -122,12 +156,28 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     after = _int64(_untoken(request.page_token))
                 except (TypeError, ValueError):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
-            size = _page_size(request.page_size)
-            events = self.ledger.list_events(ns, request.run_id, after_sequence=after, limit=size)
-            token = _token(events[-1].sequence) if len(events) == size else ""
-            return pb.ListEventsResponse(
-                events=[codec.encode_recorded(e) for e in events], next_page_token=token
-            )
+            page = BytePage(_page_size(request.page_size))
+            response = pb.ListEventsResponse()
+            full = False
+            while not full:
+                want = min(page.limit - page.count, _EVENTS_PER_READ)
+                rows = self.ledger.list_events(ns, request.run_id, after_sequence=after, limit=want)
+                for rec in rows:
+                    msg = codec.encode_recorded(rec)
+                    size = entry_bytes(msg)
+                    if not page.admits(size):
+                        full = True
+                        break
+                    response.events.append(msg)
+                    page.add(size)
+                    after = rec.sequence
+                # A short read is the end of the run; a full page may have more after it.
+                if len(rows) < want:
+                    break
+                full = full or page.count >= page.limit
+            if full:
+                response.next_page_token = _token(after)
+            return response
 
     def TailEvents(
         self, request: pb.TailEventsRequest, context: grpc.ServicerContext
@@ -193,22 +243,29 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 except (TypeError, ValueError, InvalidEvent):
                     raise InvalidEvent("page_token", "is not a token this server issued") from None
             ns = self._scope(context, READ, request.namespace, request.run_id)
-            views, cursor = self.ledger.shards(
-                ns,
-                request.run_id,
-                state=request.state,
-                after=after,
-                limit=_page_size(request.page_size),
-            )
-            return pb.ListShardsResponse(
-                shards=[
-                    pb.ShardView(
-                        shard_id=v["shard_id"], state=v["state"], view_json=canonical_json(v)
-                    )
-                    for v in views
-                ],
-                next_page_token=_token(list(cursor)) if cursor else "",
-            )
+            page = BytePage(_page_size(request.page_size))
+            response = pb.ListShardsResponse()
+            last: tuple[int, str] | None = None
+            full = False
+            for cursor, v in self.ledger.iter_shards(
+                ns, request.run_id, state=request.state, after=after
+            ):
+                msg = pb.ShardView(
+                    shard_id=v["shard_id"], state=v["state"], view_json=canonical_json(v)
+                )
+                size = entry_bytes(msg)
+                if not page.admits(size):
+                    full = True
+                    break
+                response.shards.append(msg)
+                page.add(size)
+                last = cursor
+                if page.count >= page.limit:
+                    full = True
+                    break
+            if full and last is not None:
+                response.next_page_token = _token(list(last))
+            return response
 
     def StreamResumeList(
         self, request: pb.StreamResumeListRequest, context: grpc.ServicerContext
@@ -219,17 +276,25 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         # Entries are added in place: building them separately and passing a list would
         # copy every message once more (a third of the cost per line at a million shards).
         response = pb.StreamResumeListResponse()
-        add = response.entries.add
-        count = 0
+        entries = response.entries
+        page = BytePage(RESUME_CHUNK)
         # The rows are read lazily: the database can go away mid-stream.
         with abort_on_error(context):
             for shard_id, plan_index, plan_line, reason in rows:
-                add(shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index)
-                count += 1
-                if count >= RESUME_CHUNK:
+                entry = entries.add(
+                    shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index
+                )
+                size = entry_bytes(entry)
+                if not page.admits(size):
+                    # Measured in place: the entry moves to the next message, the full one goes.
+                    del entries[-1]
                     yield response
                     response = pb.StreamResumeListResponse()
-                    add = response.entries.add
-                    count = 0
-        if count:
+                    entries = response.entries
+                    page = BytePage(RESUME_CHUNK)
+                    entries.add(
+                        shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index
+                    )
+                page.add(size)
+        if page.count:
             yield response
