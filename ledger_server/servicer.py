@@ -277,24 +277,29 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         # copy every message once more (a third of the cost per line at a million shards).
         response = pb.StreamResumeListResponse()
         entries = response.entries
-        page = BytePage(RESUME_CHUNK)
+        add = entries.add
+        count = used = 0
         # The rows are read lazily: the database can go away mid-stream.
         with abort_on_error(context):
             for shard_id, plan_index, plan_line, reason in rows:
-                entry = entries.add(
-                    shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index
+                # Measured once added, inline: a resume list can have a million entries.
+                size = entry_bytes(
+                    add(
+                        shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index
+                    )
                 )
-                size = entry_bytes(entry)
-                if not page.admits(size):
-                    # Measured in place: the entry moves to the next message, the full one goes.
+                if count and (count >= RESUME_CHUNK or used + size > READ_BUDGET_BYTES):
+                    # The entry moves to the next message; the full one goes as it was.
                     del entries[-1]
                     yield response
                     response = pb.StreamResumeListResponse()
                     entries = response.entries
-                    page = BytePage(RESUME_CHUNK)
-                    entries.add(
+                    add = entries.add
+                    add(
                         shard_id=shard_id, plan_line=plan_line, reason=reason, plan_index=plan_index
                     )
-                page.add(size)
-        if page.count:
+                    count = used = 0
+                count += 1
+                used += size
+        if count:
             yield response
