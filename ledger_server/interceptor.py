@@ -1,4 +1,9 @@
-"""The server interceptor: authenticates tokens, logs one line per request, counts rejections."""
+"""The server interceptor: authenticates tokens, logs one line per request, counts rejections.
+
+Every method it serves, the framework services (health, reflection) included, parses
+its request bytes leniently: bytes that are not a message get INVALID_ARGUMENT
+MALFORMED_REQUEST, never gRPC's own INTERNAL "Exception deserializing request!".
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Final
 
@@ -57,6 +62,13 @@ def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
         context.abort_with_status(rich_status(MalformedRequest()))
 
 
+def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    """Yields a client stream's requests, ending the call at the first malformed one."""
+    for request in requests:
+        _refuse_malformed(request, context)
+        yield request
+
+
 class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Authenticates (when tokens are required), logs and counts every request."""
 
@@ -92,8 +104,10 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
         method: str = details.method
-        if handler is None or method.startswith(OPEN_PREFIXES):
-            return handler
+        if handler is None:
+            return None
+        if method.startswith(OPEN_PREFIXES):
+            return _tolerant(handler)
         principal: Principal | None = None
         failure: Unauthenticated | None = None
         if self.tokens is not None:
@@ -187,3 +201,49 @@ def _wrap(handler: Any, make: Callable[[Callable[..., Any], bool], Callable[...,
             response_serializer=handler.response_serializer,
         )
     return handler
+
+
+def _tolerant(handler: Any) -> Any:
+    """Returns an open (framework) method's handler, parsing leniently and refusing garbage."""
+    deserializer = _lenient(handler.request_deserializer)
+    serializer = handler.response_serializer
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+            _refuse_malformed(request, context)
+            return unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
+    if handler.unary_stream is not None:
+        server_stream = handler.unary_stream
+
+        def unary_stream(
+            request: Any,
+            context: grpc.ServicerContext,
+            send_response_callback: Callable[[Any], None] | None = None,
+        ) -> Any:
+            _refuse_malformed(request, context)
+            if send_response_callback is None:
+                return server_stream(request, context)
+            return server_stream(request, context, send_response_callback)
+
+        # Health's Watch answers through a callback and holds no worker thread while
+        # it waits; grpcio looks for these markers on the behaviour it is given.
+        for marker in ("experimental_non_blocking", "experimental_thread_pool"):
+            if hasattr(server_stream, marker):
+                setattr(unary_stream, marker, getattr(server_stream, marker))
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
+    if handler.stream_unary is not None:
+        client_stream = handler.stream_unary
+
+        def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return client_stream(_checked(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
+    bidi = handler.stream_stream
+
+    def stream_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        yield from bidi(_checked(requests, context), context)
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, serializer)

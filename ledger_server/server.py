@@ -16,9 +16,9 @@ import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ledger_server.config import ServerConfig, default_key_path
+from ledger_server.framework import LedgerHealth, enable_reflection
 from ledger_server.interceptor import RequestInterceptor
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
 from ledger_server.rebuild import RunRebuild
@@ -156,15 +156,11 @@ def _start(
     )
     servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor, metrics=metrics)
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = LedgerHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
-        names = (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(names, server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        enable_reflection((SERVICE_NAME, health_name), server)
     port = _bind(server, config.listen, credentials)
     server.start()
     metrics_http, metrics_port = None, None
