@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ledger_server.store import sqlite_sql as q
 from ledger_server.store.base import StoreError, StoreSyncFailed, TokenRow, WriterBusy
-from ledger_server.store.sqlite_tx import SqliteReadView, SqliteWriteTx, translate
+from ledger_server.store.sqlite_errors import translate
+from ledger_server.store.sqlite_tx import SqliteReadView, SqliteWriteTx
 
 
 def _require_file(path: str) -> None:

@@ -169,12 +169,12 @@ def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix(
     db = tmp_path / "ledger.db"
     _serve(db).stop(0.5)
     db.chmod(0o444)
-    with pytest.raises(StartupError, match="ledger file is read-only.*chmod u\\+rw"):
+    with pytest.raises(StartupError, match=r"ledger file is read-only.*chmod u\+rw"):
         open_database(str(db))
     db.chmod(0o644)
     tmp_path.chmod(0o555)
     try:
-        with pytest.raises(StartupError, match="directory .* is read-only.*-wal"):
+        with pytest.raises(StartupError, match=r"directory .* is read-only.*-wal"):
             open_database(str(db))
     finally:
         tmp_path.chmod(0o755)
@@ -183,8 +183,8 @@ def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix(
 def _fail_commit(code: int, name: str) -> object:
     def commit(self: SqliteStore, conn: sqlite3.Connection) -> None:
         exc = sqlite3.OperationalError("injected")
-        exc.sqlite_errorcode = code  # type: ignore[attr-defined]
-        exc.sqlite_errorname = name  # type: ignore[attr-defined]
+        exc.sqlite_errorcode = code
+        exc.sqlite_errorname = name
         raise exc
 
     return commit
