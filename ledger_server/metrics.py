@@ -18,13 +18,13 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from ledger_server.config import split_listen
 from ledger_server.errors import LedgerError
@@ -34,6 +34,7 @@ from ledger_server.store.base import StoreError
 
 __all__ = [
     "REJECT_REASONS",
+    "STORE_FAULTS",
     "LedgerMetrics",
     "bind_address",
     "start_metrics_server",
@@ -42,6 +43,11 @@ __all__ = [
 
 log = structlog.get_logger("shardledger.metrics")
 
+# Every kind of storage fault (store.base: StoreError and its subclasses' reasons).
+STORE_FAULTS: Final = (
+    *("STORE_UNAVAILABLE", "STORE_FULL", "STORE_IO_ERROR"),
+    *("STORE_READ_ONLY", "STORE_CORRUPT", "STORE_SYNC_FAILED"),
+)
 # Every ErrorInfo reason the server can refuse with (ledger, store and auth).
 # Anything else is counted as OTHER, so a new reason can never grow the label set.
 REJECT_REASONS: Final = (
@@ -49,7 +55,7 @@ REJECT_REASONS: Final = (
     # LIFECYCLE_VIOLATION and its precise variants (projections.check_lifecycle).
     *("LIFECYCLE_VIOLATION", "SHARD_NOT_PLANNED", "ATTEMPT_ALREADY_STARTED"),
     *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED"),
-    *("LEDGER_ERROR", "SHUTTING_DOWN", "STORE_UNAVAILABLE", "RESOURCE_EXHAUSTED"),
+    *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
     # Authentication and authorization refusals (auth.py), counted per call.
     *("TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_INVALID", "TOKEN_REVOKED", "TOKEN_EXPIRED"),
@@ -110,10 +116,26 @@ class LedgerMetrics:
         self.group_events = sizes(
             "shardledger_group_commit_events", "Events committed by one group commit."
         )
+        self.store_write_errors = Counter(
+            "shardledger_store_write_errors",
+            "Appends whose write transaction failed in the store, by kind of fault.",
+            ["kind"],
+            registry=r,
+        )
+        self.store_writable = Gauge(
+            "shardledger_store_writable",
+            "1 while the latest write transaction committed, 0 since one failed.",
+            registry=r,
+        )
+        self.store_writable.set(1)
+        # Called with the store error of a failed append, or None after one that committed.
+        self.on_store_write: Callable[[StoreError | None], None] | None = None
         # Every reason is exported from the start, so rate() sees 0 and not an absent series.
         for reason in REJECT_REASONS:
             self.events_rejected.labels(reason)
             self.calls_rejected.labels(reason)
+        for kind in STORE_FAULTS:
+            self.store_write_errors.labels(kind)
         # Bound once: labels() takes a lock and builds a key on every call of the hot path.
         self._append_ok = self.append_seconds.labels("ok")
         self._append_rejected = self.append_seconds.labels("rejected")
@@ -134,11 +156,24 @@ class LedgerMetrics:
         start = time.perf_counter()
         try:
             yield
-        except (LedgerError, StoreError) as exc:
-            reason = exc.reason if isinstance(exc, LedgerError) else "STORE_UNAVAILABLE"
-            self.observe_append(time.perf_counter() - start, events, reason)
+        except StoreError as exc:
+            self.observe_append(time.perf_counter() - start, events, exc.reason)
+            self.observe_store_write(exc)
+            raise
+        except LedgerError as exc:
+            self.observe_append(time.perf_counter() - start, events, exc.reason)
             raise
         self.observe_append(time.perf_counter() - start, events, None)
+        self.observe_store_write(None)
+
+    def observe_store_write(self, error: StoreError | None) -> None:
+        """Records whether an append's write transaction committed (None) or failed."""
+        if error is not None:
+            kind = error.reason if error.reason in STORE_FAULTS else "STORE_UNAVAILABLE"
+            self.store_write_errors.labels(kind).inc()
+        self.store_writable.set(0 if error is not None else 1)
+        if self.on_store_write is not None:
+            self.on_store_write(error)
 
     def observe_group(self, jobs: int, events: int) -> None:
         """Records one group commit of jobs batches holding events events."""

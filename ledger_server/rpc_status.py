@@ -48,6 +48,10 @@ ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
 def code_for(exc: Exception) -> grpc.StatusCode:
     """Returns the gRPC code of a domain error."""
     cause = exc.cause if isinstance(exc, EventRejected) else exc
+    if isinstance(cause, StoreError) and cause.permanent:
+        # Waiting cannot fix a read-only or damaged file: clients stop retrying and keep
+        # their events (the SDK spools them) until an operator acts.
+        return grpc.StatusCode.FAILED_PRECONDITION
     for cls, code in ERROR_CODES:
         if isinstance(cause, cls):
             return code
@@ -57,7 +61,7 @@ def code_for(exc: Exception) -> grpc.StatusCode:
 def rich_status(exc: LedgerError | StoreError) -> grpc.Status:
     """Returns a google.rpc.Status with ErrorInfo (and BadRequest for a bad field)."""
     code = code_for(exc)
-    reason = exc.reason if isinstance(exc, LedgerError) else "STORE_UNAVAILABLE"
+    reason = exc.reason
     metadata = exc.metadata if isinstance(exc, LedgerError) else {}
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))

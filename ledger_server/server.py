@@ -37,6 +37,7 @@ from ledger_server.startup import (
 )
 from ledger_server.store.base import StoreError
 from ledger_server.store.urls import redact_url
+from ledger_server.store_health import StoreHealth
 from ledger_server.upgrade import upgrade_projections
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -177,6 +178,7 @@ def _start(
             ) from None
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics.on_store_write = StoreHealth(health_servicer, ("", SERVICE_NAME)).observe
     log.info(
         "server_started",
         listen=config.listen,

@@ -149,15 +149,69 @@ def open_database(database: str) -> Store:
             f"--db {shown}: the directory {parent} does not exist; create it first"
             f" (mkdir -p {shlex.quote(parent)}) or correct the path"
         )
+    if path not in (None, ":memory:"):
+        _require_writable(path, shown)
     try:
         return open_store(database)
     except ValueError as exc:
         raise StartupError(f"--database-url: {exc}", usage=True) from None
     except StoreError as exc:
+        if path is None:
+            hint = (
+                "is PostgreSQL running and accepting connections at that host and port"
+                " (a database still starting up refuses them), with that user, password"
+                " and database?"
+            )
+        elif exc.reason == "STORE_UNAVAILABLE":
+            hint = "give a ledger file, or a new path to create one"
+        else:  # the message already names the fault and the fix
+            hint = ""
         raise StartupError(
-            f"cannot open the database {shown} (--db/--database-url): {exc};"
-            " give a ledger file, or a new path to create one"
+            f"cannot open the database {shown} (--db/--database-url): {exc}"
+            + (f"; {hint}" if hint else "")
         ) from None
+
+
+def _require_writable(path: str, shown: str) -> None:
+    """Raises StartupError when the server could read the ledger but not append to it.
+
+    SQLite opens a file it may not write read-only without a word, and every append
+    would then fail: a server that cannot write must not start and say SERVING.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        mode = _mode(path)
+        raise StartupError(
+            f"--db {shown}: the ledger file is read-only for this user ({mode}), and the"
+            f" server appends to it: give it write access (chmod u+rw {shlex.quote(path)},"
+            " or chown it to the server's user), or remount its file system read-write"
+        )
+    for suffix in ("-wal", "-shm"):
+        side = path + suffix
+        if os.path.exists(side) and not os.access(side, os.R_OK | os.W_OK):
+            raise StartupError(
+                f"--db {shown}: SQLite's {suffix} file {side} is read-only for this user"
+                f" ({_mode(side)}): give it the same owner and mode as the ledger file"
+            )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StartupError(
+            f"--db {shown}: the directory {directory} is read-only for this user"
+            f" ({_mode(directory)}); SQLite creates the ledger's -wal, -shm (and -lock)"
+            " files beside it: give this user write access to the directory"
+            " (or remount its file system read-write)"
+        )
+
+
+def _mode(path: str) -> str:
+    """Returns 'mode 0444, owner uid 1000' for path, or why it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    read_only = os.statvfs(path).f_flag & os.ST_RDONLY
+    return f"mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}" + (
+        ", on a read-only file system" if read_only else ""
+    )
 
 
 def existing_signing_key(path: str) -> SigningKey | None:

@@ -22,6 +22,7 @@ from shard_client.errors import (
     LedgerUnavailable,
     Overloaded,
     PermissionDenied,
+    StoreFault,
 )
 
 __all__ = ["MAX_BATCH_BYTES", "MAX_BATCH_EVENTS", "Result", "deliver"]
@@ -30,7 +31,7 @@ MAX_BATCH_EVENTS: Final = 500
 # Well under the 16 MiB message limit whatever the events weigh (each is <= 64 KiB).
 MAX_BATCH_BYTES: Final = 4 * 1024 * 1024
 # Refusals that say nothing about the event itself: keep it and try again later.
-_TRANSIENT: Final = (LedgerUnavailable, Overloaded, PermissionDenied)
+_TRANSIENT: Final = (LedgerUnavailable, Overloaded, PermissionDenied, StoreFault)
 
 Result = pb.AppendResult | LedgerRejected
 

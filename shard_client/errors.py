@@ -7,6 +7,7 @@ LedgerClientError
     ├── NotFound               NOT_FOUND: e.g. RUN_NOT_FOUND
     ├── Conflict               ALREADY_EXISTS: EVENT_ID_REUSED, PLAN_CONFLICT
     ├── LifecycleError         FAILED_PRECONDITION: the shard's life cycle forbids it
+    ├── StoreFault             FAILED_PRECONDITION STORE_*: the ledger cannot write (kept, not refused)
     ├── PermissionDenied       UNAUTHENTICATED / PERMISSION_DENIED
     └── Overloaded             RESOURCE_EXHAUSTED
 """
@@ -61,6 +62,14 @@ class LifecycleError(LedgerRejected):
     """The shard's life cycle does not allow the event."""
 
 
+class StoreFault(LedgerRejected):
+    """The ledger cannot write (a read-only or damaged store) until an operator acts.
+
+    Says nothing about the events: the sender keeps them (spools) instead of recording
+    them as refused, and does not retry in a tight loop.
+    """
+
+
 class PermissionDenied(LedgerRejected):
     """The caller is not authenticated or not allowed."""
 
@@ -96,4 +105,6 @@ def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
                 detail.Unpack(info)
                 reason, metadata = info.reason, dict(info.metadata)
     cls = _BY_CODE.get(code, LedgerRejected)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and reason.startswith("STORE_"):
+        cls = StoreFault
     return cls(message or code.name, code=code, reason=reason, metadata=metadata)

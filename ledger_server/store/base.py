@@ -9,7 +9,54 @@ from typing import NamedTuple, Protocol
 
 
 class StoreError(Exception):
-    """A backend failure (I/O, corruption, lost connection); never a domain error."""
+    """A backend failure (I/O, corruption, lost connection); never a domain error.
+
+    ``reason`` is the ErrorInfo reason a caller sees; ``permanent`` says whether waiting
+    can help: a transient fault (a full disk, a database restarting) answers UNAVAILABLE
+    and clears by itself, a permanent one (a read-only file) answers FAILED_PRECONDITION
+    until an operator acts, so clients stop retrying and keep their events.
+    """
+
+    reason: str = "STORE_UNAVAILABLE"
+    permanent: bool = False
+
+
+class StoreFull(StoreError):
+    """The disk (or a file size limit) is full; writes succeed again once space is freed."""
+
+    reason = "STORE_FULL"
+
+
+class StoreIOError(StoreError):
+    """A read or write failed at the operating system (EIO, a file size limit)."""
+
+    reason = "STORE_IO_ERROR"
+
+
+class StoreReadOnly(StoreError):
+    """The ledger's file, directory or file system refuses writes (mode, owner, a ro mount)."""
+
+    reason = "STORE_READ_ONLY"
+    permanent = True
+
+
+class StoreCorrupt(StoreError):
+    """The database file is damaged or is not a database."""
+
+    reason = "STORE_CORRUPT"
+    permanent = True
+
+
+class StoreSyncFailed(StoreError):
+    """An fsync failed: the store stops writing until a restart recovers from what is on disk.
+
+    After a failed fsync the kernel may have dropped the dirty pages and cleared the
+    error, so a retried fsync "succeeds" without the data (PostgreSQL's "fsyncgate",
+    2018; it now PANICs instead). Nothing more is acknowledged on top of such a file.
+    """
+
+    reason = "STORE_SYNC_FAILED"
+    permanent = True
 
 
 class ConcurrentWriteError(StoreError):

@@ -18,9 +18,13 @@ from ledger_server.store.base import (
     ImmutableRowError,
     RunRow,
     ShardRow,
+    StoreCorrupt,
     StoredEvent,
     StoredShard,
     StoreError,
+    StoreFull,
+    StoreIOError,
+    StoreReadOnly,
 )
 
 Conn = psycopg.Connection[TupleRow]
@@ -41,7 +45,25 @@ def translate(exc: psycopg.Error) -> StoreError:
         return ImmutableRowError(message)
     if isinstance(exc, _RETRYABLE):
         return ConcurrentWriteError(f"{type(exc).__name__}: {message}")
+    kind = _KINDS.get(exc.sqlstate or "")
+    if kind is not None:
+        cls, advice = kind
+        return cls(f"PostgreSQL: {message} ({exc.sqlstate}); {advice}")
     return StoreError(f"{type(exc).__name__}: {message}")
+
+
+# SQLSTATEs that name a storage fault, with what the operator does about it.
+_KINDS: Final[dict[str, tuple[type[StoreError], str]]] = {
+    "53100": (StoreFull, "free space on the database server's disk; writes resume by themselves"),
+    "25006": (
+        StoreReadOnly,
+        "the database is a read-only standby (or default_transaction_read_only is on):"
+        " point --database-url at the primary",
+    ),
+    "58030": (StoreIOError, "check the database server's disk and its log"),
+    "XX001": (StoreCorrupt, "restore the database from a backup (docs/operations.md)"),
+    "XX002": (StoreCorrupt, "REINDEX the damaged index, or restore from a backup"),
+}
 
 
 @contextmanager

@@ -12,8 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ledger_server.store import sqlite_sql as q
-from ledger_server.store.base import StoreError, TokenRow, WriterBusy
-from ledger_server.store.sqlite_tx import SqliteReadView, SqliteWriteTx, translate
+from ledger_server.store.base import StoreError, StoreSyncFailed, TokenRow, WriterBusy
+from ledger_server.store.sqlite_errors import translate
+from ledger_server.store.sqlite_tx import SqliteReadView, SqliteWriteTx
 
 
 def _require_file(path: str) -> None:
@@ -64,6 +65,8 @@ class SqliteStore:
         self._writer = self._connect()
         self._write_lock = threading.Lock()
         self._claim: int | None = None
+        # Set by a failed fsync: every later write raises it (see _commit).
+        self._sync_failed: StoreSyncFailed | None = None
         self._migrate()
 
     def _connect(self) -> sqlite3.Connection:
@@ -89,7 +92,7 @@ class SqliteStore:
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA busy_timeout=30000")
         except sqlite3.Error as exc:
-            raise translate(exc) from exc
+            raise translate(exc, self.path) from exc
         return conn
 
     def _migrate(self) -> None:
@@ -113,7 +116,7 @@ class SqliteStore:
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 conn.execute("ROLLBACK")
-                raise translate(exc) from exc
+                raise translate(exc, self.path) from exc
 
     def schema_version(self) -> int:
         """Returns the highest applied migration."""
@@ -165,13 +168,15 @@ class SqliteStore:
     def write(self) -> Iterator[SqliteWriteTx]:
         """Opens the write transaction; it commits durably when the context exits cleanly."""
         with self._write_lock:
+            if self._sync_failed is not None:
+                raise self._sync_failed
             if self._claim is None:
                 self._claim_locked()
             conn = self._writer
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
-                raise translate(exc) from exc
+                raise translate(exc, self.path) from exc
             try:
                 tx = SqliteWriteTx(conn)
                 yield tx
@@ -181,11 +186,24 @@ class SqliteStore:
                 raise
             try:
                 tx.flush()
-                conn.execute("COMMIT")
+                self._commit(conn)
             except sqlite3.Error as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-                raise translate(exc) from exc
+                error = translate(exc, self.path)
+                if isinstance(error, StoreSyncFailed):
+                    # fsyncgate: after a failed fsync the kernel may have dropped the pages
+                    # and cleared the error, so a later fsync would "succeed" over a hole and
+                    # later commits could vanish in WAL recovery. Like PostgreSQL (which now
+                    # PANICs), stop: no write is acknowledged again until a restart recovers
+                    # from what is really on disk.
+                    self._sync_failed = error
+                raise error from exc
+
+    def _commit(self, conn: sqlite3.Connection) -> None:
+        """Commits the open transaction (WAL frames written and fsynced: synchronous=FULL)."""
+        # One seam for the commit, where a test injects a failed fsync or a full disk.
+        conn.execute("COMMIT")
 
     def read(self) -> SqliteReadView:
         """Returns the calling thread's read view."""
@@ -209,7 +227,7 @@ class SqliteStore:
             try:
                 return self._writer.execute(sql, params).fetchall()
             except sqlite3.Error as exc:
-                raise translate(exc) from exc
+                raise translate(exc, self.path) from exc
 
     def create_token(self, token: TokenRow) -> None:
         """Stores a new token (its secret only as a hash)."""

@@ -11,14 +11,13 @@ from typing import Final
 from ledger_server.states import RESUME_STATES
 from ledger_server.store import sqlite_sql as q
 from ledger_server.store.base import (
-    DuplicateEventError,
-    ImmutableRowError,
     RunRow,
     ShardRow,
     StoredEvent,
     StoredShard,
     StoreError,
 )
+from ledger_server.store.sqlite_errors import translate
 
 _CHUNK: Final = 500
 
@@ -55,15 +54,6 @@ def _event(row: tuple[object, ...]) -> StoredEvent:
     data = body.encode() if isinstance(body, str) else bytes(body)  # type: ignore[call-overload]
     seq, run_pk, run_seq, event_id, _, row_hash = row
     return StoredEvent(seq, run_pk, run_seq, event_id, data, row_hash)  # type: ignore[arg-type]
-
-
-def translate(exc: sqlite3.Error) -> StoreError:
-    # Driver errors are translated at this one edge; callers see StoreError only.
-    if "append-only" in str(exc):
-        return ImmutableRowError(str(exc))
-    if isinstance(exc, sqlite3.IntegrityError) and "events.event_id" in str(exc):
-        return DuplicateEventError(str(exc))
-    return StoreError(f"{type(exc).__name__}: {exc}")
 
 
 @dataclass(slots=True)
