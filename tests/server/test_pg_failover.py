@@ -101,7 +101,13 @@ def test_promoted_standby_holds_every_acknowledged_event_and_takes_new_appends(
     # Every event acknowledged before the crash is on the promoted standby, at its sequence,
     # once; so is every event acknowledged after it, and nothing else.
     assert {e: s for e, s in load.acked.items() if e in acked_before_kill} == acked_before_kill
-    assert_ledger_holds_exactly(standby_url, load.acked)
+    assert_ledger_holds_exactly(
+        standby_url,
+        load.acked,
+        suite="pg_failover",
+        kills=1,
+        acknowledged_before_kill=len(acked_before_kill),
+    )
     code, report = _cli("audit", "verify", "--db", standby_url, "--json")
     assert (code, report["ok"]) == (0, True), report
     code, report = _cli("db", "rebuild", "--database-url", standby_url, "--check", "--json")
