@@ -60,11 +60,17 @@ class PgCluster:
     """A PostgreSQL server for the test session: ours (startable, stoppable) or an external one."""
 
     def __init__(
-        self, admin_url: str, *, data_dir: Path | None = None, durable: bool = False
+        self,
+        admin_url: str,
+        *,
+        data_dir: Path | None = None,
+        durable: bool = False,
+        settings: tuple[str, ...] = (),
     ) -> None:
         self.admin_url = admin_url
         self.data_dir = data_dir
         self.durable = durable
+        self.settings = settings  # extra "name=value" server settings, given as -c at start
         self.bin_dir = find_bin_dir()
         # initdb and postgres refuse to run as root: run them as an unprivileged user.
         self.run_as: str | None = None
@@ -111,6 +117,7 @@ class PgCluster:
                 f"-k {socket_dir}",
                 "-c listen_addresses=127.0.0.1",
                 "-c max_connections=300",
+                *(f"-c {setting}" for setting in self.settings),
             ]
         )
         if not self.durable:
@@ -205,14 +212,20 @@ class PgCluster:
                 time.sleep(0.1)
 
 
-def start_cluster(*, durable: bool = False) -> PgCluster:
-    """Creates and starts a throwaway cluster on 127.0.0.1 with a free port (fsync only if durable)."""
+def _new_cluster(*, durable: bool = False, settings: tuple[str, ...] = ()) -> PgCluster:
+    """Returns an unstarted cluster on a free port, its directory owned by the server's user."""
     root = Path(tempfile.mkdtemp(prefix="shardledger-pg-"))
     url = f"postgresql://postgres@127.0.0.1:{_free_port()}/postgres"
-    cluster = PgCluster(url, data_dir=root / "data", durable=durable)
+    cluster = PgCluster(url, data_dir=root / "data", durable=durable, settings=settings)
     if cluster.run_as:
         pw = pwd.getpwnam(cluster.run_as)
         os.chown(root, pw.pw_uid, pw.pw_gid)
+    return cluster
+
+
+def start_cluster(*, durable: bool = False) -> PgCluster:
+    """Creates and starts a throwaway cluster on 127.0.0.1 with a free port (fsync only if durable)."""
+    cluster = _new_cluster(durable=durable)
     cluster.init()
     cluster.start()
     cluster.wait_ready()
@@ -243,3 +256,89 @@ def pg_url(pg_cluster: PgCluster) -> Iterator[str]:
     # A test that stopped the server may leave its database to the cluster.
     with contextlib.suppress(Exception):
         pg_cluster.drop_database(url)
+
+
+REPLICATION_ROLE: Final = "replicator"
+STANDBY_NAME: Final = "standby1"
+
+
+def _wait_streaming(primary: PgCluster, timeout_s: float = 30.0) -> None:
+    """Blocks until the primary reports the standby streaming and synchronous."""
+    import psycopg
+
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(primary.admin_url, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = %s",
+                (STANDBY_NAME,),
+            ).fetchone()
+            if row == ("streaming", "sync"):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the standby did not become a synchronous streamer: {row}")
+            time.sleep(0.1)
+
+
+def start_replicated_pair() -> tuple[PgCluster, PgCluster]:
+    """Starts a primary and a synchronous streaming standby of it, each on its own port.
+
+    The standby is a pg_basebackup of the primary with standby.signal and a primary_conninfo;
+    once it streams, the primary names it in synchronous_standby_names, so (with the store's
+    synchronous_commit=on) a COMMIT returns only after the standby has flushed its WAL.
+    """
+    primary = _new_cluster(settings=("wal_level=replica", "max_wal_senders=4"))
+    primary.init()
+    assert primary.data_dir is not None
+    # A replication line of our own, first so it wins, rather than relying on initdb's sample.
+    hba = primary.data_dir / "pg_hba.conf"
+    hba.write_text(f"host replication {REPLICATION_ROLE} 127.0.0.1/32 trust\n" + hba.read_text())
+    primary.start()
+    primary.wait_ready()
+    standby = _new_cluster()
+    try:
+        import psycopg
+
+        with psycopg.connect(primary.admin_url, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {REPLICATION_ROLE} WITH REPLICATION LOGIN")
+        assert standby.data_dir is not None
+        subprocess.run(
+            standby._cmd(
+                "pg_basebackup",
+                *("-D", str(standby.data_dir), "-h", "127.0.0.1", "-p", str(primary.port)),
+                *("-U", REPLICATION_ROLE, "-X", "stream", "--no-sync"),
+            ),
+            check=True,
+            capture_output=True,
+        )
+        conninfo = (
+            f"host=127.0.0.1 port={primary.port} user={REPLICATION_ROLE}"
+            f" application_name={STANDBY_NAME}"
+        )
+        with open(standby.data_dir / "postgresql.auto.conf", "a") as fh:
+            fh.write(f"primary_conninfo = '{conninfo}'\n")
+        (standby.data_dir / "standby.signal").touch()
+        if standby.run_as:
+            pw = pwd.getpwnam(standby.run_as)
+            os.chown(standby.data_dir / "standby.signal", pw.pw_uid, pw.pw_gid)
+        standby.start()
+        standby.wait_ready()
+        with psycopg.connect(primary.admin_url, autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'")
+            conn.execute("SELECT pg_reload_conf()")
+        _wait_streaming(primary)
+    except BaseException:
+        standby.destroy()
+        primary.destroy()
+        raise
+    return primary, standby
+
+
+def promote(standby: PgCluster) -> None:
+    """Promotes a standby to a primary and waits until it accepts writes."""
+    assert standby.data_dir is not None
+    subprocess.run(
+        standby._cmd("pg_ctl", "-D", str(standby.data_dir), "-w", "-t", "60", "promote"),
+        check=True,
+        capture_output=True,
+    )

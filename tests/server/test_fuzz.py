@@ -14,6 +14,8 @@ authorization headers. Every call is checked the same way (see `Campaign.call`):
 Each test owns a request quota (QUOTAS), and the quotas sum to over 10,000
 requests; the examples per test are tuned to reach them in about a minute on
 a two-core CI machine.
+`python -m tools.campaign` scales the quotas and runs past them for a set time
+(tests/campaign.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ledger_server.server import RunningServer, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import channel_credentials
+from tests import campaign as knobs
 from tests.builders import DIGEST_A, DIGEST_B, committed, planned, started
 
 SERVICE: Final = pb.DESCRIPTOR.services_by_name["LedgerService"]
@@ -68,6 +71,10 @@ QUOTAS: Final = {
     "reads": 2600,
     "auth_headers": 800,
 }
+# The nightly campaign (tools/campaign.py) scales the quotas and adds wall time past them,
+# shared among the raw-bytes tests (one per method) and the three other quota tests.
+WANT: Final = {name: max(1, round(n * knobs.fuzz_scale())) for name, n in QUOTAS.items()}
+SHARE_S: Final = knobs.fuzz_seconds() / (len(METHODS) + 3)
 FAST: Final = {
     "deadline": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -178,6 +185,10 @@ def campaign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Campaign]:
     code, _ = state.call("AppendEvents", pb.AppendEventsRequest(events=seed))
     assert code == grpc.StatusCode.OK
     yield state
+    forbidden = sum(state.codes[c.name] for c in FORBIDDEN_CODES)
+    knobs.report(
+        "fuzz", {"requests": state.requests, "codes": dict(state.codes), "forbidden": forbidden}
+    )
     _assert_still_serving(state)
     admin.close()
     plain.close()
@@ -199,8 +210,9 @@ def _assert_still_serving(state: Campaign) -> None:
 def _run_to_quota(state: Campaign, name: str, before: int, run: Any) -> None:
     # Hypothesis may stop short of max_examples (duplicates, exhausted strategies);
     # another pass with fresh random data tops the campaign up to its floor.
+    started_at = time.monotonic()
     run()
-    while state.requests - before < QUOTAS[name]:
+    while state.requests - before < WANT[name] or time.monotonic() - started_at < SHARE_S:
         run()
 
 
@@ -209,7 +221,7 @@ def _quota(state: Campaign, name: str) -> Iterator[None]:
     before = state.requests
     yield
     sent = state.requests - before
-    assert sent >= QUOTAS[name], f"{name}: {sent} requests, quota {QUOTAS[name]}"
+    assert sent >= WANT[name], f"{name}: {sent} requests, quota {WANT[name]}"
     _assert_still_serving(state)
 
 
@@ -631,8 +643,9 @@ def test_campaign_quotas_add_up_to_ten_thousand_requests() -> None:
 def test_random_bytes_to_every_method_get_a_clean_refusal_or_answer(
     campaign: Campaign, method: str
 ) -> None:
-    quota = QUOTAS["raw_bytes"] // len(METHODS)
+    quota = max(1, WANT["raw_bytes"] // len(METHODS))
     before = campaign.requests
+    started_at = time.monotonic()
 
     @settings(max_examples=quota // 3 + 20, **FAST)  # type: ignore[arg-type]
     @given(wire_bytes(method))
@@ -641,6 +654,8 @@ def test_random_bytes_to_every_method_get_a_clean_refusal_or_answer(
             campaign.call(method, payload)
 
     run()
+    while time.monotonic() - started_at < SHARE_S:
+        run()
     # Top up to the quota deterministically if the lists came out short.
     payload = bytes(range(256))
     while campaign.requests - before < quota:
@@ -653,7 +668,7 @@ def test_append_batches_mixing_valid_and_invalid_events(campaign: Campaign) -> N
     before = campaign.requests
     with _quota(campaign, "append_batches"):
         # Three requests per example: the batch, then its first two events alone.
-        @settings(max_examples=QUOTAS["append_batches"] // 3 + 50, **FAST)  # type: ignore[arg-type]
+        @settings(max_examples=WANT["append_batches"] // 3 + 50, **FAST)  # type: ignore[arg-type]
         @given(st.lists(shard_events(), min_size=2, max_size=5))
         def run(batch: list[tuple[pb.ShardEvent, bool]]) -> None:
             events = [ev for ev, _ in batch]
@@ -734,7 +749,7 @@ def test_read_requests_with_boundary_values(campaign: Campaign) -> None:
     before = campaign.requests
     with _quota(campaign, "reads"):
 
-        @settings(max_examples=QUOTAS["reads"] // 10 + 10, **FAST)  # type: ignore[arg-type]
+        @settings(max_examples=WANT["reads"] // 10 + 10, **FAST)  # type: ignore[arg-type]
         @given(read_fields())
         def run(fields: dict[str, Any]) -> None:
             for method, request in _read_requests(fields):
@@ -762,7 +777,7 @@ def test_random_authorization_headers_are_refused_and_write_nothing(campaign: Ca
     before = campaign.requests
     with _quota(campaign, "auth_headers"):
 
-        @settings(max_examples=QUOTAS["auth_headers"] // 2 + 10, **FAST)  # type: ignore[arg-type]
+        @settings(max_examples=WANT["auth_headers"] // 2 + 10, **FAST)  # type: ignore[arg-type]
         @given(header_values)
         def run(value: str) -> None:
             md = (("authorization", value),)

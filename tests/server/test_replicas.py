@@ -28,7 +28,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerUnavailable
-from tests import pg
+from tests import campaign, pg
 from tests.builders import committed, planned, started
 from tests.pg import PgCluster
 
@@ -38,7 +38,7 @@ pg_url = pg.pg_url
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICA = ROOT / "tests" / "helpers" / "pg_replica.py"
-KILLS = 6
+KILLS = campaign.kills(6)
 SHARED_RUNS = ("r0", "r1", "r2")
 
 
@@ -229,16 +229,38 @@ def assert_stored_projections_equal_replay(url: str) -> None:
         store.close()
 
 
-def assert_ledger_holds_exactly(url: str, acked: dict[str, int]) -> None:
-    """Asserts every acknowledged event is stored once at its sequence, nothing else, chains ok."""
+def assert_ledger_holds_exactly(
+    url: str, acked: dict[str, int], *, suite: str, kills: int, **extra: object
+) -> None:
+    """Asserts every acknowledged event is stored once at its sequence, nothing else, chains ok.
+
+    The tally goes to the campaign report as SUITE first (tests/campaign.py).
+    """
     store = PostgresStore(url)
     try:
-        stored = dict(store.execute_raw("SELECT event_id, seq FROM events"))
+        rows = store.execute_raw("SELECT event_id, seq FROM events")
         reports = verify_store(store)
     finally:
         store.close()
+    stored = dict(rows)
+    lost = [e for e in acked if e not in stored]
+    moved = [e for e in acked if e in stored and stored[e] != acked[e]]
+    campaign.report(
+        suite,
+        {
+            "kills": kills,
+            "acknowledged": len(acked),
+            "lost": len(lost),
+            "moved": len(moved),
+            "duplicated": len(rows) - len(stored),
+            "unacknowledged_stored": len(set(stored) - set(acked)),
+            "chains_ok": bool(reports) and all(r.ok for r in reports),
+            **extra,
+        },
+    )
     assert len(acked) > 100, "the load was too light to mean anything"
-    assert [e for e in acked if stored.get(e) != acked[e]] == []
+    assert lost == moved == []
+    assert len(rows) == len(stored), "an event is stored twice"
     assert len(stored) == len(acked), "an event is stored that nobody acknowledged"
     assert reports and all(r.ok for r in reports), [r for r in reports if not r.ok]
     assert_stored_projections_equal_replay(url)
@@ -278,7 +300,7 @@ def test_replica_sigkilled_repeatedly_loses_nothing_and_tail_never_skips(
         tailer.close()
     assert load.unavailable > 0, "no append ever hit a killed replica"
     assert [seq for seq, _ in tailer.seen] == list(range(1, total.event_count + 1))
-    assert_ledger_holds_exactly(pg_url, load.acked)
+    assert_ledger_holds_exactly(pg_url, load.acked, suite="pg_replica_sigkill", kills=KILLS)
 
 
 @pytest.mark.slow
@@ -306,4 +328,4 @@ def test_database_crash_under_load_is_unavailable_then_loses_nothing(
     assert load.failures == []
     assert load.unavailable > 0, "no client saw the database go away"
     assert len(load.acked) >= before + 50, "appends did not resume after the restart"
-    assert_ledger_holds_exactly(pg_url, load.acked)
+    assert_ledger_holds_exactly(pg_url, load.acked, suite="pg_database_crash", kills=1)

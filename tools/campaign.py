@@ -1,0 +1,168 @@
+"""Nightly-size crash and fuzz campaign: the CI fault tests run longer, with one summary.
+
+    python -m tools.campaign --kills 100 --fuzz-seconds 1800
+    python -m tools.campaign --suites crash,fuzz --kills 5 --fuzz-seconds 60
+
+It runs the suite's own fault tests under pytest with the knobs of tests/campaign.py:
+
+    crash     tests/server/test_crash_safety.py   SIGKILL a SQLite server under 4 clients, N times
+    replicas  tests/server/test_replicas.py       SIGKILL a PostgreSQL replica N times under load,
+                                                  and crash the database itself (pg_ctl -m immediate)
+    failover  tests/server/test_pg_failover.py    crash a primary, promote its synchronous standby
+    fuzz      tests/server/test_fuzz.py           the fuzz quotas, then S more seconds of fuzzing
+
+and prints kills made, acknowledged events checked, lost, moved and duplicated counts,
+and fuzz requests by status code; the JSON lands in bench-results/campaign.json
+(--out). The PostgreSQL suites need Debian's postgresql package (or skip). Exit 0
+when every test passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+SUITES: Final = {
+    "crash": ["tests/server/test_crash_safety.py"],
+    "replicas": ["tests/server/test_replicas.py"],
+    "failover": ["tests/server/test_pg_failover.py"],
+    "fuzz": ["tests/server/test_fuzz.py"],
+}
+# The counts a kill suite's tally carries (tests/campaign.py); any nonzero is a data-safety fault.
+FAULTS: Final = ("lost", "moved", "duplicated", "unacknowledged_stored", "half_written_batches")
+
+
+def _suites(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(SUITES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown suite {', '.join(unknown) or '(none)'}; choose from {', '.join(SUITES)}"
+        )
+    return names
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be above 0")
+    return value
+
+
+def run_campaign(
+    suites: list[str], kills: int, fuzz_seconds: float, fuzz_scale: float
+) -> dict[str, Any]:
+    """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict."""
+    with tempfile.TemporaryDirectory(prefix="shardledger-campaign-") as reports:
+        env = {
+            **os.environ,
+            "SHARDLEDGER_CAMPAIGN_KILLS": str(kills),
+            "SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS": str(fuzz_seconds),
+            "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE": str(fuzz_scale),
+            "SHARDLEDGER_CAMPAIGN_REPORT_DIR": reports,
+        }
+        paths = [p for name in suites for p in SUITES[name]]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *paths],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        tallies = {p.stem: json.loads(p.read_text()) for p in sorted(Path(reports).glob("*.json"))}
+    kill_tallies = [t for t in tallies.values() if "kills" in t]
+    fuzz = tallies.get("fuzz", {})
+    totals = {
+        "kills": sum(t["kills"] for t in kill_tallies),
+        "acknowledged": sum(t["acknowledged"] for t in kill_tallies),
+        **{f: sum(t.get(f, 0) for t in kill_tallies) for f in FAULTS},
+        "fuzz_requests": fuzz.get("requests", 0),
+        "fuzz_forbidden": fuzz.get("forbidden", 0),
+    }
+    faults = sum(totals[f] for f in FAULTS) + totals["fuzz_forbidden"]
+    return {
+        "settings": {
+            "suites": suites,
+            "kills": kills,
+            "fuzz_seconds": fuzz_seconds,
+            "fuzz_scale": fuzz_scale,
+        },
+        "ok": done.returncode == 0 and faults == 0,
+        "pytest_exit": done.returncode,
+        "pytest_summary": done.stdout.strip().splitlines()[-1:] or [""],
+        "seconds": round(time.monotonic() - started, 1),
+        "totals": totals,
+        "fuzz_codes": fuzz.get("codes", {}),
+        "suites": tallies,
+        "pytest_output_tail": (done.stdout + done.stderr)[-4000:] if done.returncode else "",
+    }
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """Prints what the campaign did and found, one line per suite."""
+    totals = result["totals"]
+    for name, tally in result["suites"].items():
+        if "kills" in tally:
+            faults = ", ".join(f"{f} {tally.get(f, 0)}" for f in FAULTS if f in tally)
+            print(
+                f"{name}: {tally['kills']} kills, {tally['acknowledged']} acknowledged events"
+                f" checked; {faults}; chains {'ok' if tally.get('chains_ok') else 'BROKEN'}"
+            )
+    if result["fuzz_codes"]:
+        codes = ", ".join(f"{c} {n}" for c, n in sorted(result["fuzz_codes"].items()))
+        print(f"fuzz: {totals['fuzz_requests']} requests ({codes})")
+    print(
+        f"total: {totals['kills']} kills, {totals['acknowledged']} acknowledged events,"
+        f" {totals['lost']} lost, {totals['duplicated']} duplicated,"
+        f" {totals['fuzz_requests']} fuzz requests ({totals['fuzz_forbidden']} UNKNOWN/INTERNAL)"
+        f" in {result['seconds']} s; pytest: {result['pytest_summary'][0]}"
+    )
+    if result["pytest_output_tail"]:
+        print(result["pytest_output_tail"], file=sys.stderr)
+    print("campaign: " + ("clean" if result["ok"] else "PROBLEMS FOUND"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the campaign, prints the summary, saves the JSON; 0 when clean, 1 otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.campaign",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--kills", type=int, default=100, help="SIGKILLs per kill loop (100)")
+    parser.add_argument(
+        "--fuzz-seconds", type=float, default=1800.0, help="fuzzing past the quotas (1800)"
+    )
+    parser.add_argument(
+        "--fuzz-scale", type=_positive, default=1.0, help="factor on the fuzz quotas (1)"
+    )
+    parser.add_argument(
+        "--suites",
+        type=_suites,
+        default=list(SUITES),
+        help="comma list (all: " + ",".join(SUITES) + ")",
+    )
+    parser.add_argument("--out", default="bench-results/campaign.json", help="JSON file to write")
+    args = parser.parse_args(argv)
+    if args.kills < 1 or args.fuzz_seconds < 0:
+        parser.error("--kills must be at least 1 and --fuzz-seconds at least 0")
+    result = run_campaign(args.suites, args.kills, args.fuzz_seconds, args.fuzz_scale)
+    print_summary(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"saved {out}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
