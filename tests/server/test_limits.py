@@ -78,6 +78,23 @@ def test_message_over_the_maximum_size_is_refused_with_resource_exhausted(
     assert _events(db_path) == 0
 
 
+def test_metadata_within_8_kib_is_accepted_and_over_16_kib_is_refused_as_documented(
+    stub: pb_grpc.LedgerServiceStub, db_path: Path
+) -> None:
+    # docs/limits.md: gRPC's own limits on request metadata, below any handler.
+    small = [("x-pad", "a" * 7000)]
+    assert stub.AppendEvents(pb.AppendEventsRequest(events=[planned()]), metadata=small)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.AppendEvents(
+            pb.AppendEventsRequest(events=[planned("run-1", "shard-9", 9)]),
+            metadata=[("x-pad", "a" * 17_000)],
+            timeout=10,
+        )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "metadata" in (refused.value.details() or "")
+    assert _events(db_path) == 1  # the refused call wrote nothing
+
+
 def test_message_size_limit_follows_the_server_setting(tmp_path: Path) -> None:
     running = create_server(
         ServerConfig(
