@@ -14,7 +14,17 @@ from typing import Final, NamedTuple
 from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
 from ledger_server.errors import EventIdReused, EventRejected, LedgerError, RunNotFound
-from ledger_server.events import CheckpointSaved, Event, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.events import (
+    ArtifactCommitted,
+    ArtifactVerified,
+    AttemptFailed,
+    AttemptStarted,
+    CheckpointSaved,
+    Event,
+    Heartbeat,
+    RecordedEvent,
+    ShardPlanned,
+)
 from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
@@ -24,6 +34,8 @@ from ledger_server.validation import ValidEvent
 # Event kinds that never change a shard's contribution to the run counters.
 # (A heartbeat that names non-finite metrics does change it: it flags the shard.)
 _COUNTER_NEUTRAL: Final = (Heartbeat, CheckpointSaved)
+# Event kinds whose fold depends on whether the run's first pass is still open, or close it.
+_PASS_KINDS: Final = (AttemptStarted, ArtifactCommitted, AttemptFailed, ArtifactVerified)
 
 # Shard records the single writer keeps between transactions (exclusive stores only), so
 # a busy shard's heartbeat costs no parse of its stored record; about 2 KB each.
@@ -300,7 +312,10 @@ class BatchFolder:
                 isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt
             ):
                 state.full.add(shard_key)
-        closed = self._pass_closed(tx, state, head.run_pk)
+        # Only these kinds read or close the first pass; heartbeats, most of a night's
+        # events, and checkpoints skip the lookup.
+        passes = isinstance(payload, _PASS_KINDS)
+        closed = self._pass_closed(tx, state, head.run_pk) if passes else 0
         records[shard_key] = proj.fold(record, rec, first_pass=not closed)
         if not closed and closes_first_pass(rec):
             state.pass_closed[head.run_pk] = sequence

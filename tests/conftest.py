@@ -12,6 +12,7 @@ import structlog.testing
 
 from ledger_server.config import ServerConfig
 from ledger_server.server import RunningServer, create_server
+from shard_client import Ledger
 from shard_client.client import LedgerClient
 
 # The in-process servers log through structlog; keep those lines on stderr so that
@@ -46,3 +47,25 @@ def client(server: RunningServer) -> Iterator[LedgerClient]:
     c = LedgerClient(f"127.0.0.1:{server.port}", timeout_s=10, retry_deadline_s=5)
     yield c
     c.close()
+
+
+@pytest.fixture
+def spool_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Points the SDK's spools at this test's temp dir (a module opts in with usefixtures)."""
+    spool = tmp_path / "spool"
+    monkeypatch.setenv("SHARDLEDGER_SPOOL_DIR", str(spool))
+    return spool
+
+
+@pytest.fixture
+def target(server: RunningServer) -> str:
+    """Returns the fixture server's address."""
+    return f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def ledger(target: str) -> Iterator[Ledger]:
+    """Returns a Ledger (the SDK) on the fixture server, closed afterwards."""
+    led = Ledger(target, unavailable_after_s=0.5)
+    yield led
+    led.close()

@@ -5,14 +5,12 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
 
-from ledger_server.server import RunningServer
 from shard_client import Ledger, LedgerClient, PlanEntry, plan_events
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import CheckResult, verify_artifact
@@ -23,23 +21,7 @@ RUN = "night-17"
 np = pytest.importorskip("numpy")
 
 
-@pytest.fixture(autouse=True)
-def _spool_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARDLEDGER_SPOOL_DIR", str(tmp_path / "spool"))
-
-
-@pytest.fixture
-def target(server: RunningServer) -> str:
-    """Returns the fixture server's address."""
-    return f"127.0.0.1:{server.port}"
-
-
-@pytest.fixture
-def ledger(target: str) -> Iterator[Ledger]:
-    """Returns a Ledger (the SDK) on the fixture server."""
-    led = Ledger(target, unavailable_after_s=0.5)
-    yield led
-    led.close()
+pytestmark = pytest.mark.usefixtures("spool_in_tmp")
 
 
 @pytest.fixture

@@ -10,13 +10,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ledger_server.server import RunningServer
 from shard_client import (
     DataError,
     IncompleteShard,
@@ -32,23 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = "night-01"
 
 
-@pytest.fixture(autouse=True)
-def _spool_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARDLEDGER_SPOOL_DIR", str(tmp_path / "spool"))
-
-
-@pytest.fixture
-def target(server: RunningServer) -> str:
-    """Returns the fixture server's address."""
-    return f"127.0.0.1:{server.port}"
-
-
-@pytest.fixture
-def ledger(target: str) -> Iterator[Ledger]:
-    """Returns a Ledger on the fixture server, closed afterwards."""
-    led = Ledger(target, unavailable_after_s=0.5)
-    yield led
-    led.close()
+pytestmark = pytest.mark.usefixtures("spool_in_tmp")
 
 
 def plan(

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,22 +165,57 @@ def test_a_ledger_on_a_read_only_file_system_is_refused_at_start_with_the_fix(
     assert "read-only" in done.stderr and "give a ledger file" not in done.stderr
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write a file whatever its mode")
-def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix(
-    tmp_path: Path,
-) -> None:
-    db = tmp_path / "ledger.db"
-    _serve(db).stop(0.5)
-    db.chmod(0o444)
-    with pytest.raises(StartupError, match=r"ledger file is read-only.*chmod u\+rw"):
-        open_database(str(db))
-    db.chmod(0o644)
-    tmp_path.chmod(0o555)
+def _open_unprivileged(db: Path) -> tuple[int, str]:
+    """Opens the ledger in a forked child that runs as an ordinary user; returns (code, message).
+
+    Root may write a file whatever its mode, and CI runs as root: the child gives up
+    root (setgid/setuid to nobody) before it opens, as the server's own user would be.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code, message = 0, "opened"
+        try:
+            os.close(read)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            open_database(str(db)).close()
+        except StartupError as exc:
+            code, message = 5, str(exc)
+        except BaseException as exc:  # anything else is the test's failure, said plainly
+            code, message = 1, f"{type(exc).__name__}: {exc}"
+        os.write(write, message.encode())
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), message
+
+
+def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix() -> None:
+    # A directory of its own that the unprivileged opener owns (pytest's tmp dirs are root's).
+    home = Path(tempfile.mkdtemp(prefix="shardledger-ro-"))
     try:
-        with pytest.raises(StartupError, match=r"directory .* is read-only.*-wal"):
-            open_database(str(db))
+        db = home / "ledger.db"
+        _serve(db).stop(0.5)
+        if os.geteuid() == 0:
+            for path in (home, *home.iterdir()):
+                os.chown(path, 65534, 65534)
+        db.chmod(0o444)
+        code, message = _open_unprivileged(db)
+        assert code == 5, message
+        assert re.search(r"ledger file is read-only.*chmod u\+rw", message, re.S), message
+        db.chmod(0o644)
+        home.chmod(0o555)
+        code, message = _open_unprivileged(db)
+        assert code == 5, message
+        assert re.search(r"directory .* is read-only.*-wal", message, re.S), message
     finally:
-        tmp_path.chmod(0o755)
+        home.chmod(0o755)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _fail_commit(code: int, name: str) -> object:

@@ -103,6 +103,6 @@ def atomic_output(path: str | None) -> Iterator[IO[str]]:
         raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def shards(n: int) -> str:
+def count_shards(n: int) -> str:
     """Returns "1 shard" or "N shards": counts printed as integers, with the right plural."""
     return f"{n} shard" if n == 1 else f"{n} shards"

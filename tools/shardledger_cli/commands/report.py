@@ -12,7 +12,7 @@ from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.commands.events import run_events
 from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume
 from shardledger_cli.commands.shards import run_shards
-from shardledger_cli.output import REASON_KEY, equation, iso_us, print_json, shards, ts_us
+from shardledger_cli.output import REASON_KEY, count_shards, equation, iso_us, print_json, ts_us
 
 __all__ = ["register", "render_summary", "run_runs", "run_status"]
 
@@ -138,14 +138,14 @@ def render_summary(s: dict[str, Any]) -> None:
     dups = ", ".join(f"{k} {n}" for k, n in sorted(s["duplicates"].items()))
     console.print(f"duplicates         {s['duplicate_shards']} shards: {dups}")
     console.print(
-        f"repairs            {shards(s.get('repairs', 0))}  "
+        f"repairs            {count_shards(s.get('repairs', 0))}  "
         "(a rerun replaced a failed, corrupted or missing result)"
     )
     console.print(f"attempts           {s['attempts']}")
     _first_pass(console, s)
     if s.get("numeric"):
         console.print(
-            f"numeric pollution  {shards(s['numeric'])} reported NaN/Inf metrics"
+            f"numeric pollution  {count_shards(s['numeric'])} reported NaN/Inf metrics"
             f" (shardledger shards {s['run_id']} --json shows the first step)"
         )
     if s.get("late_attempts"):
@@ -186,7 +186,7 @@ def _first_pass(console: Any, s: dict[str, Any]) -> None:
     )
     console.print(
         f"  recomputed       {100 * s.get('recomputed_rate', 0.0):.2f} %  "
-        f"({shards(s.get('recomputed', 0))} ran more than once or after the first pass)"
+        f"({count_shards(s.get('recomputed', 0))} ran more than once or after the first pass)"
     )
 
 
