@@ -53,6 +53,10 @@ def us_timestamp(us: int) -> Timestamp:
     return Timestamp(seconds=us // 1_000_000, nanos=(us % 1_000_000) * 1000)
 
 
+def _us_duration(us: int) -> Duration:
+    return Duration(seconds=us // 1_000_000, nanos=(us % 1_000_000) * 1000)
+
+
 def _duration_us(d: Duration) -> int:
     return d.seconds * 1_000_000 + d.nanos // 1000
 
@@ -69,6 +73,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             expected_outputs=tuple(p.expected_outputs),
             plan_line=p.plan_line,
             plan_index=p.plan_index,
+            labels=dict(sorted(p.labels.items())),
         )
     if case == "started":
         s = msg.started
@@ -80,6 +85,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             fingerprint_digest=s.fingerprint_digest,
             scheduler=_scheduler_dict(s.scheduler) if s.HasField("scheduler") else {},
             process_start_ticks=s.process_start_ticks,
+            labels=dict(sorted(s.labels.items())),
         )
     if case == "heartbeat":
         h = msg.heartbeat
@@ -95,7 +101,11 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
     if case == "checkpoint":
         c = msg.checkpoint
         return CheckpointSaved(
-            step=c.step, path=c.path, size_bytes=c.size_bytes, blake3_hex=c.blake3_hex
+            step=c.step,
+            path=c.path,
+            size_bytes=c.size_bytes,
+            blake3_hex=c.blake3_hex,
+            write_us=_duration_us(c.write_duration),
         )
     if case == "artifact_committed":
         a = msg.artifact_committed
@@ -171,6 +181,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 expected_outputs=list(p.expected_outputs),
                 plan_line=p.plan_line,
                 plan_index=p.plan_index,
+                labels=p.labels,
             )
         )
     elif isinstance(p, AttemptStarted):
@@ -187,6 +198,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 fingerprint_digest=p.fingerprint_digest,
                 scheduler=pb.SchedulerIdentity(**p.scheduler) if p.scheduler else None,
                 process_start_ticks=p.process_start_ticks,
+                labels=p.labels,
             )
         )
     elif isinstance(p, Heartbeat):
@@ -201,7 +213,11 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
     elif isinstance(p, CheckpointSaved):
         out.checkpoint.CopyFrom(
             pb.CheckpointSaved(
-                step=p.step, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex
+                step=p.step,
+                path=p.path,
+                size_bytes=p.size_bytes,
+                blake3_hex=p.blake3_hex,
+                write_duration=_us_duration(p.write_us) if p.write_us else None,
             )
         )
     elif isinstance(p, ArtifactCommitted):

@@ -27,6 +27,9 @@ class ShardPlanned:
     expected_outputs: tuple[str, ...]
     plan_line: str
     plan_index: int
+    # The run's labels (provider, pool, region, image, ...): where its shards were meant
+    # to run. Not part of the definition: they describe the run, not what a shard computes.
+    labels: dict[str, str] = field(default_factory=dict)
 
     def definition(self) -> dict[str, Any]:
         """Returns what makes two plans of one shard the same plan."""
@@ -53,6 +56,8 @@ class AttemptStarted:
     # namespace; only the set ones) and the process start time in clock ticks since boot.
     scheduler: dict[str, str] = field(default_factory=dict)
     process_start_ticks: int = 0
+    # Where the attempt ran (provider, pool, region, image, ...), for `report --by`.
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,8 @@ class CheckpointSaved:
     path: str
     size_bytes: int
     blake3_hex: str
+    # How long the atomic write took, in microseconds (0: not measured).
+    write_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +147,10 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 # Fields added after the first contract version: left out of the canonical JSON when
 # unset (empty or zero), so older rows and events keep their bytes.
 _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
-    AttemptStarted: ("scheduler", "process_start_ticks"),
+    ShardPlanned: ("labels",),
+    AttemptStarted: ("scheduler", "process_start_ticks", "labels"),
     Heartbeat: ("nonfinite_metrics",),
+    CheckpointSaved: ("write_us",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {

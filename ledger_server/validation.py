@@ -28,6 +28,7 @@ from ledger_server.events import (
     payload_dict,
 )
 from shard_client.canonical import canonical_json
+from shard_client.labels import label_problem
 from shard_client.vocabulary import FAILURE_TAGS, SCHEDULER_FIELDS
 
 # Limits a client can rely on (documented in docs/limits.md).
@@ -134,6 +135,7 @@ def normalize_plan(p: ShardPlanned) -> ShardPlanned:
     if len(set(p.expected_outputs)) != len(p.expected_outputs):
         raise InvalidEvent("planned.expected_outputs", "names must be unique")
     _check_text("planned.plan_line", p.plan_line, MAX_PAYLOAD_BYTES)
+    _check_labels("planned.labels", p.labels)
     return ShardPlanned(
         input_ref=p.input_ref,
         input_bytes=p.input_bytes,
@@ -142,7 +144,14 @@ def normalize_plan(p: ShardPlanned) -> ShardPlanned:
         expected_outputs=tuple(p.expected_outputs),
         plan_line=_check_json_object("planned.plan_line", p.plan_line) if p.plan_line else "",
         plan_index=p.plan_index,
+        labels=p.labels,
     )
+
+
+def _check_labels(field_name: str, labels: dict[str, str]) -> None:
+    problem = label_problem(labels)
+    if problem:
+        raise InvalidEvent(field_name, problem)
 
 
 def _check_payload(event: Event) -> Payload:
@@ -173,6 +182,7 @@ def _check_payload(event: Event) -> Payload:
         if p.scheduler and not p.scheduler.get("kind"):
             raise InvalidEvent("started.scheduler.kind", "must name the scheduler")
         _check_size("started.process_start_ticks", p.process_start_ticks)
+        _check_labels("started.labels", p.labels)
     elif isinstance(p, Heartbeat):
         _check_size("heartbeat.step", p.step)
         if not (math.isfinite(p.progress) and 0.0 <= p.progress <= 1.0):
@@ -195,6 +205,7 @@ def _check_payload(event: Event) -> Payload:
         _check_text("checkpoint.path", p.path, MAX_PATH_CHARS, required=True)
         _check_size("checkpoint.size_bytes", p.size_bytes)
         check_digest("checkpoint.blake3_hex", p.blake3_hex)
+        _check_size("checkpoint.write_duration", p.write_us)
     elif isinstance(p, ArtifactCommitted):
         check_id("artifact_committed.name", p.name)
         _check_text("artifact_committed.path", p.path, MAX_PATH_CHARS, required=True)

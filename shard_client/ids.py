@@ -19,6 +19,7 @@ import blake3
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import hash_file
 from shard_client.canonical import canonical_json
+from shard_client.labels import label_problem
 
 __all__ = [
     "MAX_ID_CHARS",
@@ -131,10 +132,22 @@ def plan_event_id(run_id: str, entry: PlanEntry, *, namespace: str = "") -> str:
 
 
 def plan_events(
-    run_id: str, entries: Iterable[PlanEntry], *, namespace: str = ""
+    run_id: str,
+    entries: Iterable[PlanEntry],
+    *,
+    namespace: str = "",
+    labels: Mapping[str, str] | None = None,
 ) -> list[pb.ShardEvent]:
-    """Returns one planned event per entry, with ids that make re-planning idempotent."""
+    """Returns one planned event per entry, with ids that make re-planning idempotent.
+
+    ``labels`` are the run's (provider, pool, region, image, ...), carried by every
+    planned event; the event ids do not depend on them, so a re-plan with other labels
+    is refused (EVENT_ID_REUSED) rather than relabelling a run.
+    """
     check_id("run_id", run_id)
+    problem = label_problem(labels or {})
+    if problem:
+        raise ValueError(f"labels: {problem}")
     out: list[pb.ShardEvent] = []
     for entry in entries:
         entry.check()
@@ -154,6 +167,7 @@ def plan_events(
                     expected_outputs=list(entry.expected_outputs),
                     plan_line=entry.plan_line,
                     plan_index=entry.plan_index,
+                    labels=dict(labels or {}),
                 ),
             )
         )

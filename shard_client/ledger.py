@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Unpack
 
 from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.labels import label_problem
 from shard_client.options import ShardOptionKwargs, ShardOptions
 from shard_client.sender import Policy, Sender
 from shard_client.shard import Shard
@@ -46,7 +48,14 @@ class Ledger:
         flush_timeout_s: float = 30.0,
         exit_wait_s: float | None = None,
         drain_orphans: bool = True,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
+        problem = label_problem(labels or {})
+        if problem:
+            raise ValueError(f"labels: {problem}")
+        # Every attempt's labels (provider, pool, region, image): over $SHARDLEDGER_LABEL_*,
+        # under a shard's own labels=.
+        self.labels = dict(labels or {})
         self.client = client or LedgerClient(target)
         self.namespace = namespace
         self.ack_timeout_s = ack_timeout_s
@@ -106,7 +115,9 @@ class Ledger:
         - ``kill_grace=None``: seconds from the watchdog's SIGTERM to its SIGKILL
           (None: $SHARDLEDGER_KILL_GRACE, else 30 s);
         - ``log_file=None``: the job's log, whose last 200 lines go into the
-          diagnostics bundle (None: $SHARDLEDGER_LOG_FILE, else none).
+          diagnostics bundle (None: $SHARDLEDGER_LOG_FILE, else none);
+        - ``labels=None``: labels of this attempt (provider, pool, region, image, ...),
+          over the Ledger's ``labels=`` and $SHARDLEDGER_LABEL_<KEY> (docs/metrics.md).
 
         ``attempt_id`` defaults to a fresh random id.
         """

@@ -8,12 +8,13 @@ a `Shard` reads. A unit test keeps the two naming the same fields.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypedDict, Unpack, overload
 
 from shard_client.fingerprint import Fingerprint
 from shard_client.ids import check_id
+from shard_client.labels import label_problem
 from shard_client.watchdog import DEFAULT_HANG_GRACE_S, DEFAULT_KILL_GRACE_S, HangPolicy
 
 __all__ = [
@@ -71,6 +72,7 @@ class ShardOptionKwargs(TypedDict, total=False):
     hang_grace: float | None
     kill_grace: float | None
     log_file: str | os.PathLike[str] | None
+    labels: Mapping[str, str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,7 @@ class ShardOptions:
     hang_grace: float | None = None
     kill_grace: float | None = None
     log_file: str | None = None
+    labels: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
@@ -105,6 +108,9 @@ class ShardOptions:
                 raise ValueError(f"{name} must be >= 0 (or None)")
         for name in self.expected_outputs or ():
             check_id("expected output", name)
+        problem = label_problem(self.labels or {})
+        if problem:
+            raise ValueError(f"labels: {problem}")
 
     @classmethod
     def given(cls, **options: Unpack[ShardOptionKwargs]) -> ShardOptions:

@@ -41,6 +41,7 @@ from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
+from shard_client.labels import labels_from_env, merged_labels
 from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
 from shard_client.scheduler import detect as detect_scheduler
@@ -170,6 +171,7 @@ class Shard:
             fingerprint_digest=fp.digest,
             scheduler=_scheduler_identity(),
             process_start_ticks=process_start_ticks(),
+            labels=self._labels(),
         )
         # Waiting here turns a wrong run or shard id into an error before any work.
         self._emit(started=started).result(self.ledger.ack_timeout_s)
@@ -379,9 +381,20 @@ class Shard:
         atomic.makedirs_durable(directory)
         return os.path.join(directory, checkpoint.checkpoint_name(step))
 
-    def _record_checkpoint(self, step: int, info: atomic.CommitInfo) -> None:
+    def _labels(self) -> dict[str, str]:
+        """Returns the attempt's labels: $SHARDLEDGER_LABEL_*, then the Ledger's, then the shard's."""
+        return merged_labels(labels_from_env(), self.ledger.labels, self.options.labels)
+
+    def _record_checkpoint(self, step: int, info: atomic.CommitInfo, began_ns: int) -> None:
+        # The write time is the w of checkpoint_advice(): serialize + fsync + rename.
+        took = Duration()
+        took.FromNanoseconds(max(time.monotonic_ns() - began_ns, 1))
         saved = pb.CheckpointSaved(
-            step=step, path=info.path, size_bytes=info.size_bytes, blake3_hex=info.blake3_hex
+            step=step,
+            path=info.path,
+            size_bytes=info.size_bytes,
+            blake3_hex=info.blake3_hex,
+            write_duration=took,
         )
         self._emit(checkpoint=saved).result(self.ledger.ack_timeout_s)
         self._heartbeats.made_progress(step)
@@ -393,10 +406,13 @@ class Shard:
         """Writes a checkpoint of any format atomically and records it (no torch needed)."""
         self._check_active()
         target = self._checkpoint_path(step, path)
+        began = time.monotonic_ns()
         with (
             self._clock.paused(),
             atomic.atomic_write(
-                target, mode=mode, on_commit=lambda info: self._record_checkpoint(step, info)
+                target,
+                mode=mode,
+                on_commit=lambda info: self._record_checkpoint(step, info, began),
             ) as f,
         ):
             yield f
@@ -406,11 +422,12 @@ class Shard:
     ) -> atomic.CommitInfo:
         """Saves model/optimizer/scheduler/extra and every RNG with torch; records the checkpoint."""
         self._check_active()
+        began = time.monotonic_ns()
         with self._clock.paused():
             return checkpoint.save_checkpoint(
                 self._checkpoint_path(step, path),
                 step=step,
-                on_commit=lambda info: self._record_checkpoint(step, info),
+                on_commit=lambda info: self._record_checkpoint(step, info, began),
                 **states,
             )
 

@@ -48,14 +48,15 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.db",
 )
 
-# Import names of the server extra's packages: the server's (see ledger_server/__init__.py)
-# and rich. ledger_server is not imported to learn them: without the extra it cannot be.
+# Import names of the server extra's packages: the server's (see ledger_server/__init__.py),
+# rich and sqlite_utils. ledger_server is not imported to learn them: without the extra it cannot be.
 SERVER_EXTRA_MODULES: Final = (
     "cryptography",
     "grpc_health",
     "grpc_reflection",
     "prometheus_client",
     "rich",
+    "sqlite_utils",
     "structlog",
 )
 INSTALL_HINT: Final = "pip install 'shardledger[server]'"

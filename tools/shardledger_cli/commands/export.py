@@ -44,6 +44,21 @@ from shardledger_cli.cli import (
 from shardledger_cli.output import atomic_output, print_json
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
+EXPORT_HELP: Final = """
+--sqlite OUT.db writes the run instead into an analysis database for
+sqlite-utils or Datasette (tables runs, shards, attempts, artifacts,
+checkpoints, verdicts, events; docs/analysis.md). Exporting more runs into the
+same file adds them (a run exported again is replaced whole).
+
+Examples:
+  shardledger export night-01 -o night-01.jsonl        # self-verifying; `import` reads it
+  shardledger export night-01 --sqlite nights.db       # tidy tables for your own queries
+  shardledger export night-02 --sqlite nights.db --json
+  sqlite-utils query nights.db "select provider, avg(silent) from shards group by provider"
+
+exit codes: 0 written; 1 the run's chain or signed head does not check (nothing
+written to -o); 3 unreachable; 4 refused (e.g. unknown run); 5 the database
+cannot be written (or is not an analysis database: it is left untouched)"""
 
 
 def register(
@@ -55,12 +70,17 @@ def register(
         "export",
         parents=[common],
         help="write a run as a self-verifying JSONL file",
-        description=__doc__ + "\nexit codes: 0 written; 1 the run's chain or signed head"
-        " does not check (nothing written to -o); 3 unreachable; 4 refused",
+        description=__doc__ + EXPORT_HELP,
         formatter_class=raw,
     )
     p.add_argument("run", help="run id")
-    p.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
+    target.add_argument(
+        "--sqlite",
+        metavar="OUT.db",
+        help="write the run into a tidy analysis database instead (docs/analysis.md)",
+    )
     p.set_defaults(func=run_export)
 
     p = sub.add_parser(
@@ -94,6 +114,10 @@ def _line(value: dict[str, Any]) -> str:
 
 def run_export(args: argparse.Namespace) -> int:
     """Streams the run to JSONL, checking its chain and signed head on the way."""
+    if args.sqlite:
+        from shardledger_cli.commands.export_sqlite import run_export_sqlite
+
+        return run_export_sqlite(args)
     client = client_from(args)
     pem = rpc_public_key(client)
     walk = ChainWalk(args.run, args.namespace or None)

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -21,6 +21,7 @@ from shard_client.ids import (
     check_id,
     plan_events,
 )
+from shard_client.labels import labels_from_env, merged_labels, parse_label
 from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -96,6 +97,14 @@ def register(
     p.add_argument(
         "--expected-outputs", default=None, metavar="A,B", help="with --inputs: artifact names"
     )
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run label (provider, pool, region, image, ...), repeatable; over"
+        " $SHARDLEDGER_LABEL_<KEY>; `report --by KEY` groups runs by it",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan lines; send nothing")
     p.add_argument(
         "--workers", type=int, default=min(8, os.cpu_count() or 4), help="parallel input hashing"
@@ -117,11 +126,12 @@ def run_plan(args: argparse.Namespace) -> int:
         entries = entries_from_manifest(args.manifest, workers=args.workers)
     if not entries:
         raise CommandError("nothing to plan: no manifest lines or matching inputs")
+    labels = run_labels(args.label)
     if args.dry_run:
         return _print_dry_run(entries, as_json=args.json)
     client = client_from(args)
     entries = keep_stored_indexes(client, args.run, entries, namespace=args.namespace)
-    outcome = send_plan(client, args.run, entries, namespace=args.namespace)
+    outcome = send_plan(client, args.run, entries, namespace=args.namespace, labels=labels)
     return _report(args, entries, outcome)
 
 
@@ -167,11 +177,26 @@ def keep_stored_indexes(
 # --- sending -----------------------------------------------------------------------
 
 
+def run_labels(flags: Sequence[str]) -> dict[str, str]:
+    """Returns the run's labels: $SHARDLEDGER_LABEL_<KEY>, then each --label KEY=VALUE."""
+    try:
+        labels = labels_from_env()
+        labels.update(parse_label(text) for text in flags)
+        return merged_labels(labels)
+    except ValueError as exc:
+        raise CommandError(f"bad label: {exc}", EXIT_USAGE) from None
+
+
 def send_plan(
-    client: LedgerClient, run_id: str, entries: Sequence[PlanEntry], *, namespace: str = ""
+    client: LedgerClient,
+    run_id: str,
+    entries: Sequence[PlanEntry],
+    *,
+    namespace: str = "",
+    labels: Mapping[str, str] | None = None,
 ) -> Outcome:
     """Sends the planned events in batches; refused shards are isolated, the rest still go."""
-    events = plan_events(run_id, entries, namespace=namespace)
+    events = plan_events(run_id, entries, namespace=namespace, labels=labels)
     outcome = Outcome()
     with progress("registering shards", len(events)) as advance:
         for start in range(0, len(events), BATCH):

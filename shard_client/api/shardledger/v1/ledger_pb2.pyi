@@ -91,7 +91,14 @@ class ShardEvent(_message.Message):
     def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
-    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index")
+    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     INPUT_REF_FIELD_NUMBER: _ClassVar[int]
     INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_BLAKE3_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +106,7 @@ class ShardPlanned(_message.Message):
     EXPECTED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PLAN_LINE_FIELD_NUMBER: _ClassVar[int]
     PLAN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     input_ref: str
     input_bytes: int
     input_blake3: str
@@ -106,11 +114,19 @@ class ShardPlanned(_message.Message):
     expected_outputs: _containers.RepeatedScalarFieldContainer[str]
     plan_line: str
     plan_index: int
-    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
-    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks")
+    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels")
     class FingerprintEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +140,7 @@ class AttemptStarted(_message.Message):
     FINGERPRINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     host: str
     pid: int
     heartbeat_timeout: _duration_pb2.Duration
@@ -131,7 +148,8 @@ class AttemptStarted(_message.Message):
     fingerprint_digest: str
     scheduler: SchedulerIdentity
     process_start_ticks: int
-    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SchedulerIdentity(_message.Message):
     __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
@@ -171,16 +189,18 @@ class Heartbeat(_message.Message):
     def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., nonfinite_metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
-    __slots__ = ("step", "path", "size_bytes", "blake3_hex")
+    __slots__ = ("step", "path", "size_bytes", "blake3_hex", "write_duration")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DURATION_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     size_bytes: int
     blake3_hex: str
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ...) -> None: ...
+    write_duration: _duration_pb2.Duration
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., write_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ArtifactCommitted(_message.Message):
     __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type")
