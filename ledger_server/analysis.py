@@ -52,6 +52,9 @@ class AttemptRow:
     fingerprint: str
     labels: dict[str, str]
     last_us: int
+    timeout_us: int = 0
+    # The last time it showed progress (a step advanced, a checkpoint, a commit).
+    progress_us: int = 0
     heartbeats: int = 0
     last_step: int = -1
     checkpoints: int = 0
@@ -165,15 +168,19 @@ def _fold(out: RunTables, recorded: RecordedEvent) -> None:
             fingerprint=p.fingerprint_digest,
             labels=dict(p.labels),
             last_us=now,
+            timeout_us=p.heartbeat_timeout_us,
+            progress_us=now,
         )
     elif isinstance(p, Heartbeat) and attempt is not None:
         attempt.heartbeats += 1
-        attempt.last_step = max(attempt.last_step, p.step)
+        if p.step > attempt.last_step:
+            attempt.last_step, attempt.progress_us = p.step, now
     elif isinstance(p, CheckpointSaved):
         if attempt is not None:
             attempt.checkpoints += 1
             attempt.checkpoint_write_us += p.write_us
             attempt.last_step = max(attempt.last_step, p.step)
+            attempt.progress_us = now
         out.checkpoints.append(
             where
             | {
@@ -189,6 +196,7 @@ def _fold(out: RunTables, recorded: RecordedEvent) -> None:
     elif isinstance(p, ArtifactCommitted):
         if attempt is not None:
             attempt.commits += 1
+            attempt.progress_us = now
         out.commits[(e.shard_id, p.path, p.blake3_hex)] = e.attempt_id
         out.artifacts.append(
             where

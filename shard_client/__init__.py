@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from shard_client import determinism
 from shard_client.ack import Ack
+from shard_client.advice import CheckpointAdvice, checkpoint_advice
 from shard_client.atomic import CommitInfo, atomic_write, commit_file
 from shard_client.classify import failure_tag
 from shard_client.client import LedgerClient
@@ -39,6 +40,7 @@ from shard_client.spooldir import drain_spool_dirs
 
 __all__ = [
     "Ack",
+    "CheckpointAdvice",
     "CommitInfo",
     "Conflict",
     "DataError",
@@ -59,6 +61,7 @@ __all__ = [
     "Sender",
     "Shard",
     "atomic_write",
+    "checkpoint_advice",
     "commit_file",
     "determinism",
     "drain_spool_dirs",

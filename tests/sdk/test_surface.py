@@ -21,6 +21,7 @@ ID_RE = r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]*"
 
 PUBLIC_API = [
     "Ack",
+    "CheckpointAdvice",
     "CommitInfo",
     "Conflict",
     "DataError",
@@ -41,6 +42,7 @@ PUBLIC_API = [
     "Sender",
     "Shard",
     "atomic_write",
+    "checkpoint_advice",
     "commit_file",
     "determinism",
     "drain_spool_dirs",

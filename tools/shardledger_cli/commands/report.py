@@ -24,6 +24,15 @@ Print the run summary: the reconciliation equation, completion rate
 (verified / submitted), silent error rate, failure tags, duplicates and
 fingerprint groups. --json prints the summary object the server computed.
 
+--costs adds what the failures cost in GPU time and the checkpoint interval
+the run's numbers advise (report 1, §4.3 and §3.2; docs/metrics.md), under the
+keys "costs" and "checkpoint_advice"; it reads every event of the run.
+
+Examples:
+  shardledger status night-01
+  shardledger status night-01 --costs
+  shardledger status night-01 --json | jq .first_pass
+
 exit codes: 0 every planned shard is verified; 1 some shard is not;
 3 server unreachable; 4 refused (e.g. unknown run)""",
     "shards": f"""list a run's shards, optionally in one state
@@ -77,6 +86,9 @@ def register(
             p.add_argument("run", help="run id")
         p.set_defaults(func=func)
         parsers[name] = p
+    parsers["status"].add_argument(
+        "--costs", action="store_true", help="add GPU time lost to failures and checkpoint advice"
+    )
     p = parsers["shards"]
     p.add_argument("--state", choices=QUERY_STATES, default="", help="only shards in this state")
     p.add_argument("--limit", type=at_least(0), default=0, help="at most N shards (0: all)")
@@ -92,13 +104,20 @@ def register(
 
 def run_status(args: argparse.Namespace) -> int:
     """Prints the run summary; exits 0 only when every planned shard is verified."""
-    summary: dict[str, Any] = json.loads(
-        client_from(args).summary(args.run, namespace=args.namespace)
-    )
+    client = client_from(args)
+    summary: dict[str, Any] = json.loads(client.summary(args.run, namespace=args.namespace))
+    if getattr(args, "costs", False):
+        from shardledger_cli.commands.field_report import print_costs, run_report_json
+        from shardledger_cli.run_data import load_run
+
+        extra = run_report_json(load_run(client, args.run, namespace=args.namespace))
+        summary |= {k: extra[k] for k in ("costs", "checkpoint_advice")}
     if args.json:
         print_json(summary)
     else:
         render_summary(summary)
+        if "costs" in summary:
+            print_costs(summary["costs"], summary["checkpoint_advice"])
     done = summary["submitted"] > 0 and summary["verified"] == summary["submitted"]
     return EXIT_OK if done else EXIT_PROBLEMS
 
