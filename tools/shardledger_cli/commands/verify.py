@@ -29,6 +29,7 @@ from shardledger_cli.cli import (
     at_least,
     client_from,
 )
+from shardledger_cli.commands.verify_keyed import check_keyed
 from shardledger_cli.commands.verify_report import Tally, entry, print_report
 from shardledger_cli.commands.verify_scan import (
     Commit,
@@ -55,7 +56,10 @@ and pass the content checks for its type and any validators installed under the
 `verified` event about that one commit (PASSED, or FAILED with a reason about
 the artifact: missing, not_a_file, size_mismatch, digest_mismatch, empty,
 truncated, nan_or_inf, json_invalid, tensor_unreadable, image_undecodable,
-image_degenerate, validator:NAME, ...). Each distinct file is read once.
+image_degenerate, id_set_mismatch, validator:NAME, ...). Each distinct file is read once.
+An output the plan's params declare keyed ({"keyed_outputs": {"out": "id"},
+"input_ids": [...]} or "input_ids_file") must hold exactly the shard's input
+ids, each once (report 2, §4.4; docs/analysis.md).
 
 A verdict belongs to one commit. A new commit (a rerun, even of byte-identical
 bytes at the same path) is unverified until verify reads it; a commit that
@@ -286,19 +290,20 @@ def run_verify(args: argparse.Namespace) -> int:
             first, root=root, workers=args.workers, validators=validators, on_done=advance
         ):
             for state in reads[read.read_key]:
-                if result.reason in VERIFIER_REASONS and not result.passed:
-                    tally.unchecked.append(entry(state.commit, result.reason, result.detail))
+                verdict = _keyed(scan, state.commit, root, result)
+                if verdict.reason in VERIFIER_REASONS and not verdict.passed:
+                    tally.unchecked.append(entry(state.commit, verdict.reason, verdict.detail))
                     continue
                 recorder.add(
                     verdict_event(
                         state.commit,
-                        result,
+                        verdict,
                         namespace=args.namespace,
                         run_id=args.run,
                         generation=len(state.verdicts),
                     )
                 )
-                tally.add(state, result.passed, result.reason, result.detail, earlier=False)
+                tally.add(state, verdict.passed, verdict.reason, verdict.detail, earlier=False)
         recorder.flush()
     for state in todo.skipped:
         passed, reason = state.verdicts[-1]
@@ -316,6 +321,14 @@ def run_verify(args: argparse.Namespace) -> int:
         )
         return EXIT_LOCAL
     return EXIT_PROBLEMS if tally.current_failed or recorder.refused else EXIT_OK
+
+
+def _keyed(scan: Any, commit: Commit, root: str, result: CheckResult) -> CheckResult:
+    """Returns the id-set check of a commit its plan declares keyed, once its file passed."""
+    keyed = scan.keyed.get((commit.shard_id, commit.name))
+    if keyed is None or not result.passed:
+        return result
+    return check_keyed(keyed, root=root, path=commit.path)
 
 
 class _Progress:

@@ -9,6 +9,7 @@ from typing import Any
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import VERIFIER_REASONS, PathOutsideRoot, resolve_within_root
+from shardledger_cli.commands.verify_keyed import KeyedOutput, keyed_outputs
 
 __all__ = [
     "Commit",
@@ -66,6 +67,8 @@ class Scan:
     commits: dict[tuple[str, str, str], CommitState]
     path_heads: dict[str, str]  # path -> digest of the latest commit to it (what is on disk)
     latest_of_output: dict[tuple[str, str], int]  # (shard, name) -> position of its latest commit
+    # (shard, name) -> the plan's keyed-result declaration (verify_keyed).
+    keyed: dict[tuple[str, str], KeyedOutput] = field(default_factory=dict)
 
 
 def scan_events(events: Iterable[Any]) -> Scan:
@@ -83,9 +86,13 @@ def scan_events(events: Iterable[Any]) -> Scan:
     attempts: dict[tuple[str, str], dict[str, None]] = {}  # (shard, name) -> attempts, ordered
     heads: dict[str, str] = {}
     latest: dict[tuple[str, str], int] = {}
+    keyed: dict[tuple[str, str], KeyedOutput] = {}
     for position, event in enumerate(events):
         kind = event.WhichOneof("payload")
-        if kind == "artifact_committed":
+        if kind == "planned":
+            for name, spec in keyed_outputs(event.planned.params_json).items():
+                keyed[(event.shard_id, name)] = spec
+        elif kind == "artifact_committed":
             a = event.artifact_committed
             commit = Commit(
                 event.shard_id,
@@ -112,7 +119,7 @@ def scan_events(events: Iterable[Any]) -> Scan:
                 state = commits.get((event.shard_id, attempt, v.name))
                 if state and (state.commit.path, state.commit.blake3_hex) == (v.path, v.blake3_hex):
                     state.verdicts.append((v.result == pb.VERIFICATION_RESULT_PASSED, v.reason))
-    return Scan(commits, heads, latest)
+    return Scan(commits, heads, latest, keyed)
 
 
 @dataclass(slots=True)
