@@ -149,7 +149,7 @@ def play_night(
         plan(client, run_id, ids, labels=run_labels if run_labels is not None else labels)
         with Ledger(target, spool_dir=str(root / ".spool")) as ledger:
             for i, (sid, outcome) in enumerate(zip(ids, outcomes, strict=True)):
-                value = values[i] if values is not None else float(i)
+                value = float(values[i]) if values is not None else float(i)
                 data = output(sid, value)
                 if outcome in ("ok", "truncated"):
                     _attempt(ledger, run_id, sid, root, data, labels=labels, driver=driver)

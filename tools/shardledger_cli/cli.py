@@ -46,6 +46,7 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.export",
     "shardledger_cli.commands.trend",
     "shardledger_cli.commands.field_report",
+    "shardledger_cli.commands.accept",
     "shardledger_cli.commands.db",
 )
 

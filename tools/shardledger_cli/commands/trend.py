@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Final
 
+import blake3
+
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.output import print_json
 
@@ -61,6 +63,15 @@ def register(
         "  across groups the digest changed with the fingerprint (expected)\n"
         "  unattributed  the digest changed and a fingerprint is unknown\n"
         "Shards present in only one of the two are listed as an ID-set difference.\n\n"
+        "Consistency (report 2, §2.3): each run against the latest earlier run that\n"
+        "shares shards with it: of the outputs of verified shards in the same\n"
+        "fingerprint group on both sides, the share with the same digest. Each ruler\n"
+        "run also gets one digest over all its outputs (report 2, §5.3: a changed\n"
+        "ruler digest is drift, look now).\n\n"
+        "Examples:\n"
+        "  shardledger trend                       # the last 20 runs, rulers compared\n"
+        "  shardledger trend --last 60 --json | jq '.consistency[] | .consistency_rate'\n"
+        "  shardledger trend --ruler-prefix nightly-ruler-\n\n"
         "exit codes: 0 no drift; 1 drift found; 3 server unreachable; 4 refused",
     )
     p.add_argument(
@@ -118,13 +129,62 @@ def build_report(
         for previous, current in pairwise(rulers)
         if current.run_id in shown
     ]
+    arts = {r.run_id: _artifacts(client, r, cache) for r in recent}
+    consistency = []
+    for i, current in enumerate(recent):
+        earlier = (
+            p for p in reversed(recent[:i]) if arts[p.run_id].keys() & arts[current.run_id].keys()
+        )
+        previous = next(earlier, None)
+        if previous is not None:
+            pair = {"run_id": current.run_id, "previous_run_id": previous.run_id}
+            consistency.append(pair | consistency_of(arts[previous.run_id], arts[current.run_id]))
+    ruler_digests = [
+        {"run_id": r.run_id, **outputs_digest(_artifacts(client, r, cache))} for r in rulers
+    ]
     return {
         "namespace": namespace or "default",
         "runs": rows,
         "ruler_prefix": ruler_prefix,
         "ruler_comparisons": comparisons,
         "drift_found": any(c["drift"] for c in comparisons),
+        "consistency": consistency,
+        "ruler_digests": ruler_digests,
     }
+
+
+def consistency_of(
+    previous: dict[str, ShardArtifacts], current: dict[str, ShardArtifacts]
+) -> dict[str, Any]:
+    """Returns how many outputs of the same input in the same fingerprint group kept their digest.
+
+    Only verified shards on both sides, and only outputs whose attempts recorded the
+    same fingerprint: across groups numbers are not expected to match (report 1, §2.1).
+    """
+    compared = consistent = 0
+    for shard_id in previous.keys() & current.keys():
+        a, b = previous[shard_id], current[shard_id]
+        if not (
+            a.state == b.state == "verified" and a.fingerprint and a.fingerprint == b.fingerprint
+        ):
+            continue
+        for name in a.digests.keys() & b.digests.keys():
+            compared += 1
+            consistent += a.digests[name] == b.digests[name]
+    return {
+        "compared_outputs": compared,
+        "consistent": consistent,
+        "consistency_rate": consistent / compared if compared else None,
+    }
+
+
+def outputs_digest(shards: dict[str, ShardArtifacts]) -> dict[str, Any]:
+    """Returns one blake3 over every (shard, output, digest) of a run, and how many outputs."""
+    rows = sorted(
+        (sid, name, digest) for sid, s in shards.items() for name, digest in s.digests.items()
+    )
+    material = "\n".join("\t".join(r) for r in rows).encode()
+    return {"outputs": len(rows), "digest": blake3.blake3(material).hexdigest()}
 
 
 def _us(timestamp: Timestamp) -> int:
@@ -278,7 +338,20 @@ def print_report(report: dict[str, Any]) -> None:
             _counts(r["fingerprint_groups"], short=True),
         )
     console.print(runs)
+    _print_consistency(console, report)
     _print_rulers(console, report)
+
+
+def _print_consistency(console: Any, report: dict[str, Any]) -> None:
+    for c in report.get("consistency", []):
+        rate = c["consistency_rate"]
+        shown = "no outputs in one fingerprint group" if rate is None else _percent(rate)
+        console.print(
+            f"consistency {c['run_id']} vs {c['previous_run_id']}: {shown}"
+            f" ({c['consistent']} of {c['compared_outputs']} same-group outputs kept their digest)"
+        )
+    for r in report.get("ruler_digests", []):
+        console.print(f"ruler digest {r['run_id']}: {r['digest'][:16]} over {r['outputs']} outputs")
 
 
 def _prefixed(prefix: str, values: dict[str, int]) -> dict[str, int]:
