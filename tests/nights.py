@@ -140,24 +140,35 @@ def play_night(
     run_labels: Mapping[str, str] | None = None,
     driver: str = "550",
     values: Sequence[float] | None = None,
+    drivers: Sequence[str] | None = None,
+    shard_ids: Sequence[str] | None = None,
 ) -> list[str]:
-    """Plans one shard per outcome (ids s0, s1, ...), plays them, verifies; returns the ids."""
+    """Plans one shard per outcome (ids s0, s1, ...), plays them, verifies; returns the ids.
+
+    With ``shard_ids`` the run is already planned (a sample run): only those shards
+    are played. ``drivers`` gives each shard its own fingerprint group.
+    """
     labels = dict(labels or {})
-    ids = [f"s{i}" for i in range(len(outcomes))]
+    ids = list(shard_ids) if shard_ids is not None else [f"s{i}" for i in range(len(outcomes))]
     client = LedgerClient(target)
     try:
-        plan(client, run_id, ids, labels=run_labels if run_labels is not None else labels)
+        if shard_ids is None:
+            plan(client, run_id, ids, labels=run_labels if run_labels is not None else labels)
         with Ledger(target, spool_dir=str(root / ".spool")) as ledger:
             for i, (sid, outcome) in enumerate(zip(ids, outcomes, strict=True)):
-                value = float(values[i]) if values is not None else float(i)
+                number = sid.lstrip("s")
+                value = float(
+                    values[i] if values is not None else number if number.isdigit() else i
+                )
                 data = output(sid, value)
+                env = drivers[i] if drivers is not None else driver
                 if outcome in ("ok", "truncated"):
-                    _attempt(ledger, run_id, sid, root, data, labels=labels, driver=driver)
+                    _attempt(ledger, run_id, sid, root, data, labels=labels, driver=env)
                 elif outcome == "empty":
-                    _attempt(ledger, run_id, sid, root, b"", labels=labels, driver=driver)
+                    _attempt(ledger, run_id, sid, root, b"", labels=labels, driver=env)
                 elif outcome == "preempted":
                     _preempted(ledger, run_id, sid, root, labels=labels)
-                    _attempt(ledger, run_id, sid, root, data, labels=labels, driver=driver)
+                    _attempt(ledger, run_id, sid, root, data, labels=labels, driver=env)
                 elif outcome == "hang":
                     _hang(target, run_id, sid, root, labels)
                 else:

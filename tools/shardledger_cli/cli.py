@@ -47,6 +47,8 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.trend",
     "shardledger_cli.commands.field_report",
     "shardledger_cli.commands.accept",
+    "shardledger_cli.commands.sample",
+    "shardledger_cli.commands.compare",
     "shardledger_cli.commands.db",
 )
 

@@ -1,0 +1,233 @@
+"""`shardledger sample RUN --as RUN-ref`: a seeded, stratified sample of verified shards as a new run.
+
+Report 2 (§2.2): format checks cannot see a result that is well-formed and wrong;
+only re-computing a sample in a reference environment can. After a night, pick a
+fixed share of its verified shards (default 5 %, at least 20), stratified by
+fingerprint group (each group in proportion, largest remainders first) and chosen
+by a seeded hash of the shard id, so the same seed picks the same shards. They
+are planned, with their original definitions and plan lines, as a new run
+labelled ``sample_of=RUN`` (plus the origin's labels, seed and fraction): run it
+with the same launchers in the reference environment (``shardledger resume
+RUN-ref`` hands back its plan lines), then ``shardledger compare RUN RUN-ref``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import blake3
+
+from shard_client.errors import LedgerRejected
+from shard_client.ids import PlanEntry, check_id
+from shardledger_cli.cli import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    CommandError,
+    at_least,
+    client_from,
+)
+from shardledger_cli.commands.plan import send_plan
+from shardledger_cli.output import print_json
+
+__all__ = ["register", "run_sample", "stratified_sample"]
+
+SAMPLE_OF_LABEL: Final = "sample_of"
+
+EXAMPLES: Final = """
+Examples:
+  shardledger sample night-01 --as night-01-ref                 # 5 %, at least 20, seed 0
+  shardledger sample night-01 --as night-01-ref --fraction 0.1 --min 50 --seed 7
+  shardledger sample night-01 --as night-01-ref --dry-run --json   # what would be picked
+  shardledger resume night-01-ref -o ref-jobs.jsonl             # then launch them as usual
+
+exit codes: 0 the sample run is planned (or, with --dry-run, printed); 1 the run
+has no verified shard to sample; 2 usage; 3 server unreachable; 4 refused (an
+unknown run, or --as names a run planned with other shards)"""
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share above 0 and at most 1, not {text!r}")
+    return value
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """Adds the sample command."""
+    p = sub.add_parser(
+        "sample",
+        parents=[common],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="plan a seeded, stratified sample of a run's verified shards as a reference run",
+        description=(__doc__ or "").split("\n", 1)[1] + EXAMPLES,
+    )
+    p.add_argument("run", help="the run to sample")
+    p.add_argument("--as", dest="sample_run", required=True, metavar="RUN-ref", help="new run id")
+    p.add_argument("--fraction", type=_fraction, default=0.05, help="share to pick (default 0.05)")
+    p.add_argument("--min", type=at_least(1), default=20, help="at least this many (default 20)")
+    p.add_argument("--seed", default="0", help="the same seed picks the same shards (default 0)")
+    p.add_argument("--dry-run", action="store_true", help="print the pick; plan nothing")
+    p.set_defaults(func=run_sample)
+
+
+def _rank(seed: str, shard_id: str) -> str:
+    return blake3.blake3(f"{seed}\x00{shard_id}".encode()).hexdigest()
+
+
+def stratified_sample(
+    groups: Mapping[str, Sequence[str]], *, fraction: float, minimum: int, seed: str
+) -> dict[str, list[str]]:
+    """Returns group -> the picked shard ids: max(ceil(fraction·N), minimum) in all, capped at N.
+
+    Each group gets its proportional quota, floors first and the remaining picks to
+    the largest remainders (ties by group key); inside a group the shards with the
+    smallest seeded hashes are picked.
+    """
+    total = sum(len(v) for v in groups.values())
+    want = min(total, max(math.ceil(fraction * total - 1e-9), minimum))
+    quotas = {g: want * len(v) / total for g, v in groups.items()} if total else {}
+    counts = {g: math.floor(q) for g, q in quotas.items()}
+    left = want - sum(counts.values())
+    for g in sorted(quotas, key=lambda g: (-(quotas[g] - counts[g]), g))[:left]:
+        counts[g] += 1
+    return {
+        g: sorted(sorted(ids, key=lambda s: _rank(seed, s))[: counts[g]])
+        for g, ids in sorted(groups.items())
+    }
+
+
+def _origin(client: Any, run: str, namespace: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Returns the run's plans by shard id (as events carry them) and its labels."""
+    plans: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for e in client.list_events(run, namespace=namespace, page_size=5000):
+        if e.HasField("planned"):
+            plans.setdefault(e.shard_id, e.planned)
+            labels = labels or dict(e.planned.labels)
+    return plans, labels
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    """Picks the sample and plans it as a new run linked to its origin by labels."""
+    try:
+        check_id("run id", args.sample_run)
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    if args.sample_run == args.run:
+        raise CommandError("--as must name a new run, not the sampled one", EXIT_USAGE)
+    client = client_from(args)
+    views = [json.loads(v.view_json) for v in client.shards(args.run, namespace=args.namespace)]
+    verified = [v for v in views if v["state"] == "verified"]
+    groups: dict[str, list[str]] = defaultdict(list)
+    for v in verified:
+        groups[v["fingerprint"] or "(none)"].append(v["shard_id"])
+    picked = stratified_sample(groups, fraction=args.fraction, minimum=args.min, seed=args.seed)
+    chosen = sorted((sid for ids in picked.values() for sid in ids), key=lambda s: s)
+    report: dict[str, Any] = {
+        "run_id": args.sample_run,
+        "sample_of": args.run,
+        "seed": args.seed,
+        "fraction": args.fraction,
+        "min": args.min,
+        "verified": len(verified),
+        "sampled": len(chosen),
+        "groups": {
+            g: {"verified": len(groups[g]), "sampled": len(ids)} for g, ids in picked.items()
+        },
+        "shards": chosen,
+        "planned": False,
+    }
+    if not chosen:
+        _print(report, as_json=args.json)
+        print(f"shardledger: run {args.run} has no verified shard to sample", file=sys.stderr)
+        return EXIT_PROBLEMS
+    if not args.dry_run:
+        report["planned"] = True
+        code = _plan(client, args, chosen)
+        if code != EXIT_OK:
+            return code
+    _print(report, as_json=args.json)
+    return EXIT_OK
+
+
+def _existing(client: Any, run: str, namespace: str) -> tuple[set[str], dict[str, str]] | None:
+    """Returns the shards and labels of the run if it exists (None: a new run id)."""
+    try:
+        client.summary(run, namespace=namespace)
+    except LedgerRejected as exc:
+        if exc.reason == "RUN_NOT_FOUND":
+            return None
+        raise
+    plans, labels = _origin(client, run, namespace)
+    return set(plans), labels
+
+
+def _plan(client: Any, args: argparse.Namespace, chosen: Sequence[str]) -> int:
+    plans, labels = _origin(client, args.run, args.namespace)
+    entries = [
+        PlanEntry(
+            shard_id=sid,
+            input_ref=plans[sid].input_ref,
+            input_bytes=plans[sid].input_bytes,
+            input_blake3=plans[sid].input_blake3,
+            params=json.loads(plans[sid].params_json or "{}"),
+            expected_outputs=tuple(plans[sid].expected_outputs),
+            plan_line=plans[sid].plan_line,
+            plan_index=i,
+        )
+        for i, sid in enumerate(chosen)
+    ]
+    link = labels | {
+        SAMPLE_OF_LABEL: args.run,
+        "sample_seed": str(args.seed)[:256],
+        "sample_fraction": str(args.fraction),
+    }
+    existing = _existing(client, args.sample_run, args.namespace)
+    if existing is not None and existing != (set(chosen), link):
+        # A sample run is one pick: adding another seed's shards to it would blur both.
+        raise CommandError(
+            f"refused: run {args.sample_run} already exists with other shards or labels;"
+            " pick another --as",
+            EXIT_REJECTED,
+        )
+    outcome = send_plan(client, args.sample_run, entries, namespace=args.namespace, labels=link)
+    if outcome.conflicts or outcome.refused:
+        first = (outcome.conflicts or outcome.refused)[0]
+        raise CommandError(
+            f"refused: run {args.sample_run} cannot take this sample ({first[0].shard_id}:"
+            f" {first[1]}); pick another --as",
+            EXIT_REJECTED,
+        )
+    return EXIT_OK
+
+
+def _print(report: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        print_json(report)
+        return
+    verb = "planned" if report["planned"] else "would plan"
+    print(
+        f"{verb} {report['sampled']} of {report['verified']} verified shards of"
+        f" {report['sample_of']} as run {report['run_id']} (seed {report['seed']})"
+    )
+    for group, n in report["groups"].items():
+        print(f"  fingerprint {group[:16]}: {n['sampled']} of {n['verified']}")
+    if report["planned"]:
+        print(
+            f"  next: shardledger resume {report['run_id']} -o ref-jobs.jsonl, run them"
+            f" in the reference environment, then shardledger compare {report['sample_of']}"
+            f" {report['run_id']}"
+        )
