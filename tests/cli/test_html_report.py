@@ -86,6 +86,7 @@ def _chromium(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
             "--headless",
             "--no-sandbox",  # tests run as root in CI; the page is our own file
             "--disable-gpu",
+            "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
             "--no-first-run",
             f"--user-data-dir={profile}",
             # Offline: no name resolves and no proxy answers, so any fetch would fail.

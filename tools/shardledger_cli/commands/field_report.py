@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from shardledger_cli.cli import EXIT_OK, EXIT_USAGE, CommandError, at_least, client_from
+from shardledger_cli.commands.trend import RUN_SCAN
 from shardledger_cli.costs import checkpoint_advice_of, run_costs
 from shardledger_cli.field_metrics import FIELD_METRICS, by_label
 from shardledger_cli.output import atomic_output, equation, print_json
@@ -70,8 +71,10 @@ def register(
 
 
 def _recent(client: Any, namespace: str, last: int) -> list[str]:
-    runs = client.list_runs(namespace=namespace, page_size=last)
-    return [r.run_id for r in runs][:last]
+    """Returns the last runs by creation, newest first (as `trend` picks them)."""
+    runs = client.list_runs(namespace=namespace, page_size=RUN_SCAN)
+    created = sorted(runs, key=lambda r: (r.create_time.seconds, r.create_time.nanos, r.run_id))
+    return [r.run_id for r in reversed(created[-last:])]
 
 
 def run_report(args: argparse.Namespace) -> int:
