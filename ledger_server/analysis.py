@@ -122,25 +122,36 @@ class RunTables:
         return self.labels | (attempt.labels if attempt else {})
 
 
-def fold_run(events: Iterable[RecordedEvent]) -> RunTables:
-    """Returns the analysis tables of one run's recorded events (in sequence order)."""
+def fold_run(events: Iterable[RecordedEvent], *, keep_events: bool = False) -> RunTables:
+    """Returns the analysis tables of one run's recorded events (in sequence order).
+
+    The ``events`` rows (one per event, heartbeats included: most of a night) are
+    kept only when asked for; the reports need the other tables alone.
+    """
     out = RunTables()
     for recorded in events:
-        _fold(out, recorded)
+        _fold(out, recorded, keep_events)
     return out
 
 
-def _fold(out: RunTables, recorded: RecordedEvent) -> None:
+def _fold(out: RunTables, recorded: RecordedEvent, keep_events: bool) -> None:
     e, now = recorded.event, recorded.receive_time_us
     out.run_id, out.namespace = e.run_id, e.namespace
     out.first_us = out.first_us or now
     out.last_us = max(out.last_us, now)
+    if keep_events:
+        _event_row(out, recorded)
+    _fold_payload(out, recorded)
+
+
+def _event_row(out: RunTables, recorded: RecordedEvent) -> None:
+    e = recorded.event
     out.events.append(
         {
             "run_id": e.run_id,
             "sequence": recorded.sequence,
             "run_sequence": recorded.run_sequence,
-            "receive_us": now,
+            "receive_us": recorded.receive_time_us,
             "client_us": e.client_time_us or None,
             "shard_id": e.shard_id,
             "attempt_id": e.attempt_id or None,
@@ -148,6 +159,10 @@ def _fold(out: RunTables, recorded: RecordedEvent) -> None:
             "payload": json.dumps(payload_dict(e.payload), sort_keys=True),
         }
     )
+
+
+def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
+    e, now = recorded.event, recorded.receive_time_us
     p = e.payload
     attempt = out.attempts.get(e.attempt_id)
     if attempt is not None:

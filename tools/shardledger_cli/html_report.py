@@ -246,7 +246,7 @@ def render_html(data: RunData, *, history: Sequence[RunData] = ()) -> str:
             f"<style>{CSS}</style></head><body>",
             f'<h1>run <span id="run-id">{escape(data.run_id)}</span></h1>',
             f'<p class="sub">namespace {escape(s["namespace"])} · {escape(labels)} ·'
-            f" {s.get('event_count', len(data.tables.events))} events</p>",
+            f" {s.get('event_count', 0)} events</p>",
             "<h2>The run ledger</h2>",
             f"<p>{_fig('equation', equation(s))}</p>",
             _stacked_bar(parts, "submitted shards by state"),

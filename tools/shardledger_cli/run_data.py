@@ -45,10 +45,12 @@ def _recorded(client: Any, run_id: str, namespace: str) -> Iterator[RecordedEven
         )
 
 
-def load_run(client: Any, run_id: str, *, namespace: str = "") -> RunData:
+def load_run(
+    client: Any, run_id: str, *, namespace: str = "", keep_events: bool = False
+) -> RunData:
     """Fetches one run (summary first, so an unknown run is refused before any listing)."""
     summary: dict[str, Any] = json.loads(client.summary(run_id, namespace=namespace))
-    tables = fold_run(_recorded(client, run_id, namespace))
+    tables = fold_run(_recorded(client, run_id, namespace), keep_events=keep_events)
     views = [json.loads(v.view_json) for v in client.shards(run_id, namespace=namespace)]
     return RunData(tables, summary, views)
 

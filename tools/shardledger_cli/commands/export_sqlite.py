@@ -126,7 +126,7 @@ def write_analysis_db(path: str, data: RunData) -> dict[str, int]:
 
 def run_export_sqlite(args: argparse.Namespace) -> int:
     """Fetches the run and writes its rows into the analysis database --sqlite names."""
-    data = load_run(client_from(args), args.run, namespace=args.namespace)
+    data = load_run(client_from(args), args.run, namespace=args.namespace, keep_events=True)
     counts = write_analysis_db(args.sqlite, data)
     if args.json:
         print_json({"run_id": data.run_id, "database": args.sqlite, "rows": counts})
