@@ -60,8 +60,19 @@ that has shards is numbered after the highest stored index (said on stderr), so
 no two shards share an index; a shard id planned before with a different
 definition is a conflict, listed on stderr.
 
+--label KEY=VALUE (repeatable, over $SHARDLEDGER_LABEL_<KEY>) labels the run:
+provider, pool (on-demand / spot / preemptible), region, image, or any key;
+`shardledger report --by provider` compares runs by them (docs/metrics.md).
+
+Examples:
+  shardledger plan night-01 --manifest jobs.jsonl
+  shardledger plan night-01 --inputs /data/in --glob '*.bin' --expected-outputs out
+  shardledger plan night-01 --manifest jobs.jsonl --label provider=D --label pool=spot
+  SHARDLEDGER_LABEL_REGION=eu-1 shardledger plan night-01 --manifest jobs.jsonl --dry-run
+
 exit codes: 0 all shards new or already planned identically; 1 some conflict;
-3 unreachable; 4 refused by the server; 5 bad manifest or inputs (nothing sent)
+2 a bad --label; 3 unreachable; 4 refused by the server; 5 bad manifest or inputs
+(nothing sent)
 """
 
 
