@@ -24,11 +24,17 @@ from ledger_server.events import (
     Heartbeat,
     RecordedEvent,
     ShardPlanned,
+    SubmissionClosed,
 )
 from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
-from ledger_server.summary import PASS_CLOSED_KEY, contributions
+from ledger_server.summary import (
+    PASS_CLOSED_KEY,
+    SUBMISSION_CLOSED_KEY,
+    closing_counters,
+    contributions,
+)
 from ledger_server.validation import ValidEvent
 
 # Event kinds that never change a shard's contribution to the run counters.
@@ -81,6 +87,8 @@ class _BatchState:
     heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
     # run_pk -> the global sequence that closed the run's first pass (0: still open).
     pass_closed: dict[int, int] = field(default_factory=dict)
+    # run_pk -> the global sequence that closed the run's submission (0: still open).
+    submission_closed: dict[int, int] = field(default_factory=dict)
 
 
 def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
@@ -283,6 +291,8 @@ class BatchFolder:
                     )
                 run = tx.create_run(*run_key, now_us=receive_us, genesis=GENESIS_HASH)
             head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
+        if isinstance(event.payload, SubmissionClosed):
+            return self._close_submission(tx, event, content, head, state, receive_us)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
         if not proj.check(record, event):
@@ -321,6 +331,38 @@ class BatchFolder:
             state.pass_closed[head.run_pk] = sequence
             tx.add_counters(head.run_pk, {PASS_CLOSED_KEY: sequence})
         state.dirty.add(shard_key)
+        return AppendResult(event.event_id, sequence, APPENDED)
+
+    def _close_submission(
+        self,
+        tx: WriteTx,
+        event: Event,
+        content: str,
+        head: _Head,
+        state: _BatchState,
+        receive_us: int,
+    ) -> AppendResult:
+        """Appends a run-level close: the first one sets the run's submission counters."""
+        run_sequence = head.count + 1
+        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
+        row_hash = chain_hash(head.hash, row)
+        sequence = tx.insert_event(
+            run_pk=head.run_pk,
+            run_sequence=run_sequence,
+            event_id=event.event_id,
+            row=row,
+            row_hash=row_hash,
+        )
+        head.count, head.hash = run_sequence, row_hash
+        closed = state.submission_closed.get(head.run_pk)
+        if closed is None:
+            closed = tx.counter(head.run_pk, SUBMISSION_CLOSED_KEY)
+        if not closed:
+            # Later closes stay in the chain (who said what, when) but do not move the close.
+            assert isinstance(event.payload, SubmissionClosed)
+            tx.add_counters(head.run_pk, closing_counters(event.payload, sequence, receive_us))
+            closed = sequence
+        state.submission_closed[head.run_pk] = closed
         return AppendResult(event.event_id, sequence, APPENDED)
 
     def _pass_closed(self, tx: WriteTx, state: _BatchState, run_pk: int) -> int:

@@ -19,6 +19,7 @@ from ledger_server.events import (
     Payload,
     RecordedEvent,
     ShardPlanned,
+    SubmissionClosed,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.vocabulary import SCHEDULER_FIELDS, FailureTag
@@ -129,6 +130,9 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             diagnostics_path=f.diagnostics_path,
             diagnostics_blake3_hex=f.diagnostics_blake3_hex,
         )
+    if case == "submission_closed":
+        c = msg.submission_closed
+        return SubmissionClosed(reason=c.reason, expected_shards=c.expected_shards)
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 
@@ -233,6 +237,10 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 diagnostics_path=p.diagnostics_path,
                 diagnostics_blake3_hex=p.diagnostics_blake3_hex,
             )
+        )
+    elif isinstance(p, SubmissionClosed):
+        out.submission_closed.CopyFrom(
+            pb.RunSubmissionClosed(reason=p.reason, expected_shards=p.expected_shards)
         )
     return out
 

@@ -114,6 +114,16 @@ class AttemptFailed:
     diagnostics_blake3_hex: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class SubmissionClosed:
+    """The planner declared the run's submission complete (a run-level event: no shard)."""
+
+    KIND: ClassVar[str] = "submission_closed"
+    reason: str = ""
+    # How many shards the planner submitted; 0 when it did not say.
+    expected_shards: int = 0
+
+
 Payload = (
     ShardPlanned
     | AttemptStarted
@@ -122,6 +132,7 @@ Payload = (
     | ArtifactCommitted
     | ArtifactVerified
     | AttemptFailed
+    | SubmissionClosed
 )
 PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
     cls.KIND: cls
@@ -133,6 +144,7 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
         ArtifactCommitted,
         ArtifactVerified,
         AttemptFailed,
+        SubmissionClosed,
     )
 }
 
@@ -143,6 +155,7 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     AttemptStarted: ("scheduler", "process_start_ticks"),
     Heartbeat: ("nonfinite_metrics",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
+    SubmissionClosed: ("reason", "expected_shards"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()

@@ -15,6 +15,7 @@ from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.errors import RETRYABLE, LedgerUnavailable, from_rpc_error
+from shard_client.ids import submission_closed_event
 
 DEFAULT_TARGET: Final = "127.0.0.1:50551"
 ENV_TARGET: Final = "SHARDLEDGER_SERVER"
@@ -225,6 +226,19 @@ class LedgerClient:
         """Returns the namespace's runs, most recently updated first."""
         request = pb.ListRunsRequest(namespace=namespace, page_size=page_size)
         return list(self.call(lambda t: self.stub.ListRuns(request, timeout=t)).runs)
+
+    def close_submission(
+        self, run_id: str, *, namespace: str = "", reason: str = "", expected_shards: int = 0
+    ) -> pb.AppendResult:
+        """Declares that no more shards will be planned for the run (idempotent).
+
+        Once its planned shards have all ended the run is settled: the summary's
+        lifecycle says so, and the alerts about ended runs can fire.
+        """
+        event = submission_closed_event(
+            run_id, namespace=namespace, reason=reason, expected_shards=expected_shards
+        )
+        return self.append([event])[0]
 
     def summary(self, run_id: str, *, namespace: str = "") -> str:
         """Returns the run summary as a JSON text."""

@@ -31,6 +31,7 @@ __all__ = [
     "plan_event_id",
     "plan_events",
     "shard_id_for",
+    "submission_closed_event",
 ]
 
 SHARD_ID_PREFIX: Final = "s-"
@@ -158,6 +159,33 @@ def plan_events(
             )
         )
     return out
+
+
+def submission_closed_event(
+    run_id: str, *, namespace: str = "", reason: str = "", expected_shards: int = 0
+) -> pb.ShardEvent:
+    """Returns the run-level event that declares the run's submission complete.
+
+    Its id is derived from its content, so closing the same run again with the
+    same words is an idempotent retry (DUPLICATE), never a second close.
+    """
+    check_id("run_id", run_id)
+    if expected_shards < 0:
+        raise ValueError("expected_shards must not be negative")
+    material = canonical_json(
+        {
+            "namespace": namespace,
+            "run_id": run_id,
+            "reason": reason,
+            "expected_shards": expected_shards,
+        }
+    )
+    return pb.ShardEvent(
+        event_id="close-" + blake3.blake3(material.encode()).hexdigest()[:32],
+        namespace=namespace,
+        run_id=run_id,
+        submission_closed=pb.RunSubmissionClosed(reason=reason, expected_shards=expected_shards),
+    )
 
 
 def duplicate_ids(entries: Sequence[PlanEntry]) -> dict[str, list[int]]:
