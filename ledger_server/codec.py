@@ -131,8 +131,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             diagnostics_blake3_hex=f.diagnostics_blake3_hex,
         )
     if case == "submission_closed":
-        c = msg.submission_closed
-        return SubmissionClosed(reason=c.reason, expected_shards=c.expected_shards)
+        close = msg.submission_closed
+        return SubmissionClosed(reason=close.reason, expected_shards=close.expected_shards)
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 

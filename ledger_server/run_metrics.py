@@ -43,6 +43,7 @@ SHARD_STATES: Final = ("verified", "failed", "missing", "running", "stale", "unv
 VERIFY_FAILED_TAG: Final = "verify_failed"
 _US: Final = 1_000_000
 
+
 @dataclass(frozen=True, slots=True)
 class RunExport:
     """Which runs get per-run series: the bound on label cardinality."""

@@ -11,6 +11,7 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from ledger_server.events import SubmissionClosed
 from ledger_server.projections import (
     base_state,
     deadline_us,
@@ -19,7 +20,6 @@ from ledger_server.projections import (
     required_outputs,
     verdicts_of,
 )
-from ledger_server.events import SubmissionClosed
 from ledger_server.record import Attempt, ShardRecord
 from ledger_server.states import BASE_STATES, QueryState, ShardState
 from shard_client.vocabulary import FailureTag

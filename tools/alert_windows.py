@@ -57,9 +57,11 @@ def scale_rules(text: str, scale: float) -> str:
 
     text = _FIELD.sub(lambda m: m.group(1) + duration(m.group(2)), text)
     text = _RANGE.sub(
-        lambda m: f"[{duration(m.group(1))}"
-        + (f":{duration(m.group(2)[1:])}" if m.group(2) else "")
-        + "]",
+        lambda m: (
+            f"[{duration(m.group(1))}"
+            + (f":{duration(m.group(2)[1:])}" if m.group(2) else "")
+            + "]"
+        ),
         text,
     )
     return _SINCE.sub(lambda m: m.group(1) + str(max(1, round(int(m.group(2)) * scale))), text)

@@ -87,11 +87,15 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
     client.append([planned(run, f"s{i}", i) for i in range(4)])
 
     before = scrape(metrics_port)
-    assert run_value(before, "shardledger_run_shards", run, state="planned") == 4
+    assert run_value(before, "shardledger_run_submitted_shards", run) == 4
+    assert run_value(before, "shardledger_run_shards", run, state="planned") is None
     assert run_value(before, "shardledger_run_shards", run, state="missing") == 4
     assert run_value(before, "shardledger_run_shards", run, state="stale") == 0
     assert run_value(before, "shardledger_run_events_total", run) == 4
-    assert run_value(before, "shardledger_run_oldest_heartbeat_age_seconds", run) is None
+    assert run_value(before, "shardledger_run_oldest_heartbeat_timestamp_seconds", run) is None
+    assert run_value(before, "shardledger_run_submission_closed", run) == 0
+    assert run_value(before, "shardledger_run_settled", run) == 0
+    assert run_value(before, "shardledger_run_settled_timestamp_seconds", run) is None
 
     client.append(
         [
@@ -110,22 +114,24 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
     assert run_value(during, "shardledger_run_shards", run, state="missing") == 1
     assert run_value(during, "shardledger_run_shards", run, state="unverified") == 1
     assert run_value(during, "shardledger_run_shards", run, state="failed") == 1
-    assert run_value(during, "shardledger_run_failed_by_tag", run, tag="oom") == 1
-    assert run_value(during, "shardledger_run_duplicates", run, kind="wasted") == 1
-    assert run_value(during, "shardledger_run_duplicates", run, kind="nondeterministic") == 1
-    assert run_value(during, "shardledger_run_duplicates", run, kind="zombie") == 0
+    assert run_value(during, "shardledger_run_failed_shards", run, tag="oom") == 1
+    assert run_value(during, "shardledger_run_duplicate_shards", run, kind="wasted") == 1
+    assert run_value(during, "shardledger_run_duplicate_shards", run, kind="nondeterministic") == 1
+    assert run_value(during, "shardledger_run_duplicate_shards", run, kind="zombie") == 0
     assert run_value(during, "shardledger_run_completion_ratio", run) == 0.0
     partition = [run_value(during, "shardledger_run_shards", run, state=s) for s in SHARD_STATES]
-    assert sum(v or 0 for v in partition[1:]) == partition[0] == 4  # planned is the total
+    # The states partition the submitted shards: sum by (run_id) counts each shard once.
+    assert sum(v or 0 for v in partition) == 4
 
     after = scrape_until(
         metrics_port, lambda s: run_value(s, "shardledger_run_shards", run, state="stale") == 1
     )
     assert run_value(after, "shardledger_run_shards", run, state="running") == 0
-    age = run_value(after, "shardledger_run_oldest_heartbeat_age_seconds", run)
-    assert age is not None and age >= 1.0
-    last_event_age = run_value(after, "shardledger_run_last_event_age_seconds", run)
-    assert last_event_age is not None and last_event_age >= 1.0
+    # Timestamps, not ages: the heartbeat of the silent attempt is over a second old.
+    oldest = run_value(after, "shardledger_run_oldest_heartbeat_timestamp_seconds", run)
+    assert oldest is not None and time.time() - oldest >= 1.0
+    last_event = run_value(after, "shardledger_run_last_event_timestamp_seconds", run)
+    assert last_event is not None and oldest <= last_event <= time.time()
     assert after[("shardledger_metrics_collect_up", ())] == 1
 
 
@@ -145,7 +151,7 @@ def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
     assert exported_runs(samples) == {"live-0", "live-1", "old-4", "old-3"}
     assert samples[("shardledger_metrics_exported_runs", (("kind", "active"),))] == 2
     assert samples[("shardledger_metrics_exported_runs", (("kind", "finished"),))] == 2
-    assert samples[("shardledger_ledger_last_event_age_seconds", ())] < 1.0
+    assert time.time() - samples[("shardledger_ledger_last_event_timestamp_seconds", ())] < 1.0
 
 
 def test_active_runs_beyond_the_hard_cap_are_not_exported(

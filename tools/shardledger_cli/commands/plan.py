@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -179,11 +179,15 @@ def _close(
             args.run, namespace=args.namespace, reason=args.reason, expected_shards=args.expected
         )
     except LedgerRejected as exc:
-        raise CommandError(f"cannot close run {args.run}: {exc.reason}: {exc}", EXIT_REJECTED) from None
+        raise CommandError(
+            f"cannot close run {args.run}: {exc.reason}: {exc}", EXIT_REJECTED
+        ) from None
     closed = {
         "closed": True,
         "close_sequence": result.sequence,
-        "close_outcome": "appended" if result.outcome == pb.APPEND_OUTCOME_APPENDED else "duplicate",
+        "close_outcome": "appended"
+        if result.outcome == pb.APPEND_OUTCOME_APPENDED
+        else "duplicate",
     }
     if planned is not None:
         return _report(args, planned[0], planned[1], closed=closed)
@@ -296,7 +300,7 @@ def _report(
     entries: Sequence[PlanEntry],
     outcome: Outcome,
     *,
-    closed: dict[str, object] | None = None,
+    closed: Mapping[str, object] | None = None,
 ) -> int:
     for entry, why in outcome.conflicts + outcome.refused:
         print(
