@@ -45,6 +45,7 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.token",
     "shardledger_cli.commands.export",
     "shardledger_cli.commands.trend",
+    "shardledger_cli.commands.notify",
     "shardledger_cli.commands.db",
 )
 
