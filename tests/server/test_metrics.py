@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -133,6 +135,47 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
     last_event = run_value(after, "shardledger_run_last_event_timestamp_seconds", run)
     assert last_event is not None and oldest <= last_event <= time.time()
     assert after[("shardledger_metrics_collect_up", ())] == 1
+
+
+def test_a_settled_run_exports_its_lifecycle_and_settled_time(
+    client: LedgerClient, metrics_port: int
+) -> None:
+    run = "night-1"
+    client.append([planned(run, "s0"), started(run, "s0", "a0")])
+    client.close_submission(run)
+    closed = scrape(metrics_port)
+    assert run_value(closed, "shardledger_run_submission_closed", run) == 1
+    assert run_value(closed, "shardledger_run_settled", run) == 0
+    assert run_value(closed, "shardledger_run_settled_timestamp_seconds", run) is None
+
+    client.append([event(run, "s0", "a0", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_KILLED))])
+    settled = scrape(metrics_port)
+    assert run_value(settled, "shardledger_run_settled", run) == 1
+    at = run_value(settled, "shardledger_run_settled_timestamp_seconds", run)
+    assert at == run_value(settled, "shardledger_run_last_event_timestamp_seconds", run)
+    assert at is not None and at <= time.time()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_a_live_scrape_passes_promtool_check_metrics(
+    client: LedgerClient, metrics_port: int
+) -> None:
+    run = "night-1"
+    client.append([planned(run, f"s{i}", i) for i in range(3)])
+    client.append([started(run, "s0", "a0"), started(run, "s1", "a1", timeout_s=1)])
+    client.append([committed(run, "s0", "a0")])
+    client.close_submission(run)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read()
+    # Every family of the exposition is present: the check saw each name and type.
+    assert b"# TYPE shardledger_run_events_total counter" in text
+    assert b"shardledger_run_settled{" in text
+
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30, check=False
+    )
+
+    assert (result.returncode, result.stdout, result.stderr) == (0, b"", b"")
 
 
 def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
