@@ -24,7 +24,7 @@ from ledger_server.metrics import (
     start_metrics_server,
     stop_metrics_server,
 )
-from ledger_server.run_metrics import SHARD_STATES, RunExport
+from ledger_server.run_metrics import SERIES_PER_RUN, SHARD_STATES, RunExport
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
@@ -154,6 +154,9 @@ def test_a_settled_run_exports_its_lifecycle_and_settled_time(
     at = run_value(settled, "shardledger_run_settled_timestamp_seconds", run)
     assert at == run_value(settled, "shardledger_run_last_event_timestamp_seconds", run)
     assert at is not None and at <= time.time()
+    # The documented bound: a settled run has no heartbeat timestamp, so one under it.
+    series = [labels for (_, labels) in settled if ("run_id", run) in labels]
+    assert len(series) == SERIES_PER_RUN - 1
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

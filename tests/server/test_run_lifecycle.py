@@ -185,8 +185,13 @@ def test_plan_close_from_the_cli_and_status_shows_the_lifecycle(
     assert "lifecycle          settled at " in out
     code, out, _ = run_cli(capsys, "status", RUN, "--server", target, "--json")
     assert json.loads(out)["lifecycle"]["state"] == "settled"
+    code, out, _ = run_cli(capsys, "trend", "--server", target, "--json")
+    (row,) = json.loads(out)["runs"]
+    assert row["lifecycle"] == "settled" and row["settled_at"] is not None
 
-    code, out, _ = run_cli(capsys, "plan", RUN, "--close", "--reason", "last wave", "--server", target)
+    code, out, _ = run_cli(
+        capsys, "plan", RUN, "--close", "--reason", "last wave", "--server", target
+    )
     assert code == 0
     assert out.startswith(f"run {RUN}: submission closed at sequence ")
     assert "(already closed so)" in out

@@ -242,7 +242,12 @@ def deliver(
         wait = delay
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return {"posted": True, "status": response.status, "attempts": attempt, "url": shown}
+                return {
+                    "posted": True,
+                    "status": response.status,
+                    "attempts": attempt,
+                    "url": shown,
+                }
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code} {exc.reason}"
             if exc.code not in _RETRY_STATUSES:
