@@ -32,7 +32,8 @@ from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
 from ledger_server.summary import (
     PASS_CLOSED_KEY,
     SUBMISSION_CLOSED_KEY,
-    closing_counters,
+    SUBMISSION_CLOSED_US_KEY,
+    closing_delta,
     contributions,
 )
 from ledger_server.validation import ValidEvent
@@ -87,8 +88,8 @@ class _BatchState:
     heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
     # run_pk -> the global sequence that closed the run's first pass (0: still open).
     pass_closed: dict[int, int] = field(default_factory=dict)
-    # run_pk -> the global sequence that closed the run's submission (0: still open).
-    submission_closed: dict[int, int] = field(default_factory=dict)
+    # run_pk -> the run's close counters as this batch moved them (read once per run).
+    closing: dict[int, Counter[str]] = field(default_factory=dict)
 
 
 def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
@@ -342,7 +343,7 @@ class BatchFolder:
         state: _BatchState,
         receive_us: int,
     ) -> AppendResult:
-        """Appends a run-level close: the first one sets the run's submission counters."""
+        """Appends a run-level close and moves the run's close counters (closing_delta)."""
         run_sequence = head.count + 1
         row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
         row_hash = chain_hash(head.hash, row)
@@ -354,15 +355,18 @@ class BatchFolder:
             row_hash=row_hash,
         )
         head.count, head.hash = run_sequence, row_hash
-        closed = state.submission_closed.get(head.run_pk)
-        if closed is None:
-            closed = tx.counter(head.run_pk, SUBMISSION_CLOSED_KEY)
-        if not closed:
-            # Later closes stay in the chain (who said what, when) but do not move the close.
-            assert isinstance(event.payload, SubmissionClosed)
-            tx.add_counters(head.run_pk, closing_counters(event.payload, sequence, receive_us))
-            closed = sequence
-        state.submission_closed[head.run_pk] = closed
+        current = state.closing.get(head.run_pk)
+        if current is None:
+            keys = (SUBMISSION_CLOSED_KEY, SUBMISSION_CLOSED_US_KEY)
+            current = state.closing[head.run_pk] = Counter(
+                {key: tx.counter(head.run_pk, key) for key in keys}
+            )
+        assert isinstance(event.payload, SubmissionClosed)
+        # Every close stays in the chain (who said what, when); only an earlier one moves it.
+        delta = closing_delta(current, event.payload, sequence, receive_us)
+        if delta:
+            tx.add_counters(head.run_pk, delta)
+            current.update(delta)
         return AppendResult(event.event_id, sequence, APPENDED)
 
     def _pass_closed(self, tx: WriteTx, state: _BatchState, run_pk: int) -> int:

@@ -132,7 +132,10 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         )
     if case == "submission_closed":
         close = msg.submission_closed
-        return SubmissionClosed(reason=close.reason, expected_shards=close.expected_shards)
+        until = timestamp_us(close.submitted_until) if close.HasField("submitted_until") else 0
+        return SubmissionClosed(
+            reason=close.reason, expected_shards=close.expected_shards, submitted_until_us=until
+        )
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 
@@ -240,7 +243,13 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
         )
     elif isinstance(p, SubmissionClosed):
         out.submission_closed.CopyFrom(
-            pb.RunSubmissionClosed(reason=p.reason, expected_shards=p.expected_shards)
+            pb.RunSubmissionClosed(
+                reason=p.reason,
+                expected_shards=p.expected_shards,
+                submitted_until=us_timestamp(p.submitted_until_us)
+                if p.submitted_until_us
+                else None,
+            )
         )
     return out
 

@@ -122,6 +122,8 @@ class SubmissionClosed:
     reason: str = ""
     # How many shards the planner submitted; 0 when it did not say.
     expected_shards: int = 0
+    # Closed from this server time on (microseconds); 0: when the event is received.
+    submitted_until_us: int = 0
 
 
 Payload = (
@@ -155,7 +157,7 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     AttemptStarted: ("scheduler", "process_start_ticks"),
     Heartbeat: ("nonfinite_metrics",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
-    SubmissionClosed: ("reason", "expected_shards"),
+    SubmissionClosed: ("reason", "expected_shards", "submitted_until_us"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()

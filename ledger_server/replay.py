@@ -21,7 +21,7 @@ from ledger_server.events import (
 from ledger_server.projections import fold, fold_beat, live_state
 from ledger_server.record import ShardRecord
 from ledger_server.states import QueryState
-from ledger_server.summary import PASS_CLOSED_KEY, closing_counters, contributions
+from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
 from shard_client.vocabulary import VERIFIER_REASONS
 
 
@@ -42,18 +42,17 @@ class RunReplay:
     records: dict[str, ShardRecord] = field(default_factory=dict)
     # Global sequence of the verdict that closed the first pass (0 while it is open).
     pass_closed: int = 0
-    # The counters the run's first submission_closed event set (empty while it is open).
-    closing: dict[str, int] = field(default_factory=dict)
+    # The counters the run's submission_closed events set (empty while none came).
+    closing: Counter[str] = field(default_factory=Counter)
 
     def feed(self, rec: RecordedEvent) -> None:
         """Folds one stored event (already accepted by the server)."""
         shard_id = rec.event.shard_id
         if isinstance(rec.event.payload, SubmissionClosed):
-            # A run-level event: no shard record; only the first close counts.
-            if not self.closing:
-                self.closing = closing_counters(
-                    rec.event.payload, rec.sequence, rec.receive_time_us
-                )
+            # A run-level event: no shard record, only the run's close counters.
+            self.closing.update(
+                closing_delta(self.closing, rec.event.payload, rec.sequence, rec.receive_time_us)
+            )
             return
         if isinstance(rec.event.payload, ShardPlanned):
             # A stored plan is the shard's first, or one identical to it.

@@ -8,6 +8,7 @@ append, and a replay sums the same way. See docs/projections.md for every figure
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -193,12 +194,23 @@ def contributions(record: ShardRecord) -> Counter[str]:
     return out
 
 
-def closing_counters(closed: SubmissionClosed, sequence: int, receive_us: int) -> dict[str, int]:
-    """Returns the run counters the run's first submission_closed event sets."""
-    out = {SUBMISSION_CLOSED_KEY: sequence, SUBMISSION_CLOSED_US_KEY: receive_us}
-    if closed.expected_shards:
-        out[SUBMISSION_EXPECTED_KEY] = closed.expected_shards
-    return out
+def closing_delta(
+    current: Mapping[str, int], closed: SubmissionClosed, sequence: int, receive_us: int
+) -> dict[str, int]:
+    """Returns what a submission_closed event adds to the run counters it finds (current).
+
+    The first close sets them; a later one changes only the close time, and only
+    when it closes earlier (a planner that said "until 07:00" and is done at 05:00).
+    The sequence and announced count stay the first close's.
+    """
+    effective = max(receive_us, closed.submitted_until_us)
+    if not current.get(SUBMISSION_CLOSED_KEY, 0):
+        out = {SUBMISSION_CLOSED_KEY: sequence, SUBMISSION_CLOSED_US_KEY: effective}
+        if closed.expected_shards:
+            out[SUBMISSION_EXPECTED_KEY] = closed.expected_shards
+        return out
+    now = current.get(SUBMISSION_CLOSED_US_KEY, 0)
+    return {SUBMISSION_CLOSED_US_KEY: effective - now} if effective < now else {}
 
 
 def iso_time(us: int) -> str:
@@ -207,20 +219,28 @@ def iso_time(us: int) -> str:
 
 
 def lifecycle(
-    counters: Counter[str], *, running: int, stale: int, unverified: int, last_event_us: int
+    counters: Counter[str],
+    *,
+    running: int,
+    stale: int,
+    unverified: int,
+    last_event_us: int,
+    now_us: int,
 ) -> dict[str, Any]:
-    """Returns where the run is in its life: open, submission_closed or settled.
+    """Returns where the run is in its life at now_us: open, submission_closed or settled.
 
     A run is settled once its submission is closed (and at least the announced
     number of shards is planned) and the ledger waits on none of its shards: none
     running or stale and no committed output awaiting verification; every planned
     shard is verified, failed, or never started. It is a function of the summed
-    counters, the stale count and the run's last event time, all of which a restart
-    recomputes, so a restarted server reports the same settled_at.
+    counters, the stale count, the run's last event time and the clock, all of which a
+    restart recomputes, so a restarted server reports the same settled_at.
     """
     submitted = counters.get("submitted", 0)
-    closed_seq = counters.get(SUBMISSION_CLOSED_KEY, 0)
+    closing_seq = counters.get(SUBMISSION_CLOSED_KEY, 0)
     closed_us = counters.get(SUBMISSION_CLOSED_US_KEY, 0)
+    # A close with submitted_until in the future leaves the run open until then.
+    closed_seq = closing_seq if closing_seq and now_us >= closed_us else 0
     expected = counters.get(SUBMISSION_EXPECTED_KEY, 0)
     unplanned = max(0, expected - submitted)
     waiting = {
@@ -239,6 +259,7 @@ def lifecycle(
         "submission_closed_at": iso_time(closed_us) if closed_seq else None,
         "submission_closed_at_us": closed_us if closed_seq else None,
         "submission_closed_at_sequence": closed_seq or None,
+        "submission_closes_at": iso_time(closed_us) if closing_seq and not closed_seq else None,
         "expected_shards": expected or None,
         "settled": settled,
         "settled_at": iso_time(settled_us) if settled_us is not None else None,
@@ -252,9 +273,15 @@ def _rate(n: int, submitted: int) -> float:
 
 
 def run_summary(
-    counters: Counter[str], *, stale: int, run_id: str, namespace: str, last_event_us: int = 0
+    counters: Counter[str],
+    *,
+    stale: int,
+    run_id: str,
+    namespace: str,
+    last_event_us: int = 0,
+    now_us: int = 0,
 ) -> dict[str, Any]:
-    """Returns the run summary from the summed counters and the stale count at some instant.
+    """Returns the run summary from the summed counters and the stale count at now_us.
 
     last_event_us is when the run's latest event was received: the settled time.
     """
@@ -318,6 +345,7 @@ def run_summary(
             stale=stale,
             unverified=states[ShardState.COMMITTED],
             last_event_us=last_event_us,
+            now_us=now_us,
         ),
     }
 

@@ -154,6 +154,10 @@ def _check_payload(event: Event) -> Payload:
             raise InvalidEvent("shard_id", "must be empty (with attempt_id) for submission_closed")
         _check_text("submission_closed.reason", p.reason, 1024)
         _check_size("submission_closed.expected_shards", p.expected_shards)
+        if not 0 <= p.submitted_until_us <= MAX_TIMESTAMP_US:
+            raise InvalidEvent(
+                "submission_closed.submitted_until", "must be between 1970 and the year 10000"
+            )
         return p
     check_id("shard_id", event.shard_id)
     if isinstance(p, ShardPlanned):

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from datetime import datetime
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, TypeVar
 
@@ -228,15 +229,27 @@ class LedgerClient:
         return list(self.call(lambda t: self.stub.ListRuns(request, timeout=t)).runs)
 
     def close_submission(
-        self, run_id: str, *, namespace: str = "", reason: str = "", expected_shards: int = 0
+        self,
+        run_id: str,
+        *,
+        namespace: str = "",
+        reason: str = "",
+        expected_shards: int = 0,
+        submitted_until: datetime | None = None,
     ) -> pb.AppendResult:
-        """Declares that no more shards will be planned for the run (idempotent).
+        """Declares that no job of the run will start any more (idempotent).
 
-        Once its planned shards have all ended the run is settled: the summary's
-        lifecycle says so, and the alerts about ended runs can fire.
+        Close once every wave was submitted and the scheduler is done with them, or
+        give submitted_until (an aware datetime: the end of the night's window).
+        Once its planned shards have all ended or never started the run is settled:
+        the summary's lifecycle says so, and the alerts about ended runs can fire.
         """
         event = submission_closed_event(
-            run_id, namespace=namespace, reason=reason, expected_shards=expected_shards
+            run_id,
+            namespace=namespace,
+            reason=reason,
+            expected_shards=expected_shards,
+            submitted_until=submitted_until,
         )
         return self.append([event])[0]
 

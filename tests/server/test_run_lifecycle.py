@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -114,6 +114,26 @@ def test_closing_again_is_idempotent_and_a_different_close_does_not_move_the_fir
     assert lifecycle(client)["submission_closed_at_sequence"] == first.sequence
 
 
+def test_a_close_with_submitted_until_takes_effect_then_and_an_earlier_close_wins(
+    server: RunningServer, client: LedgerClient
+) -> None:
+    client.append([planned(RUN, "s0")])
+    now_us = server.ledger.clock()
+    until = datetime.fromtimestamp(now_us / 1e6 + 3600, UTC)
+    client.close_submission(RUN, reason="window ends", submitted_until=until)
+
+    life = server.ledger.summary("default", RUN)["lifecycle"]
+    assert (life["state"], life["submission_closed"]) == ("open", False)
+    assert life["submission_closes_at"] == until.isoformat(timespec="microseconds")
+    later = server.ledger.summary("default", RUN, now=now_us + 3601 * 1_000_000)["lifecycle"]
+    assert later["state"] == "settled"
+    assert later["settled_at_us"] == int(until.timestamp() * 1_000_000)
+
+    # Done early: a plain close now closes earlier, so it stands.
+    client.close_submission(RUN, reason="all done")
+    assert lifecycle(client)["state"] == "settled"
+
+
 def test_closing_an_unknown_run_is_refused_and_creates_nothing(client: LedgerClient) -> None:
     with pytest.raises(LedgerRejected) as info:
         client.close_submission("no-such-run")
@@ -200,7 +220,9 @@ def test_plan_close_from_the_cli_and_status_shows_the_lifecycle(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--reason", "x"), "--reason and --expected go with --close"),
+        (("--reason", "x"), "--reason, --expected and --submitted-until go with --close"),
+        (("--close", "--submitted-until", "2026-12-02T07:00"), "needs a time zone"),
+        (("--close", "--submitted-until", "tomorrow"), "not an ISO 8601 time"),
         ((), "give --manifest FILE, --inputs DIR or --close"),
         (("--close", "--expected", "-1"), "--expected must not be negative"),
         (("--close", "--dry-run"), "--dry-run goes with --manifest or --inputs"),

@@ -181,6 +181,7 @@ def projections_at(
         run_id=run_id,
         namespace=namespace,
         last_event_us=last.receive_time_us if last else 0,
+        now_us=at,
     )
     summary["as_of_us"] = at
     summary["event_count"] = count

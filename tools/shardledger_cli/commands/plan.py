@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Final
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -59,19 +60,21 @@ that has shards is numbered after the highest stored index (said on stderr), so
 no two shards share an index; a shard id planned before with a different
 definition is a conflict, listed on stderr.
 
---close declares the run's submission complete (a run-level submission_closed
-event), after planning when given with --manifest/--inputs, or alone. Once
-every planned shard has ended (verified, failed, or never started; none running,
-stale or awaiting verification) the run is settled: `status` says so, /metrics
-exports shardledger_run_settled, and the alerts about ended runs may fire.
-Closing again with the same --reason/--expected is an idempotent retry; a
-different close is kept in the chain but the first one stands.
+--close declares that no job of the run will start any more (a run-level
+submission_closed event): run it once the last wave's jobs are done (e.g. from a
+Slurm job with --dependency=afterany:JOBID), or give --submitted-until TIME, the
+end of the night's window, when planning. Once every planned shard has ended
+(verified, failed, or never started; none running, stale or awaiting
+verification) the run is settled: `status` says so, /metrics exports
+shardledger_run_settled, and the alerts about ended runs may fire. Closing again
+with the same words is an idempotent retry; of several closes, the one that
+closes earliest stands.
 
 Examples:
   shardledger plan night-01 --manifest plan.jsonl
   shardledger plan night-01 --inputs /data/in --glob '*.bin' --expected-outputs out
-  shardledger plan night-01 --manifest wave2.jsonl --close --reason "last wave"
-  shardledger plan night-01 --close --expected 1000 --json
+  shardledger plan night-01 --manifest plan.jsonl --close --submitted-until 2026-12-02T07:00Z
+  shardledger plan night-01 --close --reason "last wave finished" --expected 1000 --json
 
 exit codes: 0 all shards new or already planned identically (and closed);
 1 some conflict; 3 unreachable; 4 refused by the server (e.g. --close of an
@@ -117,6 +120,13 @@ def register(
     )
     p.add_argument("--reason", default="", help="with --close: why, kept with the event")
     p.add_argument(
+        "--submitted-until",
+        type=aware_time,
+        default=None,
+        metavar="TIME",
+        help="with --close: closed from this ISO 8601 time with a zone on (default: now)",
+    )
+    p.add_argument(
         "--expected",
         type=int,
         default=0,
@@ -129,14 +139,27 @@ def register(
     p.set_defaults(func=run_plan)
 
 
+def aware_time(text: str) -> datetime:
+    """Returns an ISO 8601 time with a zone ("2026-12-02T07:00Z"); an argparse type."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from None
+    if when.utcoffset() is None:
+        raise argparse.ArgumentTypeError(f"{text!r} needs a time zone, e.g. {text}Z")
+    return when
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Builds the plan, checks all of it, then sends it (unless --dry-run)."""
     try:
         check_id("run id", args.run)
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
-    if not args.close and (args.reason or args.expected):
-        raise CommandError("--reason and --expected go with --close", EXIT_USAGE)
+    if not args.close and (args.reason or args.expected or args.submitted_until):
+        raise CommandError(
+            "--reason, --expected and --submitted-until go with --close", EXIT_USAGE
+        )
     if args.expected < 0:
         raise CommandError("--expected must not be negative", EXIT_USAGE)
     if args.manifest is None and args.inputs is None:
@@ -176,7 +199,11 @@ def _close(
     """Sends the run's submission_closed event, then reports the plan (if any) and the close."""
     try:
         result = client.close_submission(
-            args.run, namespace=args.namespace, reason=args.reason, expected_shards=args.expected
+            args.run,
+            namespace=args.namespace,
+            reason=args.reason,
+            expected_shards=args.expected,
+            submitted_until=args.submitted_until,
         )
     except LedgerRejected as exc:
         raise CommandError(

@@ -227,12 +227,14 @@ class AttemptFailed(_message.Message):
     def __init__(self, tag: _Optional[_Union[FailureTag, str]] = ..., message: _Optional[str] = ..., diagnostics_path: _Optional[str] = ..., diagnostics_blake3_hex: _Optional[str] = ...) -> None: ...
 
 class RunSubmissionClosed(_message.Message):
-    __slots__ = ("reason", "expected_shards")
+    __slots__ = ("reason", "expected_shards", "submitted_until")
     REASON_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_UNTIL_FIELD_NUMBER: _ClassVar[int]
     reason: str
     expected_shards: int
-    def __init__(self, reason: _Optional[str] = ..., expected_shards: _Optional[int] = ...) -> None: ...
+    submitted_until: _timestamp_pb2.Timestamp
+    def __init__(self, reason: _Optional[str] = ..., expected_shards: _Optional[int] = ..., submitted_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AppendEventsRequest(_message.Message):
     __slots__ = ("events",)
