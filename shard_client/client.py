@@ -6,8 +6,8 @@ import json
 import os
 import threading
 import time
-from datetime import datetime
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from typing import Any, Final, TypeVar
 
 import grpc

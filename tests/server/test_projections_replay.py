@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from datetime import UTC, datetime
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 

@@ -192,7 +192,7 @@ def test_plan_close_from_the_cli_and_status_shows_the_lifecycle(
     )
     assert code == 0, err
     code, out, _ = run_cli(capsys, "status", RUN, "--server", target)
-    assert "lifecycle          open: more shards may be planned" in out
+    assert "lifecycle          open: jobs may still start" in out
 
     code, out, err = run_cli(
         capsys, "plan", RUN, "--close", "--reason", "last wave", "--server", target, "--json"

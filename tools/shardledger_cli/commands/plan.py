@@ -157,9 +157,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     if not args.close and (args.reason or args.expected or args.submitted_until):
-        raise CommandError(
-            "--reason, --expected and --submitted-until go with --close", EXIT_USAGE
-        )
+        raise CommandError("--reason, --expected and --submitted-until go with --close", EXIT_USAGE)
     if args.expected < 0:
         raise CommandError("--expected must not be negative", EXIT_USAGE)
     if args.manifest is None and args.inputs is None:

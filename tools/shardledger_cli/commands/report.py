@@ -172,10 +172,12 @@ def lifecycle_line(s: dict[str, Any]) -> str:
         return "lifecycle          unknown (the server predates run lifecycles)"
     if life["settled"]:
         return f"lifecycle          settled at {life['settled_at']}: nothing more will run"
+    if life.get("submission_closes_at"):
+        return f"lifecycle          open until {life['submission_closes_at']} (--submitted-until)"
     if not life["submission_closed"]:
         return (
-            "lifecycle          open: more shards may be planned"
-            f" (`shardledger plan {s['run_id']} --close` once the submission is complete)"
+            "lifecycle          open: jobs may still start"
+            f" (`shardledger plan {s['run_id']} --close` once none will)"
         )
     words = {"unverified": "committed, not verified", "unplanned": "announced, not planned"}
     waiting = ", ".join(
