@@ -68,6 +68,10 @@ class _Head:
     run_pk: int
     count: int
     hash: bytes
+    # Whether the batch stored an event of the run: a batch of identical re-plans
+    # (ALREADY_PLANNED) and retries moves neither the head nor the run's updated time,
+    # which is the receive time of its latest event (the lifecycle's settled_at).
+    moved: bool = False
 
 
 @dataclass(slots=True)
@@ -237,6 +241,8 @@ class BatchFolder:
                 delta.subtract(state.before[shard_key])
                 tx.add_counters(run_pk, delta)
         for head in state.heads.values():
+            if not head.moved:
+                continue
             tx.update_run(
                 head.run_pk, event_count=head.count, head_hash=head.hash, now_us=receive_us
             )
@@ -309,7 +315,7 @@ class BatchFolder:
             row=row,
             row_hash=row_hash,
         )
-        head.count, head.hash = run_sequence, row_hash
+        head.count, head.hash, head.moved = run_sequence, row_hash, True
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         payload = event.payload
         if record is None:
@@ -354,7 +360,7 @@ class BatchFolder:
             row=row,
             row_hash=row_hash,
         )
-        head.count, head.hash = run_sequence, row_hash
+        head.count, head.hash, head.moved = run_sequence, row_hash, True
         current = state.closing.get(head.run_pk)
         if current is None:
             keys = (SUBMISSION_CLOSED_KEY, SUBMISSION_CLOSED_US_KEY)

@@ -90,6 +90,17 @@ def test_a_rerun_unsettles_the_run_and_its_end_settles_it_again(client: LedgerCl
     assert isinstance(life["settled_at_us"], int) and life["settled_at_us"] > int(str(first))
 
 
+def test_an_identical_replan_of_a_settled_run_changes_nothing(client: LedgerClient) -> None:
+    client.append([planned(RUN, "s0"), started(RUN, "s0", "a0"), failed(RUN, "s0", "a0")])
+    client.close_submission(RUN)
+    before = lifecycle(client)
+
+    (again,) = client.append([planned(RUN, "s0")])
+
+    assert again.outcome == pb.APPEND_OUTCOME_ALREADY_PLANNED
+    assert lifecycle(client) == before  # nothing stored, so the run did not move
+
+
 def test_fewer_planned_shards_than_announced_keep_the_run_unsettled(client: LedgerClient) -> None:
     client.append([planned(RUN, "s0")])
     client.close_submission(RUN, expected_shards=2)
