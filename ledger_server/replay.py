@@ -44,10 +44,13 @@ class RunReplay:
     pass_closed: int = 0
     # The counters the run's submission_closed events set (empty while none came).
     closing: Counter[str] = field(default_factory=Counter)
+    # When the latest event folded was received: the run summary's last_event_us.
+    last_receive_us: int = 0
 
     def feed(self, rec: RecordedEvent) -> None:
         """Folds one stored event (already accepted by the server)."""
         shard_id = rec.event.shard_id
+        self.last_receive_us = rec.receive_time_us
         if isinstance(rec.event.payload, SubmissionClosed):
             # A run-level event: no shard record, only the run's close counters.
             self.closing.update(
@@ -74,6 +77,7 @@ class RunReplay:
         outer = parse_row(row)
         data = outer["event"]
         if data["kind"] == Heartbeat.KIND and "nonfinite_metrics" not in data["payload"]:
+            self.last_receive_us = outer["receive_time_us"]
             fold_beat(
                 self.records[data["shard_id"]],
                 data["attempt_id"],

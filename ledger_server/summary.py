@@ -29,13 +29,13 @@ DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
 # The summed counter that holds the global sequence of the run's first verdict: the
 # moment its first pass closed (0 while it is open). Not a shard's contribution.
 PASS_CLOSED_KEY: Final = "pass:closed"
-# The run's first submission_closed event: its global sequence (0 while submission is
-# open), its receive time and the shard count it announced (0: not stated). Run-level
-# counters like PASS_CLOSED_KEY, set once by the writer, the importer and a replay.
+# The run's submission_closed events: the first one's global sequence (0 while none
+# came) and announced shard count (0: not stated), and the time the submission closes
+# (the earliest any close named). Run-level counters like PASS_CLOSED_KEY, moved by
+# closing_delta in the writer, the importer and a replay alike.
 SUBMISSION_CLOSED_KEY: Final = "submission:closed"
 SUBMISSION_CLOSED_US_KEY: Final = "submission:closed_us"
 SUBMISSION_EXPECTED_KEY: Final = "submission:expected"
-LIFECYCLE_STATES: Final = ("open", "submission_closed", "settled")
 
 
 def _sound(record: ShardRecord, attempt: Attempt) -> bool:
@@ -278,8 +278,8 @@ def run_summary(
     stale: int,
     run_id: str,
     namespace: str,
-    last_event_us: int = 0,
-    now_us: int = 0,
+    last_event_us: int,
+    now_us: int,
 ) -> dict[str, Any]:
     """Returns the run summary from the summed counters and the stale count at now_us.
 

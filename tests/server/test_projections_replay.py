@@ -582,7 +582,7 @@ class Harness:
             stale=fresh.stale_count(now),
             run_id=RUN,
             namespace="default",
-            last_event_us=events[-1].receive_time_us if events else 0,
+            last_event_us=fresh.last_receive_us,
             now_us=now,
         )
         assert incremental == replayed == self.model.summary(now)
