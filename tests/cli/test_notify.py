@@ -126,6 +126,37 @@ def test_notify_of_an_open_run_posts_and_exits_1(
     )
 
 
+def test_wait_posts_once_the_run_settles(
+    capsys: pytest.CaptureFixture[str], client: LedgerClient, target: str, receiver: Receiver
+) -> None:
+    client.append([planned(RUN, "s0"), started(RUN, "s0", "a0")])
+    ended = event(RUN, "s0", "a0", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_KILLED))
+    # The job ends and the planner closes the run while notify waits.
+    timer = threading.Timer(0.5, lambda: (client.append([ended]), client.close_submission(RUN)))
+    timer.start()
+    try:
+        code, out, err = run_cli(
+            capsys,
+            "notify",
+            RUN,
+            "--url",
+            receiver.url,
+            "--server",
+            target,
+            "--wait",
+            "30",
+            "--poll",
+            "0.1",
+            "--json",
+        )
+    finally:
+        timer.join()
+    assert code == 0, err
+    assert json.loads(out)["state"] == "settled"
+    (only,) = receiver.posts
+    assert only[1]["lifecycle"]["settled"] is True and only[1]["failed"] == 1
+
+
 def test_a_receiver_that_refuses_is_not_retried_and_exits_5(
     capsys: pytest.CaptureFixture[str], client: LedgerClient, target: str, receiver: Receiver
 ) -> None:
