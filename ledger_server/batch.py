@@ -24,11 +24,18 @@ from ledger_server.events import (
     Heartbeat,
     RecordedEvent,
     ShardPlanned,
+    SubmissionClosed,
 )
 from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
-from ledger_server.summary import PASS_CLOSED_KEY, contributions
+from ledger_server.summary import (
+    PASS_CLOSED_KEY,
+    SUBMISSION_CLOSED_KEY,
+    SUBMISSION_CLOSED_US_KEY,
+    closing_delta,
+    contributions,
+)
 from ledger_server.validation import ValidEvent
 
 # Event kinds that never change a shard's contribution to the run counters.
@@ -61,6 +68,10 @@ class _Head:
     run_pk: int
     count: int
     hash: bytes
+    # Whether the batch stored an event of the run: a batch of identical re-plans
+    # (ALREADY_PLANNED) and retries moves neither the head nor the run's updated time,
+    # which is the receive time of its latest event (the lifecycle's settled_at).
+    moved: bool = False
 
 
 @dataclass(slots=True)
@@ -81,6 +92,8 @@ class _BatchState:
     heads: dict[tuple[str, str], _Head] = field(default_factory=dict)
     # run_pk -> the global sequence that closed the run's first pass (0: still open).
     pass_closed: dict[int, int] = field(default_factory=dict)
+    # run_pk -> the run's close counters as this batch moved them (read once per run).
+    closing: dict[int, Counter[str]] = field(default_factory=dict)
 
 
 def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
@@ -228,6 +241,8 @@ class BatchFolder:
                 delta.subtract(state.before[shard_key])
                 tx.add_counters(run_pk, delta)
         for head in state.heads.values():
+            if not head.moved:
+                continue
             tx.update_run(
                 head.run_pk, event_count=head.count, head_hash=head.hash, now_us=receive_us
             )
@@ -283,6 +298,8 @@ class BatchFolder:
                     )
                 run = tx.create_run(*run_key, now_us=receive_us, genesis=GENESIS_HASH)
             head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
+        if isinstance(event.payload, SubmissionClosed):
+            return self._close_submission(tx, event, content, head, state, receive_us)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
         if not proj.check(record, event):
@@ -298,7 +315,7 @@ class BatchFolder:
             row=row,
             row_hash=row_hash,
         )
-        head.count, head.hash = run_sequence, row_hash
+        head.count, head.hash, head.moved = run_sequence, row_hash, True
         rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
         payload = event.payload
         if record is None:
@@ -321,6 +338,41 @@ class BatchFolder:
             state.pass_closed[head.run_pk] = sequence
             tx.add_counters(head.run_pk, {PASS_CLOSED_KEY: sequence})
         state.dirty.add(shard_key)
+        return AppendResult(event.event_id, sequence, APPENDED)
+
+    def _close_submission(
+        self,
+        tx: WriteTx,
+        event: Event,
+        content: str,
+        head: _Head,
+        state: _BatchState,
+        receive_us: int,
+    ) -> AppendResult:
+        """Appends a run-level close and moves the run's close counters (closing_delta)."""
+        run_sequence = head.count + 1
+        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
+        row_hash = chain_hash(head.hash, row)
+        sequence = tx.insert_event(
+            run_pk=head.run_pk,
+            run_sequence=run_sequence,
+            event_id=event.event_id,
+            row=row,
+            row_hash=row_hash,
+        )
+        head.count, head.hash, head.moved = run_sequence, row_hash, True
+        current = state.closing.get(head.run_pk)
+        if current is None:
+            keys = (SUBMISSION_CLOSED_KEY, SUBMISSION_CLOSED_US_KEY)
+            current = state.closing[head.run_pk] = Counter(
+                {key: tx.counter(head.run_pk, key) for key in keys}
+            )
+        assert isinstance(event.payload, SubmissionClosed)
+        # Every close stays in the chain (who said what, when); only an earlier one moves it.
+        delta = closing_delta(current, event.payload, sequence, receive_us)
+        if delta:
+            tx.add_counters(head.run_pk, delta)
+            current.update(delta)
         return AppendResult(event.event_id, sequence, APPENDED)
 
     def _pass_closed(self, tx: WriteTx, state: _BatchState, run_pk: int) -> int:

@@ -19,6 +19,7 @@ from ledger_server.events import (
     Payload,
     RecordedEvent,
     ShardPlanned,
+    SubmissionClosed,
 )
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.vocabulary import SCHEDULER_FIELDS, FailureTag
@@ -139,6 +140,12 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             diagnostics_path=f.diagnostics_path,
             diagnostics_blake3_hex=f.diagnostics_blake3_hex,
         )
+    if case == "submission_closed":
+        close = msg.submission_closed
+        until = timestamp_us(close.submitted_until) if close.HasField("submitted_until") else 0
+        return SubmissionClosed(
+            reason=close.reason, expected_shards=close.expected_shards, submitted_until_us=until
+        )
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 
@@ -248,6 +255,16 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 message=p.message,
                 diagnostics_path=p.diagnostics_path,
                 diagnostics_blake3_hex=p.diagnostics_blake3_hex,
+            )
+        )
+    elif isinstance(p, SubmissionClosed):
+        out.submission_closed.CopyFrom(
+            pb.RunSubmissionClosed(
+                reason=p.reason,
+                expected_shards=p.expected_shards,
+                submitted_until=us_timestamp(p.submitted_until_us)
+                if p.submitted_until_us
+                else None,
             )
         )
     return out

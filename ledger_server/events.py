@@ -121,6 +121,18 @@ class AttemptFailed:
     diagnostics_blake3_hex: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class SubmissionClosed:
+    """The planner declared the run's submission complete (a run-level event: no shard)."""
+
+    KIND: ClassVar[str] = "submission_closed"
+    reason: str = ""
+    # How many shards the planner submitted; 0 when it did not say.
+    expected_shards: int = 0
+    # Closed from this server time on (microseconds); 0: when the event is received.
+    submitted_until_us: int = 0
+
+
 Payload = (
     ShardPlanned
     | AttemptStarted
@@ -129,6 +141,7 @@ Payload = (
     | ArtifactCommitted
     | ArtifactVerified
     | AttemptFailed
+    | SubmissionClosed
 )
 PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
     cls.KIND: cls
@@ -140,6 +153,7 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
         ArtifactCommitted,
         ArtifactVerified,
         AttemptFailed,
+        SubmissionClosed,
     )
 }
 
@@ -152,6 +166,7 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     Heartbeat: ("nonfinite_metrics",),
     CheckpointSaved: ("write_us",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
+    SubmissionClosed: ("reason", "expected_shards", "submitted_until_us"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()

@@ -8,6 +8,7 @@ folds an append; only the global sequences are new.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
@@ -16,11 +17,11 @@ from typing import Final
 from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
-from ledger_server.events import RecordedEvent
+from ledger_server.events import RecordedEvent, SubmissionClosed
 from ledger_server.record import ShardRecord
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, Store, WriteTx
-from ledger_server.summary import PASS_CLOSED_KEY, contributions
+from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
 from ledger_server.validation import validate
 
 _CHUNK: Final = 500
@@ -91,6 +92,7 @@ class _RunWriter:
         self.last_receive_us = 0
         self.records: dict[str, ShardRecord] = {}
         self.pass_closed = 0  # the global sequence of the run's first verdict, once seen
+        self.closing: Counter[str] = Counter()  # what the run's submission_closed events set
 
     def write(self, chunk: list[ImportRow]) -> None:
         """Checks and inserts a chunk of consecutive rows."""
@@ -156,6 +158,12 @@ class _RunWriter:
         )
 
     def _fold(self, rec: RecordedEvent) -> None:
+        if isinstance(rec.event.payload, SubmissionClosed):
+            # A run-level event: it sets the run's close counters, as an append does.
+            self.closing.update(
+                closing_delta(self.closing, rec.event.payload, rec.sequence, rec.receive_time_us)
+            )
+            return
         # The same checks as an append: a row the live ledger would refuse is refused here.
         shard_id = rec.event.shard_id
         record = self.records.get(shard_id)
@@ -174,6 +182,8 @@ class _RunWriter:
             self.tx.add_counters(run_pk, contributions(record))
         if self.pass_closed:
             self.tx.add_counters(run_pk, {PASS_CLOSED_KEY: self.pass_closed})
+        if self.closing:
+            self.tx.add_counters(run_pk, self.closing)
         self.tx.update_run(
             run_pk,
             event_count=self.chain.count,

@@ -11,11 +11,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ledger_server.chain import event_from_parsed, parse_row
-from ledger_server.events import ArtifactVerified, Heartbeat, RecordedEvent, ShardPlanned
+from ledger_server.events import (
+    ArtifactVerified,
+    Heartbeat,
+    RecordedEvent,
+    ShardPlanned,
+    SubmissionClosed,
+)
 from ledger_server.projections import fold, fold_beat, live_state
 from ledger_server.record import ShardRecord
 from ledger_server.states import QueryState
-from ledger_server.summary import PASS_CLOSED_KEY, contributions
+from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
 from shard_client.vocabulary import VERIFIER_REASONS
 
 
@@ -36,10 +42,21 @@ class RunReplay:
     records: dict[str, ShardRecord] = field(default_factory=dict)
     # Global sequence of the verdict that closed the first pass (0 while it is open).
     pass_closed: int = 0
+    # The counters the run's submission_closed events set (empty while none came).
+    closing: Counter[str] = field(default_factory=Counter)
+    # When the latest event folded was received: the run summary's last_event_us.
+    last_receive_us: int = 0
 
     def feed(self, rec: RecordedEvent) -> None:
         """Folds one stored event (already accepted by the server)."""
         shard_id = rec.event.shard_id
+        self.last_receive_us = rec.receive_time_us
+        if isinstance(rec.event.payload, SubmissionClosed):
+            # A run-level event: no shard record, only the run's close counters.
+            self.closing.update(
+                closing_delta(self.closing, rec.event.payload, rec.sequence, rec.receive_time_us)
+            )
+            return
         if isinstance(rec.event.payload, ShardPlanned):
             # A stored plan is the shard's first, or one identical to it.
             if shard_id not in self.records:
@@ -60,6 +77,7 @@ class RunReplay:
         outer = parse_row(row)
         data = outer["event"]
         if data["kind"] == Heartbeat.KIND and "nonfinite_metrics" not in data["payload"]:
+            self.last_receive_us = outer["receive_time_us"]
             fold_beat(
                 self.records[data["shard_id"]],
                 data["attempt_id"],
@@ -77,6 +95,7 @@ class RunReplay:
             total.update(contributions(record))
         if self.pass_closed:
             total[PASS_CLOSED_KEY] = self.pass_closed
+        total.update(self.closing)
         return total
 
     def stale_count(self, now_us: int) -> int:

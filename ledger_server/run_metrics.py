@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -24,13 +24,21 @@ from ledger_server.store.base import RunRow
 from ledger_server.summary import DUPLICATE_KINDS
 from shard_client.vocabulary import FAILURE_TAGS
 
-__all__ = ["RUN_FAMILIES", "SHARD_STATES", "VERIFY_FAILED_TAG", "RunCollector", "RunExport"]
+__all__ = [
+    "RUN_FAMILIES",
+    "SERIES_PER_RUN",
+    "SHARD_STATES",
+    "VERIFY_FAILED_TAG",
+    "RunCollector",
+    "RunExport",
+]
 
 # The same logger as the server counters: one name for everything /metrics logs.
 log = structlog.get_logger("shardledger.metrics")
 
-# The run_shards states; "planned" counts every planned shard, the others partition it.
-SHARD_STATES: Final = ("planned", "verified", "failed", "missing", "running", "stale", "unverified")
+# The run_shards states: they partition the submitted shards (failed includes
+# verify_failed, unverified is committed), so sum by (run_id) is the submitted count.
+SHARD_STATES: Final = ("verified", "failed", "missing", "running", "stale", "unverified")
 # verify_failed shards are exported under one tag, because verify reasons are free text.
 VERIFY_FAILED_TAG: Final = "verify_failed"
 _US: Final = 1_000_000
@@ -50,64 +58,83 @@ class RunExport:
     heartbeat_scan_limit: int = 10_000
 
 
-# The per-run gauges: shardledger_run_<key>{namespace, run_id[, extra label]}.
+# The per-run families: shardledger_run_<key>{namespace, run_id[, extra label]}, all
+# gauges except events_total (a counter: a run's chain only grows, and a restarted
+# server reads the same value back from the store, so rate() never sees a reset).
 RUN_FAMILIES: Final[dict[str, tuple[str, str | None]]] = {
     "shards": (
-        "Shards by state; planned counts every planned shard and the other states"
-        " partition it (failed includes verify_failed, unverified is committed).",
+        "Shards by state; the states partition the submitted shards"
+        " (failed includes verify_failed, unverified is committed).",
         "state",
     ),
-    "failed_by_tag": (
+    "submitted_shards": ("Planned shards (the sum of every state).", None),
+    "failed_shards": (
         "Failed shards by failure tag (verify_failed: an artifact failed verification).",
         "tag",
     ),
-    "duplicates": (
+    "duplicate_shards": (
         "Shards with duplicate commits, by kind (wasted, nondeterministic, zombie).",
         "kind",
     ),
-    "completion_ratio": ("Verified shards over planned shards.", None),
+    "completion_ratio": ("Verified shards over submitted shards.", None),
     "silent_error_ratio": (
-        "Shards that reported success but did not verify, over planned shards.",
+        "Shards that reported success but did not verify, over submitted shards.",
         None,
     ),
     "first_pass_completion_ratio": (
-        "Shards verified by an attempt of the run's first pass, over planned shards"
+        "Shards verified by an attempt of the run's first pass, over submitted shards"
         " (history: reruns never change it).",
         None,
     ),
     "first_pass_silent_error_ratio": (
-        "Shards whose first pass reported success but did not verify, over planned shards.",
+        "Shards whose first pass reported success but did not verify, over submitted shards.",
         None,
     ),
     "first_pass_reconciliation_ratio": (
-        "Shards verified on their very first attempt, over planned shards.",
+        "Shards verified on their very first attempt, over submitted shards.",
         None,
     ),
     "recomputed_ratio": ("Shards that ran more than once or after the first pass.", None),
     "repaired_shards": ("Shards whose rerun replaced a failed or missing result.", None),
     "numeric_shards": ("Shards whose latest attempt reported NaN or infinite metrics.", None),
     "late_attempts": ("Attempts whose events arrived late from a spool.", None),
-    "oldest_heartbeat_age_seconds": (
-        "Age of the oldest last-seen time among running and stale shards (absent when none).",
+    "oldest_heartbeat_timestamp_seconds": (
+        "Unix time of the oldest last-seen among running and stale shards (absent when none).",
         None,
     ),
-    "last_event_age_seconds": (
-        "Seconds since the run's last event was received (server clock).",
+    "last_event_timestamp_seconds": (
+        "Unix time the run's last event was received (server clock).",
         None,
     ),
-    "events_total": ("Events in the run's chain.", None),
+    "submission_closed": (
+        "1 once the planner declared the run's submission complete (plan --close).",
+        None,
+    ),
+    "settled": (
+        "1 while the run is settled: submission closed and no shard running, stale"
+        " or awaiting verification.",
+        None,
+    ),
+    "settled_timestamp_seconds": (
+        "Unix time the run settled, from stored events (absent while it is not settled).",
+        None,
+    ),
+    "events": ("Events in the run's chain.", None),
 }
+_COUNTERS: Final = frozenset({"events"})
+# Series one exported run adds at most: a bound the docs multiply by the runs kept.
+SERIES_PER_RUN: Final = (
+    len(SHARD_STATES) + len(FAILURE_TAGS) + 1 + len(DUPLICATE_KINDS) + len(RUN_FAMILIES) - 3
+)
 
 
-def _families() -> dict[str, GaugeMetricFamily]:
-    return {
-        key: GaugeMetricFamily(
-            f"shardledger_run_{key}",
-            doc,
-            labels=["namespace", "run_id", *([extra] if extra else [])],
-        )
-        for key, (doc, extra) in RUN_FAMILIES.items()
-    }
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for key, (doc, extra) in RUN_FAMILIES.items():
+        family = CounterMetricFamily if key in _COUNTERS else GaugeMetricFamily
+        labels = ["namespace", "run_id", *([extra] if extra else [])]
+        out[key] = family(f"shardledger_run_{key}", doc, labels=labels)
+    return out
 
 
 class RunCollector(Collector):
@@ -135,7 +162,7 @@ class RunCollector(Collector):
             "shardledger_metrics_exported_runs", "Runs with per-run series.", labels=["kind"]
         )
         try:
-            families, ledger_age, counts = self._collect_runs()
+            families, ledger_last, counts = self._collect_runs()
         except Exception as exc:  # a scrape must still answer, so failure is a series, not a 500
             log.error("metrics_collect_failed", error=str(exc))
             up.add_metric([], 0.0)
@@ -147,20 +174,23 @@ class RunCollector(Collector):
         yield up
         yield exported
         yield from families.values()
-        if ledger_age is not None:
-            age = GaugeMetricFamily(
-                "shardledger_ledger_last_event_age_seconds",
-                "Seconds since the ledger received any event (server clock).",
+        if ledger_last is not None:
+            last = GaugeMetricFamily(
+                "shardledger_ledger_last_event_timestamp_seconds",
+                "Unix time the ledger last received an event (server clock).",
             )
-            age.add_metric([], ledger_age)
-            yield age
+            last.add_metric([], ledger_last)
+            yield last
         took = GaugeMetricFamily(
-            "shardledger_metrics_collect_seconds", "Time the last per-run collection took."
+            "shardledger_metrics_collect_duration_seconds",
+            "Time the last per-run collection took.",
         )
         took.add_metric([], time.perf_counter() - started)
         yield took
 
-    def _collect_runs(self) -> tuple[dict[str, GaugeMetricFamily], float | None, dict[str, int]]:
+    def _collect_runs(
+        self,
+    ) -> tuple[dict[str, GaugeMetricFamily | CounterMetricFamily], float | None, dict[str, int]]:
         now_us = self.ledger.clock()
         e = self.export
         # One more than can be exported: the newest-first order puts every active run ahead.
@@ -169,22 +199,24 @@ class RunCollector(Collector):
         families = _families()
         for run in (*active, *finished):
             self._add_run(families, run, now_us)
-        ledger_age = max(0.0, (now_us - rows[0].updated_us) / _US) if rows else None
-        return families, ledger_age, {"active": len(active), "finished": len(finished)}
+        # A timestamp, not an age: it survives restarts and `time() - x` ages it in the rule.
+        ledger_last = rows[0].updated_us / _US if rows else None
+        return families, ledger_last, {"active": len(active), "finished": len(finished)}
 
-    def _add_run(self, f: dict[str, GaugeMetricFamily], run: RunRow, now_us: int) -> None:
+    def _add_run(
+        self, f: dict[str, GaugeMetricFamily | CounterMetricFamily], run: RunRow, now_us: int
+    ) -> None:
         s = self.ledger.summary(run.namespace, run.run_id, now=now_us)
         key = [run.namespace, run.run_id]
         for state in SHARD_STATES:
-            # Each state is the summary key of the same name, except the total.
-            value = s["submitted"] if state == "planned" else s[state]
-            f["shards"].add_metric([*key, state], float(value))
+            f["shards"].add_metric([*key, state], float(s[state]))
+        f["submitted_shards"].add_metric(key, float(s["submitted"]))
         tags: dict[str, int] = s["failure_tags"]
         for tag in FAILURE_TAGS:
-            f["failed_by_tag"].add_metric([*key, tag], float(tags.get(tag, 0)))
-        f["failed_by_tag"].add_metric([*key, VERIFY_FAILED_TAG], float(s["verify_failed"]))
+            f["failed_shards"].add_metric([*key, tag], float(tags.get(tag, 0)))
+        f["failed_shards"].add_metric([*key, VERIFY_FAILED_TAG], float(s["verify_failed"]))
         for kind in DUPLICATE_KINDS:
-            f["duplicates"].add_metric([*key, kind], float(s["duplicates"].get(kind, 0)))
+            f["duplicate_shards"].add_metric([*key, kind], float(s["duplicates"].get(kind, 0)))
         f["completion_ratio"].add_metric(key, float(s["completion_rate"]))
         f["silent_error_ratio"].add_metric(key, float(s["silent_error_rate"]))
         fp = s["first_pass"]
@@ -195,12 +227,17 @@ class RunCollector(Collector):
         f["repaired_shards"].add_metric(key, float(s["repairs"]))
         f["numeric_shards"].add_metric(key, float(s["numeric"]))
         f["late_attempts"].add_metric(key, float(s["late_attempts"]))
-        f["last_event_age_seconds"].add_metric(key, max(0.0, (now_us - run.updated_us) / _US))
-        f["events_total"].add_metric(key, float(run.event_count))
+        f["last_event_timestamp_seconds"].add_metric(key, run.updated_us / _US)
+        f["events"].add_metric(key, float(run.event_count))
+        life = s["lifecycle"]
+        f["submission_closed"].add_metric(key, 1.0 if life["submission_closed"] else 0.0)
+        f["settled"].add_metric(key, 1.0 if life["settled"] else 0.0)
+        if life["settled"]:
+            f["settled_timestamp_seconds"].add_metric(key, life["settled_at_us"] / _US)
         if s["running"] or s["stale"]:
             oldest = self._oldest_last_seen(run.run_pk)
             if oldest is not None:
-                f["oldest_heartbeat_age_seconds"].add_metric(key, max(0.0, (now_us - oldest) / _US))
+                f["oldest_heartbeat_timestamp_seconds"].add_metric(key, oldest / _US)
 
     def _oldest_last_seen(self, run_pk: int) -> int | None:
         """Returns the earliest last-seen time among the run's running shards."""

@@ -127,6 +127,8 @@ class LedgerService:
             stale=view.count_stale(run.run_pk, at),
             run_id=run.run_id,
             namespace=run.namespace,
+            last_event_us=run.updated_us,
+            now_us=at,
         )
         out["as_of_us"] = at
         out["event_count"] = run.event_count

@@ -8,8 +8,11 @@ append, and a replay sums the same way. See docs/projections.md for every figure
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, Final
 
+from ledger_server.events import SubmissionClosed
 from ledger_server.projections import (
     base_state,
     deadline_us,
@@ -26,6 +29,13 @@ DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
 # The summed counter that holds the global sequence of the run's first verdict: the
 # moment its first pass closed (0 while it is open). Not a shard's contribution.
 PASS_CLOSED_KEY: Final = "pass:closed"
+# The run's submission_closed events: the first one's global sequence (0 while none
+# came) and announced shard count (0: not stated), and the time the submission closes
+# (the earliest any close named). Run-level counters like PASS_CLOSED_KEY, moved by
+# closing_delta in the writer, the importer and a replay alike.
+SUBMISSION_CLOSED_KEY: Final = "submission:closed"
+SUBMISSION_CLOSED_US_KEY: Final = "submission:closed_us"
+SUBMISSION_EXPECTED_KEY: Final = "submission:expected"
 
 
 def _sound(record: ShardRecord, attempt: Attempt) -> bool:
@@ -184,14 +194,97 @@ def contributions(record: ShardRecord) -> Counter[str]:
     return out
 
 
+def closing_delta(
+    current: Mapping[str, int], closed: SubmissionClosed, sequence: int, receive_us: int
+) -> dict[str, int]:
+    """Returns what a submission_closed event adds to the run counters it finds (current).
+
+    The first close sets them; a later one changes only the close time, and only
+    when it closes earlier (a planner that said "until 07:00" and is done at 05:00).
+    The sequence and announced count stay the first close's.
+    """
+    effective = max(receive_us, closed.submitted_until_us)
+    if not current.get(SUBMISSION_CLOSED_KEY, 0):
+        out = {SUBMISSION_CLOSED_KEY: sequence, SUBMISSION_CLOSED_US_KEY: effective}
+        if closed.expected_shards:
+            out[SUBMISSION_EXPECTED_KEY] = closed.expected_shards
+        return out
+    now = current.get(SUBMISSION_CLOSED_US_KEY, 0)
+    return {SUBMISSION_CLOSED_US_KEY: effective - now} if effective < now else {}
+
+
+def iso_time(us: int) -> str:
+    """Returns a server time in microseconds as an RFC 3339 UTC string."""
+    return datetime.fromtimestamp(us / 1_000_000, UTC).isoformat(timespec="microseconds")
+
+
+def lifecycle(
+    counters: Counter[str],
+    *,
+    running: int,
+    stale: int,
+    unverified: int,
+    last_event_us: int,
+    now_us: int,
+) -> dict[str, Any]:
+    """Returns where the run is in its life at now_us: open, submission_closed or settled.
+
+    A run is settled once its submission is closed (and at least the announced
+    number of shards is planned) and the ledger waits on none of its shards: none
+    running or stale and no committed output awaiting verification; every planned
+    shard is verified, failed, or never started. It is a function of the summed
+    counters, the stale count, the run's last event time and the clock, all of which a
+    restart recomputes, so a restarted server reports the same settled_at.
+    """
+    submitted = counters.get("submitted", 0)
+    closing_seq = counters.get(SUBMISSION_CLOSED_KEY, 0)
+    closed_us = counters.get(SUBMISSION_CLOSED_US_KEY, 0)
+    # A close with submitted_until in the future leaves the run open until then.
+    closed_seq = closing_seq if closing_seq and now_us >= closed_us else 0
+    expected = counters.get(SUBMISSION_EXPECTED_KEY, 0)
+    unplanned = max(0, expected - submitted)
+    waiting = {
+        "running": running,
+        "stale": stale,
+        "unverified": unverified,
+        "unplanned": unplanned,
+    }
+    settled = closed_seq > 0 and not any(waiting.values())
+    # The event that settled it is the run's latest one: shards only end by an event,
+    # and a running shard turning stale does not settle the run.
+    settled_us = max(closed_us, last_event_us) if settled else None
+    return {
+        "state": "settled" if settled else "submission_closed" if closed_seq else "open",
+        "submission_closed": closed_seq > 0,
+        "submission_closed_at": iso_time(closed_us) if closed_seq else None,
+        "submission_closed_at_us": closed_us if closed_seq else None,
+        "submission_closed_at_sequence": closed_seq or None,
+        "submission_closes_at": iso_time(closed_us) if closing_seq and not closed_seq else None,
+        "expected_shards": expected or None,
+        "settled": settled,
+        "settled_at": iso_time(settled_us) if settled_us is not None else None,
+        "settled_at_us": settled_us,
+        "waiting_on": waiting,
+    }
+
+
 def _rate(n: int, submitted: int) -> float:
     return n / submitted if submitted else 0.0
 
 
 def run_summary(
-    counters: Counter[str], *, stale: int, run_id: str, namespace: str
+    counters: Counter[str],
+    *,
+    stale: int,
+    run_id: str,
+    namespace: str,
+    last_event_us: int,
+    now_us: int,
 ) -> dict[str, Any]:
-    """Returns the run summary from the summed counters and the stale count at some instant."""
+    """Returns the run summary from the summed counters and the stale count at now_us.
+
+    last_event_us is when the run's latest event was received: the settled time.
+    """
     submitted = counters.get("submitted", 0)
     states = {s: counters.get(f"state:{s}", 0) for s in BASE_STATES}
     running = states[ShardState.RUNNING] - stale
@@ -246,6 +339,14 @@ def run_summary(
             "missing": counters.get("first:missing", 0),
             "numeric": counters.get("first:numeric", 0),
         },
+        "lifecycle": lifecycle(
+            counters,
+            running=running,
+            stale=stale,
+            unverified=states[ShardState.COMMITTED],
+            last_event_us=last_event_us,
+            now_us=now_us,
+        ),
     }
 
 

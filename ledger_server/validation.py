@@ -25,6 +25,7 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     ShardPlanned,
+    SubmissionClosed,
     payload_dict,
 )
 from shard_client.canonical import canonical_json
@@ -156,6 +157,18 @@ def _check_labels(field_name: str, labels: dict[str, str]) -> None:
 
 def _check_payload(event: Event) -> Payload:
     p = event.payload
+    if isinstance(p, SubmissionClosed):
+        # A run-level event: it is about no shard and no attempt.
+        if event.shard_id or event.attempt_id:
+            raise InvalidEvent("shard_id", "must be empty (with attempt_id) for submission_closed")
+        _check_text("submission_closed.reason", p.reason, 1024)
+        _check_size("submission_closed.expected_shards", p.expected_shards)
+        if not 0 <= p.submitted_until_us <= MAX_TIMESTAMP_US:
+            raise InvalidEvent(
+                "submission_closed.submitted_until", "must be between 1970 and the year 10000"
+            )
+        return p
+    check_id("shard_id", event.shard_id)
     if isinstance(p, ShardPlanned):
         if event.attempt_id:
             raise InvalidEvent("attempt_id", "must be empty for a planned event")
@@ -240,7 +253,6 @@ def validate(event: Event) -> ValidEvent:
     check_id("event_id", event.event_id)
     namespace = check_namespace(event.namespace)
     check_id("run_id", event.run_id)
-    check_id("shard_id", event.shard_id)
     if event.client_time_us < 0:
         raise InvalidEvent("client_time", "must not be before 1970")
     if event.client_time_us > MAX_TIMESTAMP_US:

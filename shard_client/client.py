@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -15,6 +16,7 @@ from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.errors import RETRYABLE, LedgerUnavailable, from_rpc_error
+from shard_client.ids import submission_closed_event
 
 DEFAULT_TARGET: Final = "127.0.0.1:50551"
 ENV_TARGET: Final = "SHARDLEDGER_SERVER"
@@ -225,6 +227,31 @@ class LedgerClient:
         """Returns the namespace's runs, most recently updated first."""
         request = pb.ListRunsRequest(namespace=namespace, page_size=page_size)
         return list(self.call(lambda t: self.stub.ListRuns(request, timeout=t)).runs)
+
+    def close_submission(
+        self,
+        run_id: str,
+        *,
+        namespace: str = "",
+        reason: str = "",
+        expected_shards: int = 0,
+        submitted_until: datetime | None = None,
+    ) -> pb.AppendResult:
+        """Declares that no job of the run will start any more (idempotent).
+
+        Close once every wave was submitted and the scheduler is done with them, or
+        give submitted_until (an aware datetime: the end of the night's window).
+        Once its planned shards have all ended or never started the run is settled:
+        the summary's lifecycle says so, and the alerts about ended runs can fire.
+        """
+        event = submission_closed_event(
+            run_id,
+            namespace=namespace,
+            reason=reason,
+            expected_shards=expected_shards,
+            submitted_until=submitted_until,
+        )
+        return self.append([event])[0]
 
     def summary(self, run_id: str, *, namespace: str = "") -> str:
         """Returns the run summary as a JSON text."""

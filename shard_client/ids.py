@@ -12,9 +12,11 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
 
 import blake3
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import hash_file
@@ -32,6 +34,7 @@ __all__ = [
     "plan_event_id",
     "plan_events",
     "shard_id_for",
+    "submission_closed_event",
 ]
 
 SHARD_ID_PREFIX: Final = "s-"
@@ -172,6 +175,49 @@ def plan_events(
             )
         )
     return out
+
+
+def submission_closed_event(
+    run_id: str,
+    *,
+    namespace: str = "",
+    reason: str = "",
+    expected_shards: int = 0,
+    submitted_until: datetime | None = None,
+) -> pb.ShardEvent:
+    """Returns the run-level event that declares that no job of the run will start any more.
+
+    With submitted_until (an aware datetime) the submission counts as closed from
+    then on. The id is derived from the content, so closing the same run again with
+    the same words is an idempotent retry (DUPLICATE), never a second close.
+    """
+    check_id("run_id", run_id)
+    if expected_shards < 0:
+        raise ValueError("expected_shards must not be negative")
+    if submitted_until is not None and submitted_until.utcoffset() is None:
+        raise ValueError("submitted_until needs a time zone (e.g. datetime.now(UTC))")
+    until = Timestamp()
+    if submitted_until is not None:
+        until.FromDatetime(submitted_until)
+    material = canonical_json(
+        {
+            "namespace": namespace,
+            "run_id": run_id,
+            "reason": reason,
+            "expected_shards": expected_shards,
+            "submitted_until": until.ToJsonString() if submitted_until is not None else "",
+        }
+    )
+    return pb.ShardEvent(
+        event_id="close-" + blake3.blake3(material.encode()).hexdigest()[:32],
+        namespace=namespace,
+        run_id=run_id,
+        submission_closed=pb.RunSubmissionClosed(
+            reason=reason,
+            expected_shards=expected_shards,
+            submitted_until=until if submitted_until is not None else None,
+        ),
+    )
 
 
 def duplicate_ids(entries: Sequence[PlanEntry]) -> dict[str, list[int]]:

@@ -67,3 +67,15 @@ def test_bench_refuses_a_non_positive_duration(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "--seconds must be positive" in done.stderr
     assert not out.exists()
+
+
+def test_bench_storage_commits_and_uploads_the_same_bytes_and_reports_ratios(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "storage.json"
+    done = _bench("tools.bench_storage", "--mib", "2", "--repeat", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["artifact_mib"] == 2
+    assert set(result["seconds"]) == {"raw", "commit", "commit_digest", "read_back_digest"}
+    assert result["ratio_commit_to_raw"] > 0 and result["full_digest_read_back_s"] > 0

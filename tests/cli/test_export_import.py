@@ -52,6 +52,8 @@ def fill(client: LedgerClient) -> None:
         ]
     )
     client.append([verdict("s0", passed), verdict("s3", failed, "empty")])
+    # The run-level kind: no shard, and the counters it sets travel with the run.
+    client.close_submission(RUN, reason="all planned", expected_shards=6)
 
 
 def export(capsys: pytest.CaptureFixture[str], client: LedgerClient, path: Path) -> list[str]:
@@ -97,7 +99,7 @@ def test_export_then_import_round_trips_rows_and_projections(
             views[name] = json.loads(out)
             views[name].pop("as_of_us")
         assert views["source"] == views["target"]
-        assert views["target"]["submitted"] == 6 and views["target"]["event_count"] == 19
+        assert views["target"]["submitted"] == 6 and views["target"]["event_count"] == 20
         # The clock-dependent splits (stale, resume reasons) agree at any one instant too.
         source, target_ledger = server.ledger, copy.ledger
         for query in (LedgerService.summary, LedgerService.shards):

@@ -572,6 +572,10 @@ def _base_event(kind: str, data: st.DataObject) -> pb.ShardEvent:
                 name="out", path="/o", blake3_hex=DIGEST_A, result=pb.VERIFICATION_RESULT_PASSED
             )
         )
+    elif kind == "submission_closed":
+        # A run-level event: no shard, no attempt.
+        ev.shard_id = ev.attempt_id = ""
+        ev.submission_closed.CopyFrom(pb.RunSubmissionClosed(reason="x", expected_shards=1))
     else:
         ev.failed.CopyFrom(pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM, message="x"))
     return ev
@@ -587,6 +591,10 @@ def shard_events(draw: st.DrawFn) -> tuple[pb.ShardEvent, bool]:
         changed = mutation(ev, data)
         if changed is not None:
             verdicts[changed[0]] = changed[1]  # a later change of the same field wins
+    if ev.WhichOneof("payload") == "submission_closed":
+        # A run-level event is the one kind whose shard id must be empty: any id is invalid.
+        verdicts.pop("attempt_id", None)
+        verdicts["shard_id"] = bool(ev.shard_id or ev.attempt_id) or None
     return ev, any(v is True for v in verdicts.values())
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ from ledger_server.metrics import (
     start_metrics_server,
     stop_metrics_server,
 )
-from ledger_server.run_metrics import SHARD_STATES, RunExport
+from ledger_server.run_metrics import SERIES_PER_RUN, SHARD_STATES, RunExport
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
@@ -87,11 +89,15 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
     client.append([planned(run, f"s{i}", i) for i in range(4)])
 
     before = scrape(metrics_port)
-    assert run_value(before, "shardledger_run_shards", run, state="planned") == 4
+    assert run_value(before, "shardledger_run_submitted_shards", run) == 4
+    assert run_value(before, "shardledger_run_shards", run, state="planned") is None
     assert run_value(before, "shardledger_run_shards", run, state="missing") == 4
     assert run_value(before, "shardledger_run_shards", run, state="stale") == 0
     assert run_value(before, "shardledger_run_events_total", run) == 4
-    assert run_value(before, "shardledger_run_oldest_heartbeat_age_seconds", run) is None
+    assert run_value(before, "shardledger_run_oldest_heartbeat_timestamp_seconds", run) is None
+    assert run_value(before, "shardledger_run_submission_closed", run) == 0
+    assert run_value(before, "shardledger_run_settled", run) == 0
+    assert run_value(before, "shardledger_run_settled_timestamp_seconds", run) is None
 
     client.append(
         [
@@ -110,23 +116,69 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
     assert run_value(during, "shardledger_run_shards", run, state="missing") == 1
     assert run_value(during, "shardledger_run_shards", run, state="unverified") == 1
     assert run_value(during, "shardledger_run_shards", run, state="failed") == 1
-    assert run_value(during, "shardledger_run_failed_by_tag", run, tag="oom") == 1
-    assert run_value(during, "shardledger_run_duplicates", run, kind="wasted") == 1
-    assert run_value(during, "shardledger_run_duplicates", run, kind="nondeterministic") == 1
-    assert run_value(during, "shardledger_run_duplicates", run, kind="zombie") == 0
+    assert run_value(during, "shardledger_run_failed_shards", run, tag="oom") == 1
+    assert run_value(during, "shardledger_run_duplicate_shards", run, kind="wasted") == 1
+    assert run_value(during, "shardledger_run_duplicate_shards", run, kind="nondeterministic") == 1
+    assert run_value(during, "shardledger_run_duplicate_shards", run, kind="zombie") == 0
     assert run_value(during, "shardledger_run_completion_ratio", run) == 0.0
     partition = [run_value(during, "shardledger_run_shards", run, state=s) for s in SHARD_STATES]
-    assert sum(v or 0 for v in partition[1:]) == partition[0] == 4  # planned is the total
+    # The states partition the submitted shards: sum by (run_id) counts each shard once.
+    assert sum(v or 0 for v in partition) == 4
 
     after = scrape_until(
         metrics_port, lambda s: run_value(s, "shardledger_run_shards", run, state="stale") == 1
     )
     assert run_value(after, "shardledger_run_shards", run, state="running") == 0
-    age = run_value(after, "shardledger_run_oldest_heartbeat_age_seconds", run)
-    assert age is not None and age >= 1.0
-    last_event_age = run_value(after, "shardledger_run_last_event_age_seconds", run)
-    assert last_event_age is not None and last_event_age >= 1.0
+    # Timestamps, not ages: the heartbeat of the silent attempt is over a second old.
+    oldest = run_value(after, "shardledger_run_oldest_heartbeat_timestamp_seconds", run)
+    assert oldest is not None and time.time() - oldest >= 1.0
+    last_event = run_value(after, "shardledger_run_last_event_timestamp_seconds", run)
+    assert last_event is not None and oldest <= last_event <= time.time()
     assert after[("shardledger_metrics_collect_up", ())] == 1
+
+
+def test_a_settled_run_exports_its_lifecycle_and_settled_time(
+    client: LedgerClient, metrics_port: int
+) -> None:
+    run = "night-1"
+    client.append([planned(run, "s0"), started(run, "s0", "a0")])
+    client.close_submission(run)
+    closed = scrape(metrics_port)
+    assert run_value(closed, "shardledger_run_submission_closed", run) == 1
+    assert run_value(closed, "shardledger_run_settled", run) == 0
+    assert run_value(closed, "shardledger_run_settled_timestamp_seconds", run) is None
+
+    client.append([event(run, "s0", "a0", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_KILLED))])
+    settled = scrape(metrics_port)
+    assert run_value(settled, "shardledger_run_settled", run) == 1
+    at = run_value(settled, "shardledger_run_settled_timestamp_seconds", run)
+    assert at == run_value(settled, "shardledger_run_last_event_timestamp_seconds", run)
+    assert at is not None and at <= time.time()
+    # The documented bound: a settled run has no heartbeat timestamp, so one under it.
+    series = [labels for (_, labels) in settled if ("run_id", run) in labels]
+    assert len(series) == SERIES_PER_RUN - 1
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_a_live_scrape_passes_promtool_check_metrics(
+    client: LedgerClient, metrics_port: int
+) -> None:
+    run = "night-1"
+    client.append([planned(run, f"s{i}", i) for i in range(3)])
+    client.append([started(run, "s0", "a0"), started(run, "s1", "a1", timeout_s=1)])
+    client.append([committed(run, "s0", "a0")])
+    client.close_submission(run)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read()
+    # Every family of the exposition is present: the check saw each name and type.
+    assert b"# TYPE shardledger_run_events_total counter" in text
+    assert b"shardledger_run_settled{" in text
+
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30, check=False
+    )
+
+    assert (result.returncode, result.stdout, result.stderr) == (0, b"", b"")
 
 
 def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
@@ -145,7 +197,7 @@ def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
     assert exported_runs(samples) == {"live-0", "live-1", "old-4", "old-3"}
     assert samples[("shardledger_metrics_exported_runs", (("kind", "active"),))] == 2
     assert samples[("shardledger_metrics_exported_runs", (("kind", "finished"),))] == 2
-    assert samples[("shardledger_ledger_last_event_age_seconds", ())] < 1.0
+    assert time.time() - samples[("shardledger_ledger_last_event_timestamp_seconds", ())] < 1.0
 
 
 def test_active_runs_beyond_the_hard_cap_are_not_exported(

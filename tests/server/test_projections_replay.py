@@ -15,6 +15,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     ShardPlanned,
+    SubmissionClosed,
 )
 from ledger_server.record import record_from_row
 from ledger_server.replay import RunReplay, replay_run
@@ -249,6 +251,12 @@ class Model:
     count: int = 0
     # The run's first verdict (one about an artifact) closes its first pass.
     pass_closed: int = 0
+    # The run's first submission_closed event: its sequence, time and announced count.
+    closed: int = 0
+    closed_at: int = 0
+    expected: int = 0
+    # When the run's latest stored event arrived.
+    last_at: int = 0
 
     def append(self, events: list[Event], at: int) -> bool:
         """Applies a batch atomically; returns False (changing nothing) when it must be refused."""
@@ -263,6 +271,8 @@ class Model:
             return False
         self.ids, self.shards, self.count = trial.ids, trial.shards, trial.count
         self.pass_closed = trial.pass_closed
+        self.closed, self.closed_at, self.expected = trial.closed, trial.closed_at, trial.expected
+        self.last_at = trial.last_at
         return True
 
     def one(self, e: Event, batch: dict[str, Event], at: int) -> None:
@@ -275,7 +285,17 @@ class Model:
         p, shard = e.payload, self.shards.get(e.shard_id)
         if e.run_id != RUN or (not self.shards and not isinstance(p, ShardPlanned)):
             raise Refused("unknown run")
-        if isinstance(p, ShardPlanned):
+        if isinstance(p, SubmissionClosed):
+            # Run-level: the first close sets sequence and count; the earliest close time stands.
+            effective = max(at, p.submitted_until_us)
+            if not self.closed:
+                self.closed, self.closed_at, self.expected = (
+                    self.count + 1,
+                    effective,
+                    p.expected_shards,
+                )
+            self.closed_at = min(self.closed_at, effective)
+        elif isinstance(p, ShardPlanned):
             definition = (
                 p.input_ref,
                 p.input_bytes,
@@ -354,6 +374,7 @@ class Model:
                 shard.failures.append(p.tag)
         self.ids[e.event_id] = e
         self.count += 1
+        self.last_at = at
 
     def ordered(self) -> list[MShard]:
         return sorted(self.shards.values(), key=lambda s: (s.index, s.shard_id))
@@ -443,6 +464,35 @@ class Model:
                     if any(a.first_pass and a.numeric for a in s.attempts.values())
                 ),
             },
+            "lifecycle": self.lifecycle(states, now),
+        }
+
+    def lifecycle(self, states: Counter[str], now: int) -> dict[str, Any]:
+        waiting = {
+            "running": states["running"],
+            "stale": states["stale"],
+            "unverified": states["committed"],
+            "unplanned": max(0, self.expected - len(self.shards)),
+        }
+        closed = bool(self.closed) and now >= self.closed_at
+        settled = closed and not any(waiting.values())
+        at = max(self.closed_at, self.last_at) if settled else None
+
+        def iso(us: int) -> str:
+            return datetime.fromtimestamp(us / 1e6, UTC).isoformat(timespec="microseconds")
+
+        return {
+            "state": "settled" if settled else "submission_closed" if closed else "open",
+            "submission_closed": closed,
+            "submission_closed_at": iso(self.closed_at) if closed else None,
+            "submission_closed_at_us": self.closed_at if closed else None,
+            "submission_closed_at_sequence": self.closed if closed else None,
+            "submission_closes_at": iso(self.closed_at) if self.closed and not closed else None,
+            "expected_shards": self.expected or None,
+            "settled": settled,
+            "settled_at": iso(at) if at is not None else None,
+            "settled_at_us": at,
+            "waiting_on": waiting,
         }
 
     def query(self, state: str, now: int) -> list[str]:
@@ -528,7 +578,12 @@ class Harness:
         for key in ("as_of_us", "event_count", "head_hash"):
             incremental.pop(key)
         replayed = run_summary(
-            fresh.counters(), stale=fresh.stale_count(now), run_id=RUN, namespace="default"
+            fresh.counters(),
+            stale=fresh.stale_count(now),
+            run_id=RUN,
+            namespace="default",
+            last_event_us=fresh.last_receive_us,
+            now_us=now,
         )
         assert incremental == replayed == self.model.summary(now)
         views, _ = self.ledger.shards("", RUN, now=now)
@@ -573,7 +628,7 @@ def harness() -> Iterator[Harness]:
 
 # Repeats weight the draw towards the events that move shards along.
 KINDS: tuple[str, ...] = ("plan", "hb", "ckpt", "fail", "retry", "reuse", "stray", "invalid")
-KINDS += ("start",) * 3 + ("commit",) * 4 + ("verify",) * 4
+KINDS += ("start",) * 3 + ("commit",) * 4 + ("verify",) * 4 + ("close",)
 OUTPUT_SETS = ((), ("a",), ("a", "b"))
 OP = st.tuples(
     st.sampled_from(KINDS),
@@ -654,6 +709,11 @@ class Builder:
         payload: Payload
         if kind == "plan":
             return self.plan(i, c)
+        if kind == "close":
+            # Run-level; d % 6 announces up to 5 shards, more than a run here ever plans.
+            # j == 2: closed from a time that may still be ahead (submitted_until).
+            until = T0 + 40 * d if j == 2 else 0
+            return self.event("", "", SubmissionClosed(f"wave {c}", d % 6, until))
         if kind == "start":
             payload = AttemptStarted(
                 f"node-{j}", 7, (10, 40)[d % 2], {"fp": str(c)}, FINGERPRINTS[c]
@@ -744,7 +804,7 @@ def test_incremental_projections_equal_fresh_replay_and_reference_model(
 
 def decode(d: dict[str, Any]) -> Event:
     """Returns the event a golden-file line describes (short keys, defaults filled in)."""
-    kind, sid = d["kind"], d["shard"]
+    kind, sid = d["kind"], d.get("shard", "")
     hexed: Callable[[str], str] = lambda c: c * 64 if len(c) == 1 else c  # noqa: E731
     payload: Payload
     if kind == "planned":
@@ -770,6 +830,8 @@ def decode(d: dict[str, Any]) -> Event:
         payload = ArtifactVerified(
             d["name"], d["path"], hexed(d["digest"]), d["result"], d.get("reason", ""), ""
         )
+    elif kind == "submission_closed":
+        payload = SubmissionClosed(d.get("reason", ""), d.get("expected", 0), d.get("until", 0))
     else:
         payload = AttemptFailed(d["tag"], d.get("message", ""))
     return Event(d["id"], "", d.get("run", RUN), sid, d.get("attempt", ""), 0, payload)

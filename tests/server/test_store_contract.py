@@ -6,6 +6,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from ledger_server.store import open_store
 from ledger_server.summary import run_summary, shard_view
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.ids import submission_closed_event
 from tests import pg
 from tests.builders import DIGEST_A, DIGEST_B, committed, event, planned, started
 
@@ -148,6 +150,12 @@ def _every_kind() -> list[pb.ShardEvent]:
         _verified("shard-0"),
         started(attempt_id="att-2"),
         event(attempt_id="att-2", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM, message="OOM")),
+        submission_closed_event(
+            "run-1",
+            reason="done",
+            expected_shards=1,
+            submitted_until=datetime(2026, 12, 2, 7, tzinfo=UTC),
+        ),
     ]
 
 
@@ -313,7 +321,7 @@ def test_chains_verify_and_an_edited_row_is_named(api: LedgerClient, backend: Ba
     store = open_store(backend.url)
     try:
         assert [(r.run_id, r.ok, r.events) for r in verify_store(store)] == [
-            ("run-1", True, 8),
+            ("run-1", True, 9),
             ("run-2", True, 1),
         ]
         backend.edit_row_bypassing_immutability(results[1].sequence)
@@ -345,7 +353,12 @@ def assert_projections_match_replay(
     for key in ("event_count", "head_hash"):
         summary.pop(key)
     expected = run_summary(
-        replay.counters(), stale=replay.stale_count(at), run_id=run_id, namespace=ns
+        replay.counters(),
+        stale=replay.stale_count(at),
+        run_id=run_id,
+        namespace=ns,
+        last_event_us=replay.last_receive_us,
+        now_us=at,
     )
     assert summary == json.loads(json.dumps(expected))
     views = [json.loads(v.view_json) for v in client.shards(run_id, namespace=namespace)]
@@ -364,6 +377,7 @@ def test_projections_equal_a_fresh_replay(api: LedgerClient, backend: Backend) -
     api.append(_night())
     api.append(_night("night-2", namespace="team-b")[:9])
     api.append(_night("night-2", namespace="team-b")[9:12])
+    api.close_submission("night-2", namespace="team-b", reason="no job starts any more")
     summary = json.loads(api.summary("night"))
     assert (summary["submitted"], summary["verified"], summary["missing"]) == (8, 1, 1)
     assert summary["duplicate_shards"] == 1 and summary["failure_tags"] == {"nccl": 1}

@@ -18,6 +18,7 @@ from ledger_server.events import (
     Payload,
     RecordedEvent,
     ShardPlanned,
+    SubmissionClosed,
 )
 from ledger_server.validation import validate
 from shard_client.vocabulary import FailureTag
@@ -54,6 +55,7 @@ PAYLOADS: dict[str, Payload] = {
         detail="re-read gave other bytes",
     ),
     "failed": AttemptFailed(tag=FailureTag.NCCL.value, message="ring broke"),
+    "submission_closed": SubmissionClosed(reason="last wave planned", expected_shards=12),
 }
 
 
@@ -63,8 +65,8 @@ def _event(kind: str) -> Event:
         event_id=f"ev-{kind}",
         namespace="team-a",
         run_id="run-1",
-        shard_id="shard-0",
-        attempt_id="" if kind in ("planned", "verified") else "a1",
+        shard_id="" if kind == "submission_closed" else "shard-0",
+        attempt_id="" if kind in ("planned", "verified", "submission_closed") else "a1",
         client_time_us=1_700_000_000_123_456,
         payload=payload,
     )

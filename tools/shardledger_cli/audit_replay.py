@@ -176,7 +176,12 @@ def projections_at(
     if last is not None:
         namespace, run_id = last.event.namespace, last.event.run_id
     summary = run_summary(
-        replay.counters(), stale=replay.stale_count(at), run_id=run_id, namespace=namespace
+        replay.counters(),
+        stale=replay.stale_count(at),
+        run_id=run_id,
+        namespace=namespace,
+        last_event_us=last.receive_time_us if last else 0,
+        now_us=at,
     )
     summary["as_of_us"] = at
     summary["event_count"] = count

@@ -49,6 +49,7 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.accept",
     "shardledger_cli.commands.sample",
     "shardledger_cli.commands.compare",
+    "shardledger_cli.commands.notify",
     "shardledger_cli.commands.db",
 )
 
@@ -70,9 +71,11 @@ typical night:
   shardledger serve &                                   # embedded SQLite ledger on 127.0.0.1:50551
   shardledger plan night-01 --manifest jobs.jsonl      # register every shard
   ... jobs run with shard_client ...
+  shardledger plan night-01 --close                    # no job starts any more: it can settle
   shardledger verify night-01 --root /data/out         # re-read every committed artifact
   shardledger status night-01                          # submitted = verified + failed + missing ...
   shardledger resume night-01 -o rerun.jsonl           # exactly what must run again
+  shardledger notify night-01 --url "$CHAT_HOOK"       # the morning report, as JSON
 
 exit codes: 0 ok, 1 problems found, 2 usage, 3 server unreachable, 4 refused by server, 5 local error
 """

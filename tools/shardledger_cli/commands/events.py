@@ -56,7 +56,7 @@ def event_line(event: Any) -> str:
     when = iso_us(ts_us(event.receive_time))
     kind = event.WhichOneof("payload")
     return (
-        f"{event.sequence:>8} {when} {event.shard_id} {event.attempt_id or '-'} {kind} "
+        f"{event.sequence:>8} {when} {event.shard_id or '-'} {event.attempt_id or '-'} {kind} "
         f"{short_payload(event, kind)}"
     ).rstrip()
 
@@ -83,5 +83,8 @@ def short_payload(event: Any, kind: str) -> str:
     if kind == "verified":
         result = "PASSED" if p.result == pb.VERIFICATION_RESULT_PASSED else "FAILED"
         return f"{result} {p.name} {p.path}" + (f" reason={p.reason}" if p.reason else "")
+    if kind == "submission_closed":
+        expected = f" expected={p.expected_shards}" if p.expected_shards else ""
+        return f"run{expected}" + (f" reason={p.reason[:80]}" if p.reason else "")
     tag = pb.FailureTag.Name(p.tag).removeprefix("FAILURE_TAG_").lower()
     return f"tag={tag} {p.message[:80]}"

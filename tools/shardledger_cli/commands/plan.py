@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Final
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -64,15 +65,27 @@ definition is a conflict, listed on stderr.
 provider, pool (on-demand / spot / preemptible), region, image, or any key;
 `shardledger report --by provider` compares runs by them (docs/metrics.md).
 
+--close declares that no job of the run will start any more (a run-level
+submission_closed event): run it once the last wave's jobs are done (e.g. from a
+Slurm job with --dependency=afterany:JOBID), or give --submitted-until TIME, the
+end of the night's window, when planning. Once every planned shard has ended
+(verified, failed, or never started; none running, stale or awaiting
+verification) the run is settled: `status` says so, /metrics exports
+shardledger_run_settled, and the alerts about ended runs may fire. Closing again
+with the same words is an idempotent retry; of several closes, the one that
+closes earliest stands.
+
 Examples:
   shardledger plan night-01 --manifest jobs.jsonl
   shardledger plan night-01 --inputs /data/in --glob '*.bin' --expected-outputs out
   shardledger plan night-01 --manifest jobs.jsonl --label provider=D --label pool=spot
   SHARDLEDGER_LABEL_REGION=eu-1 shardledger plan night-01 --manifest jobs.jsonl --dry-run
+  shardledger plan night-01 --manifest jobs.jsonl --close --submitted-until 2026-12-02T07:00Z
+  shardledger plan night-01 --close --reason "last wave finished" --expected 1000 --json
 
-exit codes: 0 all shards new or already planned identically; 1 some conflict;
-2 a bad --label; 3 unreachable; 4 refused by the server; 5 bad manifest or inputs
-(nothing sent)
+exit codes: 0 all shards new or already planned identically (and closed);
+1 some conflict; 2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
+--close of an unknown run); 5 bad manifest or inputs (nothing sent)
 """
 
 
@@ -98,7 +111,7 @@ def register(
         description=DESCRIPTION,
     )
     p.add_argument("run", help="run id")
-    source = p.add_mutually_exclusive_group(required=True)
+    source = p.add_mutually_exclusive_group()
     source.add_argument("--manifest", metavar="FILE", help="JSON-lines manifest, or - for stdin")
     source.add_argument("--inputs", metavar="DIR", help="plan one shard per file in DIR")
     p.add_argument(
@@ -118,9 +131,38 @@ def register(
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan lines; send nothing")
     p.add_argument(
+        "--close", action="store_true", help="declare the submission complete (after planning)"
+    )
+    p.add_argument("--reason", default="", help="with --close: why, kept with the event")
+    p.add_argument(
+        "--submitted-until",
+        type=aware_time,
+        default=None,
+        metavar="TIME",
+        help="with --close: closed from this ISO 8601 time with a zone on (default: now)",
+    )
+    p.add_argument(
+        "--expected",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --close: shards the planner submitted; fewer planned keeps the run unsettled",
+    )
+    p.add_argument(
         "--workers", type=int, default=min(8, os.cpu_count() or 4), help="parallel input hashing"
     )
     p.set_defaults(func=run_plan)
+
+
+def aware_time(text: str) -> datetime:
+    """Returns an ISO 8601 time with a zone ("2026-12-02T07:00Z"); an argparse type."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from None
+    if when.utcoffset() is None:
+        raise argparse.ArgumentTypeError(f"{text!r} needs a time zone, e.g. {text}Z")
+    return when
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -129,6 +171,16 @@ def run_plan(args: argparse.Namespace) -> int:
         check_id("run id", args.run)
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
+    if not args.close and (args.reason or args.expected or args.submitted_until):
+        raise CommandError("--reason, --expected and --submitted-until go with --close", EXIT_USAGE)
+    if args.expected < 0:
+        raise CommandError("--expected must not be negative", EXIT_USAGE)
+    if args.manifest is None and args.inputs is None:
+        if not args.close:
+            raise CommandError("give --manifest FILE, --inputs DIR or --close", EXIT_USAGE)
+        if args.dry_run:
+            raise CommandError("--dry-run goes with --manifest or --inputs", EXIT_USAGE)
+        return _close(args, client_from(args), planned=None)
     if args.manifest is None:
         entries = entries_from_dir(args)
     elif args.params is not None or args.expected_outputs is not None:
@@ -143,7 +195,49 @@ def run_plan(args: argparse.Namespace) -> int:
     client = client_from(args)
     entries = keep_stored_indexes(client, args.run, entries, namespace=args.namespace)
     outcome = send_plan(client, args.run, entries, namespace=args.namespace, labels=labels)
-    return _report(args, entries, outcome)
+    if not args.close:
+        return _report(args, entries, outcome)
+    if outcome.refused or outcome.conflicts:
+        # A plan that did not fully register is not a complete submission.
+        print("shardledger: not closing the run: some shards did not register", file=sys.stderr)
+        return _report(args, entries, outcome)
+    return _close(args, client, planned=(entries, outcome))
+
+
+def _close(
+    args: argparse.Namespace,
+    client: LedgerClient,
+    *,
+    planned: tuple[Sequence[PlanEntry], Outcome] | None,
+) -> int:
+    """Sends the run's submission_closed event, then reports the plan (if any) and the close."""
+    try:
+        result = client.close_submission(
+            args.run,
+            namespace=args.namespace,
+            reason=args.reason,
+            expected_shards=args.expected,
+            submitted_until=args.submitted_until,
+        )
+    except LedgerRejected as exc:
+        raise CommandError(
+            f"cannot close run {args.run}: {exc.reason}: {exc}", EXIT_REJECTED
+        ) from None
+    closed = {
+        "closed": True,
+        "close_sequence": result.sequence,
+        "close_outcome": "appended"
+        if result.outcome == pb.APPEND_OUTCOME_APPENDED
+        else "duplicate",
+    }
+    if planned is not None:
+        return _report(args, planned[0], planned[1], closed=closed)
+    if args.json:
+        print_json({"run_id": args.run, "namespace": args.namespace or "default", **closed})
+    else:
+        again = "" if closed["close_outcome"] == "appended" else " (already closed so)"
+        print(f"run {args.run}: submission closed at sequence {result.sequence}{again}")
+    return EXIT_OK
 
 
 def keep_stored_indexes(
@@ -257,7 +351,13 @@ def _print_dry_run(entries: Sequence[PlanEntry], *, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _report(args: argparse.Namespace, entries: Sequence[PlanEntry], outcome: Outcome) -> int:
+def _report(
+    args: argparse.Namespace,
+    entries: Sequence[PlanEntry],
+    outcome: Outcome,
+    *,
+    closed: Mapping[str, object] | None = None,
+) -> int:
     for entry, why in outcome.conflicts + outcome.refused:
         print(
             f"shardledger: shard {entry.shard_id} (plan index {entry.plan_index}): {why}",
@@ -273,6 +373,7 @@ def _report(args: argparse.Namespace, entries: Sequence[PlanEntry], outcome: Out
                 "already_planned": outcome.identical,
                 "conflicting": [e.shard_id for e, _ in outcome.conflicts],
                 "refused": [e.shard_id for e, _ in outcome.refused],
+                **(closed or {}),
             }
         )
     else:
@@ -281,6 +382,7 @@ def _report(args: argparse.Namespace, entries: Sequence[PlanEntry], outcome: Out
             f"{outcome.identical} already planned identically, "
             f"{len(outcome.conflicts)} conflicting"
             + (f", {len(outcome.refused)} refused" if outcome.refused else "")
+            + (f"; submission closed at sequence {closed['close_sequence']}" if closed else "")
         )
     if outcome.refused:
         return EXIT_REJECTED

@@ -14,15 +14,17 @@ from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume
 from shardledger_cli.commands.shards import run_shards
 from shardledger_cli.output import REASON_KEY, count_shards, equation, iso_us, print_json, ts_us
 
-__all__ = ["register", "render_summary", "run_runs", "run_status"]
+__all__ = ["lifecycle_line", "register", "render_summary", "run_runs", "run_status"]
 
 
 HELP: Final = {
     "status": """a run's summary: submitted = verified + failed + missing + ...
 
-Print the run summary: the reconciliation equation, completion rate
+Print the run summary: the reconciliation equation, the run's lifecycle (open,
+submission closed, settled: see `plan --close`), completion rate
 (verified / submitted), silent error rate, failure tags, duplicates and
-fingerprint groups. --json prints the summary object the server computed.
+fingerprint groups. --json prints the summary object the server computed;
+its "lifecycle" object says whether the run is settled and since when.
 
 --costs adds what the failures cost in GPU time and the checkpoint interval
 the run's numbers advise (report 1, §4.3 and §3.2; docs/metrics.md), under the
@@ -135,6 +137,7 @@ def render_summary(s: dict[str, Any]) -> None:
         style="bold",
     )
     console.print(equation(s))
+    console.print(lifecycle_line(s))
     sub = s["submitted"] or 1
     right = ("shards", "share")
     states = Table("state", *(Column(c, justify="right") for c in right), title="shards")
@@ -179,6 +182,27 @@ def render_summary(s: dict[str, Any]) -> None:
         ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint"),
     ):
         _counts_table(console, title, head, s.get(key) or {})
+
+
+def lifecycle_line(s: dict[str, Any]) -> str:
+    """Returns one line saying whether the run is over, and if not what it waits on."""
+    life = s.get("lifecycle")
+    if not life:
+        return "lifecycle          unknown (the server predates run lifecycles)"
+    if life["settled"]:
+        return f"lifecycle          settled at {life['settled_at']}: nothing more will run"
+    if life.get("submission_closes_at"):
+        return f"lifecycle          open until {life['submission_closes_at']} (--submitted-until)"
+    if not life["submission_closed"]:
+        return (
+            "lifecycle          open: jobs may still start"
+            f" (`shardledger plan {s['run_id']} --close` once none will)"
+        )
+    words = {"unverified": "committed, not verified", "unplanned": "announced, not planned"}
+    waiting = ", ".join(
+        f"{count_shards(n)} {words.get(what, what)}" for what, n in life["waiting_on"].items() if n
+    )
+    return f"lifecycle          submission closed, waiting on {waiting}"
 
 
 def _first_pass(console: Any, s: dict[str, Any]) -> None:

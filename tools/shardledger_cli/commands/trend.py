@@ -55,7 +55,8 @@ def register(
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="completion, silent errors and failure tags over recent runs; ruler drift",
-        description="For the most recent runs (oldest first): completion rate (verified /\n"
+        description="For the most recent runs (oldest first): lifecycle (open, closed,\n"
+        "settled: only a settled run's figures are final), completion rate (verified /\n"
         "submitted), silent error rate, failure tags and fingerprint groups.\n\n"
         "Ruler runs (run id starting with --ruler-prefix) re-run a fixed sample set.\n"
         "Each is compared with the ruler run created before it, output by output:\n"
@@ -215,6 +216,9 @@ def _run_row(info: RunInfo, client: LedgerClient, ruler_prefix: str) -> dict[str
         "repairs": s["repairs"],
         "recomputed_rate": s["recomputed_rate"],
         "numeric": s["numeric"],
+        # open, submission_closed or settled: a run's figures are final only once settled.
+        "lifecycle": (s.get("lifecycle") or {}).get("state", "unknown"),
+        "settled_at": (s.get("lifecycle") or {}).get("settled_at"),
     }
 
 
@@ -312,6 +316,7 @@ def print_report(report: dict[str, Any]) -> None:
     for column in (
         "run",
         "created",
+        "lifecycle",
         "submitted",
         "verified",
         "completion",
@@ -320,13 +325,15 @@ def print_report(report: dict[str, Any]) -> None:
         "first-pass silent",
         "reconciled first",
     ):
-        runs.add_column(column, justify="left" if column in ("run", "created") else "right")
+        left = column in ("run", "created", "lifecycle")
+        runs.add_column(column, justify="left" if left else "right")
     runs.add_column("failure tags")
     runs.add_column("fingerprint groups")
     for r in report["runs"]:
         runs.add_row(
             r["run_id"] + (" (ruler)" if r["ruler"] else ""),
             r["created"],
+            r["lifecycle"].replace("submission_closed", "closed"),
             str(r["submitted"]),
             str(r["verified"]),
             _percent(r["completion_rate"]),

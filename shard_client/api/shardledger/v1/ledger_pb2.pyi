@@ -53,7 +53,7 @@ APPEND_OUTCOME_DUPLICATE: AppendOutcome
 APPEND_OUTCOME_ALREADY_PLANNED: AppendOutcome
 
 class ShardEvent(_message.Message):
-    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "sequence", "run_sequence", "receive_time", "row_hash")
+    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "submission_closed", "sequence", "run_sequence", "receive_time", "row_hash")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class ShardEvent(_message.Message):
     ARTIFACT_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_CLOSED_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RUN_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -84,11 +85,12 @@ class ShardEvent(_message.Message):
     artifact_committed: ArtifactCommitted
     verified: ArtifactVerified
     failed: AttemptFailed
+    submission_closed: RunSubmissionClosed
     sequence: int
     run_sequence: int
     receive_time: _timestamp_pb2.Timestamp
     row_hash: bytes
-    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., submission_closed: _Optional[_Union[RunSubmissionClosed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
     __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels")
@@ -243,6 +245,16 @@ class AttemptFailed(_message.Message):
     diagnostics_path: str
     diagnostics_blake3_hex: str
     def __init__(self, tag: _Optional[_Union[FailureTag, str]] = ..., message: _Optional[str] = ..., diagnostics_path: _Optional[str] = ..., diagnostics_blake3_hex: _Optional[str] = ...) -> None: ...
+
+class RunSubmissionClosed(_message.Message):
+    __slots__ = ("reason", "expected_shards", "submitted_until")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    expected_shards: int
+    submitted_until: _timestamp_pb2.Timestamp
+    def __init__(self, reason: _Optional[str] = ..., expected_shards: _Optional[int] = ..., submitted_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AppendEventsRequest(_message.Message):
     __slots__ = ("events",)
