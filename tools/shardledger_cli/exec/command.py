@@ -22,6 +22,7 @@ from shardledger_cli.exec.target import (
     PLACEHOLDERS,
     check_expected,
     resolve_target,
+    substitute,
 )
 
 __all__ = ["register", "run_exec"]
@@ -264,6 +265,9 @@ def _spec(args: argparse.Namespace) -> ExecSpec:
         raise CommandError(str(exc)) from None
     try:
         outputs = prepare_outputs(declared, attempt_id=attempt_id)
+        command = substitute(
+            args.command, run_id=args.run, target=target, attempt_id=attempt_id, outputs=outputs
+        )
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except OSError as exc:
@@ -272,7 +276,7 @@ def _spec(args: argparse.Namespace) -> ExecSpec:
         run_id=args.run,
         target=target,
         attempt_id=attempt_id,
-        command=args.command,
+        command=command,
         outputs=outputs,
         heartbeat_timeout_s=args.heartbeat_timeout,
         heartbeat_interval_s=args.heartbeat_interval or args.heartbeat_timeout / 4,

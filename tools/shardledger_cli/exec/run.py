@@ -33,7 +33,7 @@ from shardledger_cli.exec.outputs import (
     discard_temps,
 )
 from shardledger_cli.exec.supervise import ChildResult, Hang, Liveness, Supervisor
-from shardledger_cli.exec.target import Target, child_env, substitute
+from shardledger_cli.exec.target import Target, child_env
 
 __all__ = [
     "EXIT_COMMIT_FAILED",
@@ -62,7 +62,7 @@ class ExecSpec:
     run_id: str
     target: Target
     attempt_id: str
-    command: Sequence[str]
+    command: Sequence[str]  # placeholders filled (target.substitute)
     outputs: Sequence[DeclaredOutput]  # with temp paths (outputs.prepare_outputs)
     heartbeat_timeout_s: float
     heartbeat_interval_s: float
@@ -197,13 +197,7 @@ def execute(spec: ExecSpec, ledger: Ledger) -> Report:
         heartbeat_interval_s=spec.heartbeat_interval_s,
     )
     progress_file = os.path.join(diagnostics_dir(), f"{spec.attempt_id}.progress")
-    argv = substitute(
-        spec.command,
-        run_id=spec.run_id,
-        target=spec.target,
-        attempt_id=spec.attempt_id,
-        outputs=spec.outputs,
-    )
+    argv = list(spec.command)
     env = child_env(
         os.environ,
         run_id=spec.run_id,
