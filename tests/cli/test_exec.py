@@ -391,3 +391,67 @@ def test_plan_file_and_slurm_array_task_id_pick_the_shard(
     view = night.view(capsys)
     assert view["state"] == "committed"
     assert view["scheduler"]["job_id"] == "4242"
+
+
+def _with_command(argv: list[str], *command: str) -> list[str]:
+    return [*argv[: argv.index("--") + 1], *command]
+
+
+def test_with_liveness_progress_chatter_without_progress_counts_as_a_hang(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An NCCL-style watchdog that keeps printing while the job is stuck.
+    chatter = "while :; do echo 'still waiting for rank 3'; sleep 0.1; done"
+    argv = _with_command(
+        night.argv("--liveness", "progress", "--hang-timeout", "1", "--kill-grace", "0.5"),
+        *("bash", "-c", chatter),
+    )
+    proc = subprocess.run(argv, env=night.env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 124, proc.stderr
+    assert "no progress report for" in json.loads(proc.stdout.splitlines()[-1])["message"]
+    assert_failed(night, capsys, "timeout")
+
+
+def test_a_progress_file_feeds_heartbeats_and_keeps_the_watchdog_quiet(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Silent on stdout and stderr; progress only through $SHARDLEDGER_PROGRESS_FILE.
+    script = (
+        'for step in 1 2 3 4 5 6; do sleep 0.3; echo "step=$step progress=0.$step loss=0.25"'
+        ' > "$SHARDLEDGER_PROGRESS_FILE.tmp"; mv "$SHARDLEDGER_PROGRESS_FILE.tmp"'
+        ' "$SHARDLEDGER_PROGRESS_FILE"; done;'
+        ' echo counted > "$SHARDLEDGER_OUTPUT_COUNTS"; echo \'{"ok": true}\' > {tmp:summary}'
+    )
+    argv = _with_command(
+        night.argv("--liveness", "progress", "--hang-timeout", "1"), "bash", "-c", script
+    )
+    proc = subprocess.run(argv, env=night.env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    beats = [e["heartbeat"] for e in night.events(capsys) if "heartbeat" in e]
+    assert {"step": "6", "progress": 0.6, "metrics": {"loss": 0.25}} in beats
+    assert night.view(capsys)["state"] == "committed"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_with_the_ledger_away_exec_spools_and_the_drained_spool_commits(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = night.argv("--unavailable-after", "0.2")
+    argv[argv.index("--server") + 1] = f"127.0.0.1:{_free_port()}"
+    env = night.env() | {"SHARDLEDGER_EXIT_WAIT": "0.5"}
+    proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    # The job ran and committed its outputs; the ledger has not heard of it yet.
+    assert proc.returncode == 0, proc.stderr
+    assert night.final("summary").exists()
+    assert night.view(capsys)["state"] == "planned"
+    spool = str(night.tmp / "spool")
+    code, _, err = run_cli(capsys, "spool", "drain", "--dir", spool, "--server", night.target)
+    assert code == 0, err
+    assert night.view(capsys)["state"] == "committed"

@@ -127,12 +127,20 @@ class ExecAttempt:
         self._thread.start()
 
     def stop_beats(self) -> None:
-        """Stops the heartbeat thread: no beat follows the attempt's end."""
+        """Stops the heartbeat thread and sends the last progress report still pending, once."""
         with self._lock:
-            self._stopped = True
+            stopped, self._stopped = self._stopped, True
+            latest, pending, self._pending = self._latest, self._pending, False
         self._wake.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        if stopped or not pending:
+            return
+        # The child's last report (often its final step) comes before the attempt's end.
+        try:
+            self._emit(heartbeat=self._beat(latest))
+        except (LedgerClientError, RuntimeError) as exc:  # telemetry never stops the job
+            log.warning("heartbeat_not_sent shard=%s error=%s", self.shard_id, exc)
 
     def report(self, progress: Progress) -> None:
         """Notes the child's progress; the beat thread sends it within a second."""

@@ -211,6 +211,13 @@ def register(
         "--no-fingerprint", action="store_true", help="record no environment fingerprint"
     )
     env.add_argument(
+        "--unavailable-after",
+        type=positive_seconds,
+        default=5.0,
+        metavar="S",
+        help="seconds the ledger may be unreachable before events go to the spool (default 5)",
+    )
+    env.add_argument(
         "--spool-dir",
         metavar="DIR",
         default=None,
@@ -328,7 +335,10 @@ def run_exec(args: argparse.Namespace) -> int:
     """Runs the command as one attempt; returns its exit code (see DESCRIPTION)."""
     spec = _spec(args)
     with Ledger(
-        client=client_from(args), namespace=args.namespace, spool_dir=args.spool_dir
+        client=client_from(args),
+        namespace=args.namespace,
+        spool_dir=args.spool_dir,
+        unavailable_after_s=args.unavailable_after,
     ) as ledger:
         report = execute(spec, ledger)
     _print(report, args.json)
