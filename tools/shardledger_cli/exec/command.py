@@ -68,16 +68,19 @@ the ledger (unknown run or shard), 5 local error.
 
 EPILOG: Final = f"""\
 Examples:
+  # the child writes where $SHARDLEDGER_OUTPUT_WEIGHTS / {{tmp:weights}} point
   shardledger exec night-01 s-1f2e --output weights=out/w.bin --output metrics=out/m.json \\
       -- ./render --frame 17 --out {{tmp:weights}} --stats {{tmp:metrics}}
-  shardledger exec night-01 --plan-line "$LINE" --output counts=out/{{shard}}.json \\
-      --hang-timeout 600 -- bash examples/shell_job.sh
-  # in a Slurm array (line N+1 of the plan file for array task N):
+  # a bash job from a plan line, watched for hangs (no output for 10 minutes)
+  shardledger exec night-01 --plan-line "$LINE" --output counts=out/{{shard}}.counts.txt \\
+      --output summary=out/{{shard}}.summary.json --hang-timeout 600 -- bash examples/shell_job.sh
+  # in a Slurm array: line N+1 of the plan file for ${ARRAY_ENV}=N
   shardledger exec night-01 --plan-file plan-lines.jsonl --output frame=out/{{shard}}.png \\
       -- ./render --input {{input}} --frame {{param:frame}} --out {{tmp:frame}}
-  shardledger exec night-01 s-1f2e --output log=out/run.txt --json -- make render   # ${ARRAY_ENV} unused
+  # only progress lines count as signs of life; the outcome as JSON on the last line
+  shardledger exec night-01 s-1f2e --output log=out/run.txt --liveness progress --json -- make render
 
-Output paths may use {{shard}}, {{run}} and {{param:KEY}} too.
+Output paths may use {{shard}}, {{run}} and {{param:KEY}} too. The whole story: docs/exec.md.
 """
 
 

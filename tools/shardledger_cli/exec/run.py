@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -96,14 +97,27 @@ class Report:
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Holds TERM and INT back while outputs are renamed and recorded, so a commit is never cut."""
-    held = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+def _signals_deferred() -> Iterator[list[int]]:
+    """Notes TERM, INT and HUP instead of dying of them while the attempt's end is recorded.
+
+    The child is gone by then; a commit or a failed event cut in half by the
+    signal's default action would leave the attempt to go stale for nothing.
+    (Blocking the signals would not do: a process-directed signal goes to any
+    thread that does not block it, the sender's included.)
+    """
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted  # handlers can be set from the main thread only
+        return
+    deferred = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in deferred}
     try:
-        yield
+        yield noted
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for number in noted:
+            log.warning("signal_deferred signal=%s: the attempt's end was being recorded", number)
 
 
 def _fail(
@@ -140,8 +154,7 @@ def _commit(spec: ExecSpec, attempt: ExecAttempt, result: ChildResult, report: R
         report.exit_code = EXIT_OUTPUTS_REFUSED
         return
     try:
-        with _signals_held():
-            infos = commit_outputs(spec.outputs, attempt.record_commit)
+        infos = commit_outputs(spec.outputs, attempt.record_commit)
     except OSError as exc:
         _fail(attempt, report, FailureTag.UNKNOWN, f"commit failed: {exc}", result.tail)
         report.exit_code = EXIT_COMMIT_FAILED
@@ -240,8 +253,9 @@ def execute(spec: ExecSpec, ledger: Ledger) -> Report:
             _fail(attempt, report, FailureTag.UNKNOWN, text, [])
             report.exit_code = EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE
             return report
-        attempt.stop_beats()
-        _judge(spec, attempt, result, oom_before, report)
+        with _signals_deferred():
+            attempt.stop_beats()
+            _judge(spec, attempt, result, oom_before, report)
         return report
     finally:
         discard_temps(spec.outputs)
