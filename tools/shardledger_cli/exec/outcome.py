@@ -41,7 +41,9 @@ class Verdict:
     message: str
 
 
-def cgroup_oom_kills(proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+def cgroup_oom_kills(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _CGROUP_ROOT
+) -> int | None:
     """Returns the OOM kills counted in this process's memory cgroup, or None when unreadable.
 
     cgroup v2: ``memory.events`` ``oom_kill`` (the subtree's); cgroup v1:
@@ -55,9 +57,9 @@ def cgroup_oom_kills(proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | Non
     for line in lines:
         _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
         if controllers == "":
-            candidates.append(_CGROUP_ROOT / path.lstrip("/") / "memory.events")
+            candidates.append(root / path.lstrip("/") / "memory.events")
         elif "memory" in controllers.split(","):
-            candidates.append(_CGROUP_ROOT / "memory" / path.lstrip("/") / "memory.oom_control")
+            candidates.append(root / "memory" / path.lstrip("/") / "memory.oom_control")
     for events in candidates:
         count = _oom_kill_count(events)
         if count is not None:
