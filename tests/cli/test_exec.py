@@ -272,7 +272,7 @@ def test_sigterm_to_exec_is_forwarded_and_recorded_as_preempted(
     night: Night, capsys: pytest.CaptureFixture[str]
 ) -> None:
     proc = subprocess.Popen(
-        night.argv("--term-grace", "2"),
+        night.argv("--term-grace", "2", "--attempt-id", "a-preempted"),
         env=night.env("term"),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -281,6 +281,13 @@ def test_sigterm_to_exec_is_forwarded_and_recorded_as_preempted(
     )
     try:
         _wait_for_line(proc.stderr, "waiting for SIGTERM")
+        # What `shardledger watch` sends first: a dump of the child's group, not its death.
+        proc.send_signal(signal.SIGUSR1)
+        stack = night.tmp / "diag" / "a-preempted.stack"
+        deadline = time.monotonic() + 30
+        while "sleep 3600" not in (stack.read_text() if stack.exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     finally:
