@@ -462,3 +462,18 @@ def test_with_the_ledger_away_exec_spools_and_the_drained_spool_commits(
     code, _, err = run_cli(capsys, "spool", "drain", "--dir", spool, "--server", night.target)
     assert code == 0, err
     assert night.view(capsys)["state"] == "committed"
+
+
+def test_a_progress_bar_redrawn_with_carriage_returns_is_alive(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tqdm's way: one line redrawn with \r for the whole run, never a newline.
+    script = (
+        'for i in $(seq 1 12); do printf "\\r%3d%%|###" $((i * 8)) >&2; sleep 0.2; done;'
+        " echo counted > {tmp:counts}; echo '{\"ok\": true}' > {tmp:summary}"
+    )
+    argv = _with_command(night.argv("--hang-timeout", "1"), "bash", "-c", script)
+    proc = subprocess.run(argv, env=night.env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "96%|###" in proc.stderr  # passed through as the child wrote it
+    assert night.view(capsys)["state"] == "committed"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ FORWARDED: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT
 TAIL_LINES: Final = 200
 _POLL_S: Final = 0.05
 _MAX_LINE: Final = 64 * 1024
+_LINE_END: Final = re.compile(rb"[\r\n]")
 # How long the wrapper waits for the child's pipes to close once the group is gone.
 _DRAIN_S: Final = 5.0
 Liveness = Literal["output", "progress"]
@@ -179,23 +181,38 @@ class Supervisor:
         return thread
 
     def _read(self, stream: IO[bytes], echo: IO[bytes]) -> None:
-        echoing = True
+        # Chunks, not lines: a progress bar redraws one line with \r for hours, and
+        # each redraw is a sign of life; lines end at \n or \r.
+        echoing, pending = True, b""
+        read = getattr(stream, "read1", stream.read)
         with stream:
-            for raw in iter(lambda: stream.readline(_MAX_LINE), b""):
+            while chunk := read(_MAX_LINE):
                 if echoing:
                     try:
-                        echo.write(raw)
+                        echo.write(chunk)
                         echo.flush()
                     except OSError:  # our own output closed: keep reading, or the child blocks
                         echoing = False
-                line = raw.decode("utf-8", "replace")
-                with self._lock:
-                    self._tail.append(line if line.endswith("\n") else line + "\n")
-                report = parse_progress(line)
-                if report is not None:
-                    self._progressed(report)
-                elif self.liveness == "output":
+                if self.liveness == "output":
                     self.clock.progressed()
+                *lines, pending = _LINE_END.split(pending + chunk)
+                if len(pending) > _MAX_LINE:
+                    lines.append(pending)
+                    pending = b""
+                for raw in lines:
+                    self._line(raw)
+        if pending:
+            self._line(pending)
+
+    def _line(self, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        line = raw.decode("utf-8", "replace")
+        with self._lock:
+            self._tail.append(line + "\n")
+        report = parse_progress(line)
+        if report is not None:
+            self._progressed(report)
 
     def _progressed(self, report: Progress) -> None:
         self.clock.stepped()
