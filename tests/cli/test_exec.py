@@ -477,3 +477,20 @@ def test_a_progress_bar_redrawn_with_carriage_returns_is_alive(
     assert proc.returncode == 0, proc.stderr
     assert "96%|###" in proc.stderr  # passed through as the child wrote it
     assert night.view(capsys)["state"] == "committed"
+
+
+def test_temp_files_of_long_dead_attempts_are_removed_and_young_ones_left(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    night.out.mkdir()
+    old = night.out / f"{atomic.TEMP_PREFIX}deadbeef0000.{night.shard_id}.counts.txt"
+    young = night.out / f"{atomic.TEMP_PREFIX}cafe00000000.{night.shard_id}.counts.txt"
+    for path in (old, young):
+        path.write_text("half of a file")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    code, _, _ = night.exec()
+    assert code == 0
+    # The young one may be a live attempt's on another node sharing the directory.
+    assert night.leftovers() == [young.name]
+    assert night.view(capsys)["state"] == "committed"
