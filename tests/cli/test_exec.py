@@ -494,3 +494,14 @@ def test_temp_files_of_long_dead_attempts_are_removed_and_young_ones_left(
     # The young one may be a live attempt's on another node sharing the directory.
     assert night.leftovers() == [young.name]
     assert night.view(capsys)["state"] == "committed"
+
+
+def test_a_command_that_does_not_exist_exits_127_and_is_recorded_failed(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _with_command(night.argv(), "./no-such-renderer", "--frame", "17")
+    proc = subprocess.run(argv, env=night.env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 127
+    assert "cannot run './no-such-renderer'" in json.loads(proc.stdout.splitlines()[-1])["message"]
+    assert_failed(night, capsys, "unknown")
+    assert_nothing_committed(night)
