@@ -11,8 +11,15 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from shard_client import Ledger
+from shard_client.ids import check_id
 from shard_client.options import ShardOptions
-from shardledger_cli.cli import EXIT_USAGE, CommandError, client_from, positive_seconds
+from shardledger_cli.cli import (
+    EXIT_USAGE,
+    CommandError,
+    at_least,
+    client_from,
+    positive_seconds,
+)
 from shardledger_cli.exec.attempt import read_fingerprint
 from shardledger_cli.exec.outputs import parse_output, prepare_outputs
 from shardledger_cli.exec.progress import MARKER, PROGRESS_FILE_ENV
@@ -135,7 +142,7 @@ def register(
     )
     shard.add_argument(
         "--index",
-        type=int,
+        type=at_least(0),
         metavar="N",
         help=f"the plan file's line (0-based; default ${ARRAY_ENV})",
     )
@@ -250,6 +257,8 @@ def _spec(args: argparse.Namespace) -> ExecSpec:
         )
     attempt_id = args.attempt_id or uuid.uuid4().hex
     try:
+        check_id("RUN", args.run)
+        check_id("--attempt-id", attempt_id)
         target = resolve_target(
             shard=args.shard,
             plan_line=args.plan_line,
