@@ -32,6 +32,7 @@ __all__ = [
     "PathOutsideRoot",
     "Validator",
     "content_check",
+    "content_verdict",
     "load_entry_point_validators",
     "resolve_within_root",
     "verify_artifact",
@@ -100,6 +101,26 @@ def verify_artifact(
     except OSError as exc:
         # Found and then unreadable: an I/O error, or the file was swapped mid-verification.
         return _fail("not_a_file", f"cannot read {str(resolved)!r}: {exc}")
+
+
+def content_verdict(
+    path: Path,
+    *,
+    size: int,
+    suffix: str = "",
+    media_type: str = "",
+    validators: Mapping[str, Validator] | None = None,
+) -> CheckResult:
+    """Returns what verify's content checks say about a file of ``size`` bytes, before any commit.
+
+    The checks `verify_artifact` runs after its size and digest match (zero bytes
+    is "empty", then the checks for ``suffix`` or ``media_type``), for a writer
+    that wants to refuse an output before it reaches its final path
+    (`shardledger exec`). Raises OSError when the file cannot be read.
+    """
+    if size == 0:
+        return _fail("empty", "artifact is zero bytes long")
+    return _check_content(path, suffix=suffix, media_type=media_type, validators=validators or {})
 
 
 def _check_record(path: Path, *, size: int, blake3_hex: str) -> CheckResult | None:

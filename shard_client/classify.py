@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import traceback
 from typing import Final
 
 from shard_client.failures import DataError, Preempted
 from shard_client.vocabulary import FailureTag
 
-__all__ = ["MAX_MESSAGE_CHARS", "describe", "failure_tag"]
+__all__ = ["MAX_MESSAGE_CHARS", "describe", "failure_tag", "failure_tag_of_output"]
 
 MAX_MESSAGE_CHARS: Final = 8000
 
@@ -41,6 +42,33 @@ def failure_tag(exc: BaseException) -> FailureTag:
     if any(isinstance(e, DataError | UnicodeDecodeError | json.JSONDecodeError) for e in chain):
         return FailureTag.DATA
     if any("NCCL" in str(e) or "nccl" in type(e).__name__.lower() for e in chain):
+        return FailureTag.NCCL
+    return FailureTag.UNKNOWN
+
+
+# What a process that is not Python prints when it runs out of memory, or its
+# collective fails: CUDA's and PyTorch's messages, glibc's, C++'s bad_alloc.
+_OOM_TEXT: Final = re.compile(
+    r"out of memory|MemoryError|OutOfMemoryError|std::bad_alloc|Cannot allocate memory"
+    r"|CUBLAS_STATUS_ALLOC_FAILED|oom-kill",
+    re.IGNORECASE,
+)
+_NCCL_TEXT: Final = re.compile(r"\bNCCL\b|ncclInternalError|ncclSystemError|ncclUnhandled")
+_DATA_TEXT: Final = re.compile(r"\b(DataError|UnicodeDecodeError|JSONDecodeError)\b")
+
+
+def failure_tag_of_output(text: str) -> FailureTag:
+    """Returns the failure tag a failed process's last output lines point to: oom, nccl, data or unknown.
+
+    The rules of `failure_tag`, read from text (a child process of `shardledger
+    exec`, in any language, has no exception to look at): a traceback's
+    exception name or the runtime's own message.
+    """
+    if _OOM_TEXT.search(text):
+        return FailureTag.OOM
+    if _DATA_TEXT.search(text):
+        return FailureTag.DATA
+    if _NCCL_TEXT.search(text):
         return FailureTag.NCCL
     return FailureTag.UNKNOWN
 

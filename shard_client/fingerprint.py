@@ -226,9 +226,16 @@ def _torch_fields() -> dict[str, str]:
 
 
 def fingerprint(
-    *, nvml: NvmlSeam | None = None, env: Mapping[str, str] | None = None
+    *,
+    nvml: NvmlSeam | None = None,
+    env: Mapping[str, str] | None = None,
+    with_torch: bool = True,
 ) -> Fingerprint:
-    """Returns the fingerprint of this process's GPU and software environment."""
+    """Returns the fingerprint of this process's GPU and software environment.
+
+    ``with_torch=False`` records ``torch: not-read`` instead of importing torch:
+    `shardledger exec` runs a child whose runtime is not this interpreter's.
+    """
     environ = os.environ if env is None else env
     fields = {
         "schema": SCHEMA_VERSION,
@@ -239,5 +246,5 @@ def fingerprint(
     }
     fields.update({f"env.{name}": environ.get(name, "unset") for name in _RECORDED_ENV})
     fields.update(_gpu_fields(nvml if nvml is not None else PynvmlSeam()))
-    fields.update(_torch_fields())
+    fields.update(_torch_fields() if with_torch else {"torch": "not-read"})
     return Fingerprint.from_fields(fields)

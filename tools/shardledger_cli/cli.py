@@ -51,6 +51,7 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.compare",
     "shardledger_cli.commands.notify",
     "shardledger_cli.commands.db",
+    "shardledger_cli.exec.command",
 )
 
 # Import names of the server extra's packages: the server's (see ledger_server/__init__.py),

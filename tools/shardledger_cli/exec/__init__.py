@@ -1,0 +1,1 @@
+"""`shardledger exec`: any process as one attempt at a shard (docs/exec.md)."""
