@@ -80,6 +80,11 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             fingerprint_digest=s.fingerprint_digest,
             scheduler=_scheduler_dict(s.scheduler) if s.HasField("scheduler") else {},
             process_start_ticks=s.process_start_ticks,
+            rank=s.rank,
+            world_size=s.world_size,
+            local_rank=s.local_rank,
+            launch_id=s.launch_id,
+            restart_count=s.restart_count,
         )
     if case == "heartbeat":
         h = msg.heartbeat
@@ -91,11 +96,18 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             progress=h.progress,
             metrics={k: metrics[k] for k in metrics},
             nonfinite_metrics=tuple(h.nonfinite_metrics),
+            rank=h.rank,
+            rank_finished=h.rank_finished,
         )
     if case == "checkpoint":
         c = msg.checkpoint
         return CheckpointSaved(
-            step=c.step, path=c.path, size_bytes=c.size_bytes, blake3_hex=c.blake3_hex
+            step=c.step,
+            path=c.path,
+            size_bytes=c.size_bytes,
+            blake3_hex=c.blake3_hex,
+            rank=c.rank,
+            world_size=c.world_size,
         )
     if case == "artifact_committed":
         a = msg.artifact_committed
@@ -105,6 +117,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             size_bytes=a.size_bytes,
             blake3_hex=a.blake3_hex,
             media_type=a.media_type,
+            rank=a.rank,
         )
     if case == "verified":
         v = msg.verified
@@ -128,6 +141,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             message=f.message,
             diagnostics_path=f.diagnostics_path,
             diagnostics_blake3_hex=f.diagnostics_blake3_hex,
+            rank=f.rank,
         )
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
@@ -187,6 +201,11 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 fingerprint_digest=p.fingerprint_digest,
                 scheduler=pb.SchedulerIdentity(**p.scheduler) if p.scheduler else None,
                 process_start_ticks=p.process_start_ticks,
+                rank=p.rank,
+                world_size=p.world_size,
+                local_rank=p.local_rank,
+                launch_id=p.launch_id,
+                restart_count=p.restart_count,
             )
         )
     elif isinstance(p, Heartbeat):
@@ -196,12 +215,19 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 progress=p.progress,
                 metrics=p.metrics,
                 nonfinite_metrics=p.nonfinite_metrics,
+                rank=p.rank,
+                rank_finished=p.rank_finished,
             )
         )
     elif isinstance(p, CheckpointSaved):
         out.checkpoint.CopyFrom(
             pb.CheckpointSaved(
-                step=p.step, path=p.path, size_bytes=p.size_bytes, blake3_hex=p.blake3_hex
+                step=p.step,
+                path=p.path,
+                size_bytes=p.size_bytes,
+                blake3_hex=p.blake3_hex,
+                rank=p.rank,
+                world_size=p.world_size,
             )
         )
     elif isinstance(p, ArtifactCommitted):
@@ -212,6 +238,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 size_bytes=p.size_bytes,
                 blake3_hex=p.blake3_hex,
                 media_type=p.media_type,
+                rank=p.rank,
             )
         )
     elif isinstance(p, ArtifactVerified):
@@ -232,6 +259,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 message=p.message,
                 diagnostics_path=p.diagnostics_path,
                 diagnostics_blake3_hex=p.diagnostics_blake3_hex,
+                rank=p.rank,
             )
         )
     return out

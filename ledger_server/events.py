@@ -53,6 +53,12 @@ class AttemptStarted:
     # namespace; only the set ones) and the process start time in clock ticks since boot.
     scheduler: dict[str, str] = field(default_factory=dict)
     process_start_ticks: int = 0
+    # A multi-rank attempt (world_size > 1): each rank of one launch starts it once.
+    rank: int = 0
+    world_size: int = 0
+    local_rank: int = 0
+    launch_id: str = ""
+    restart_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,9 @@ class Heartbeat:
     metrics: dict[str, float]
     # Metrics that were NaN or infinite at this step, by name (left out of metrics).
     nonfinite_metrics: tuple[str, ...] = ()
+    rank: int = 0
+    # The rank left its block cleanly; its silence from now on is no hang.
+    rank_finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +85,9 @@ class CheckpointSaved:
     path: str
     size_bytes: int
     blake3_hex: str
+    # A sharded checkpoint: this file is the part of `rank`, one of `world_size` parts.
+    rank: int = 0
+    world_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +100,7 @@ class ArtifactCommitted:
     size_bytes: int
     blake3_hex: str
     media_type: str
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +125,7 @@ class AttemptFailed:
     message: str
     diagnostics_path: str = ""
     diagnostics_blake3_hex: str = ""
+    rank: int = 0
 
 
 Payload = (
@@ -140,9 +154,19 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 # Fields added after the first contract version: left out of the canonical JSON when
 # unset (empty or zero), so older rows and events keep their bytes.
 _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
-    AttemptStarted: ("scheduler", "process_start_ticks"),
-    Heartbeat: ("nonfinite_metrics",),
-    AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
+    AttemptStarted: (
+        "scheduler",
+        "process_start_ticks",
+        "rank",
+        "world_size",
+        "local_rank",
+        "launch_id",
+        "restart_count",
+    ),
+    Heartbeat: ("nonfinite_metrics", "rank", "rank_finished"),
+    CheckpointSaved: ("rank", "world_size"),
+    ArtifactCommitted: ("rank",),
+    AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex", "rank"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()
