@@ -321,9 +321,12 @@ def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
     latest = record.attempts.get(record.latest_attempt)
     if latest is None:
         return ShardState.PLANNED, ""
-    if not latest.failed_tag and not is_complete(record, latest):
-        if not ranks.all_finished(latest):
-            return ShardState.RUNNING, ""
+    if (
+        not latest.failed_tag
+        and not is_complete(record, latest)
+        and not ranks.all_finished(latest)  # every rank gone with an output missing
+    ):
+        return ShardState.RUNNING, ""
     complete = [a for a in record.attempts.values() if is_complete(record, a)]
     complete.sort(key=lambda a: -a.started_seq)
     intact = [a for a in complete if is_intact(record, a)]

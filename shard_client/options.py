@@ -14,6 +14,8 @@ from typing import Any, Final, TypedDict, Unpack, overload
 
 from shard_client.fingerprint import Fingerprint
 from shard_client.ids import check_id
+from shard_client.ranks import RANK_PLACEHOLDER, RankInfo
+from shard_client.ranks import detect as detect_ranks
 from shard_client.watchdog import DEFAULT_HANG_GRACE_S, DEFAULT_KILL_GRACE_S, HangPolicy
 
 __all__ = [
@@ -71,6 +73,7 @@ class ShardOptionKwargs(TypedDict, total=False):
     hang_grace: float | None
     kill_grace: float | None
     log_file: str | os.PathLike[str] | None
+    ranks: RankInfo | bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,8 @@ class ShardOptions:
     hang_grace: float | None = None
     kill_grace: float | None = None
     log_file: str | None = None
+    # True: the rank torchrun set ($RANK, $WORLD_SIZE, ...), if any; False: one process.
+    ranks: RankInfo | bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
@@ -104,7 +109,7 @@ class ShardOptions:
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 (or None)")
         for name in self.expected_outputs or ():
-            check_id("expected output", name)
+            check_id("expected output", name.replace(RANK_PLACEHOLDER, "0"))
 
     @classmethod
     def given(cls, **options: Unpack[ShardOptionKwargs]) -> ShardOptions:
@@ -116,6 +121,14 @@ class ShardOptions:
             if values.get(key) is not None:
                 values[key] = os.fspath(values[key])
         return cls(**values)
+
+    def rank_info(self) -> RankInfo | None:
+        """Returns this process's rank in a multi-rank launch, None for a one-process shard."""
+        if isinstance(self.ranks, RankInfo):
+            info: RankInfo | None = self.ranks
+        else:
+            info = detect_ranks() if self.ranks else None
+        return info if info is not None and info.multi else None
 
     @property
     def interval(self) -> float:

@@ -38,6 +38,7 @@ PUBLIC_API = [
     "PermissionDenied",
     "PlanEntry",
     "Preempted",
+    "RankInfo",
     "Sender",
     "Shard",
     "atomic_write",
