@@ -129,6 +129,10 @@ def join_rank(attempt: Attempt, p: AttemptStarted, now_us: int) -> None:
         scheduler=dict(p.scheduler),
     )
     attempt.last_seen_us = max(attempt.last_seen_us, now_us)
+    if p.rank == 0:
+        # The attempt's own host and pid are rank 0's, whichever rank started first.
+        attempt.host, attempt.pid = p.host, p.pid
+        attempt.process_start_ticks, attempt.scheduler = p.process_start_ticks, dict(p.scheduler)
 
 
 def fold_rank_event(attempt: Attempt, payload: Payload, now_us: int) -> None:
