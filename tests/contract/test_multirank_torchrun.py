@@ -107,7 +107,9 @@ class _Ddp:
         return proc.returncode, output
 
     def view(self) -> dict[str, Any]:
-        views = [json.loads(v.view_json) for v in self.client.shards(self.run_id)]
+        views: list[dict[str, Any]] = [
+            json.loads(v.view_json) for v in self.client.shards(self.run_id)
+        ]
         assert [v["shard_id"] for v in views] == [SHARD]
         return views[0]
 
