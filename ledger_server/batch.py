@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
 from ledger_server import projections as proj
+from ledger_server import ranks
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
 from ledger_server.errors import EventIdReused, EventRejected, LedgerError, RunNotFound
 from ledger_server.events import (
@@ -51,6 +52,19 @@ RECORD_CACHE_SIZE: Final = 50_000
 APPENDED: Final = "appended"
 DUPLICATE: Final = "duplicate"
 ALREADY_PLANNED: Final = "already_planned"
+
+
+def _plain_latest_beat(record: ShardRecord, event: Event) -> bool:
+    """Returns whether the event is a heartbeat that only moves the beat columns.
+
+    A heartbeat of the latest attempt moves its last_seen_us and last_step alone, so
+    the writer touches two columns. A rank of a multi-rank attempt keeps its own
+    liveness inside the record, so its heartbeats rewrite the record.
+    """
+    if not isinstance(event.payload, Heartbeat) or event.attempt_id != record.latest_attempt:
+        return False
+    latest = record.attempts.get(event.attempt_id)
+    return latest is None or not ranks.is_ranked(latest)
 
 
 class AppendResult(NamedTuple):
@@ -323,11 +337,10 @@ class BatchFolder:
             state.full.add(shard_key)
         else:
             flagged = isinstance(payload, Heartbeat) and bool(payload.nonfinite_metrics)
+            flagged = flagged or ranks.changes_state(payload)  # a rank finished: may end it
             if flagged or not isinstance(payload, _COUNTER_NEUTRAL):
                 state.before.setdefault(shard_key, contributions(record))
-            if flagged or not (
-                isinstance(payload, Heartbeat) and event.attempt_id == record.latest_attempt
-            ):
+            if flagged or not _plain_latest_beat(record, event):
                 state.full.add(shard_key)
         # Only these kinds read or close the first pass; heartbeats, most of a night's
         # events, and checkpoints skip the lookup.

@@ -87,6 +87,11 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             scheduler=_scheduler_dict(s.scheduler) if s.HasField("scheduler") else {},
             process_start_ticks=s.process_start_ticks,
             labels=dict(sorted(s.labels.items())),
+            rank=s.rank,
+            world_size=s.world_size,
+            local_rank=s.local_rank,
+            launch_id=s.launch_id,
+            restart_count=s.restart_count,
         )
     if case == "heartbeat":
         h = msg.heartbeat
@@ -98,6 +103,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             progress=h.progress,
             metrics={k: metrics[k] for k in metrics},
             nonfinite_metrics=tuple(h.nonfinite_metrics),
+            rank=h.rank,
+            rank_finished=h.rank_finished,
         )
     if case == "checkpoint":
         c = msg.checkpoint
@@ -107,6 +114,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             size_bytes=c.size_bytes,
             blake3_hex=c.blake3_hex,
             write_us=_duration_us(c.write_duration),
+            rank=c.rank,
+            world_size=c.world_size,
         )
     if case == "artifact_committed":
         a = msg.artifact_committed
@@ -116,6 +125,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             size_bytes=a.size_bytes,
             blake3_hex=a.blake3_hex,
             media_type=a.media_type,
+            rank=a.rank,
         )
     if case == "verified":
         v = msg.verified
@@ -139,6 +149,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             message=f.message,
             diagnostics_path=f.diagnostics_path,
             diagnostics_blake3_hex=f.diagnostics_blake3_hex,
+            rank=f.rank,
         )
     if case == "submission_closed":
         close = msg.submission_closed
@@ -206,6 +217,11 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 scheduler=pb.SchedulerIdentity(**p.scheduler) if p.scheduler else None,
                 process_start_ticks=p.process_start_ticks,
                 labels=p.labels,
+                rank=p.rank,
+                world_size=p.world_size,
+                local_rank=p.local_rank,
+                launch_id=p.launch_id,
+                restart_count=p.restart_count,
             )
         )
     elif isinstance(p, Heartbeat):
@@ -215,6 +231,8 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 progress=p.progress,
                 metrics=p.metrics,
                 nonfinite_metrics=p.nonfinite_metrics,
+                rank=p.rank,
+                rank_finished=p.rank_finished,
             )
         )
     elif isinstance(p, CheckpointSaved):
@@ -225,6 +243,8 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 size_bytes=p.size_bytes,
                 blake3_hex=p.blake3_hex,
                 write_duration=_us_duration(p.write_us) if p.write_us else None,
+                rank=p.rank,
+                world_size=p.world_size,
             )
         )
     elif isinstance(p, ArtifactCommitted):
@@ -235,6 +255,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 size_bytes=p.size_bytes,
                 blake3_hex=p.blake3_hex,
                 media_type=p.media_type,
+                rank=p.rank,
             )
         )
     elif isinstance(p, ArtifactVerified):
@@ -255,6 +276,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 message=p.message,
                 diagnostics_path=p.diagnostics_path,
                 diagnostics_blake3_hex=p.diagnostics_blake3_hex,
+                rank=p.rank,
             )
         )
     elif isinstance(p, SubmissionClosed):

@@ -58,6 +58,12 @@ class AttemptStarted:
     process_start_ticks: int = 0
     # Where the attempt ran (provider, pool, region, image, ...), for `report --by`.
     labels: dict[str, str] = field(default_factory=dict)
+    # A multi-rank attempt (world_size > 1): each rank of one launch starts it once.
+    rank: int = 0
+    world_size: int = 0
+    local_rank: int = 0
+    launch_id: str = ""
+    restart_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,9 @@ class Heartbeat:
     metrics: dict[str, float]
     # Metrics that were NaN or infinite at this step, by name (left out of metrics).
     nonfinite_metrics: tuple[str, ...] = ()
+    rank: int = 0
+    # The rank left its block cleanly; its silence from now on is no hang.
+    rank_finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,9 @@ class CheckpointSaved:
     blake3_hex: str
     # How long the atomic write took, in microseconds (0: not measured).
     write_us: int = 0
+    # A sharded checkpoint: this file is the part of `rank`, one of `world_size` parts.
+    rank: int = 0
+    world_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +107,7 @@ class ArtifactCommitted:
     size_bytes: int
     blake3_hex: str
     media_type: str
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +132,7 @@ class AttemptFailed:
     message: str
     diagnostics_path: str = ""
     diagnostics_blake3_hex: str = ""
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +176,20 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 # unset (empty or zero), so older rows and events keep their bytes.
 _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     ShardPlanned: ("labels",),
-    AttemptStarted: ("scheduler", "process_start_ticks", "labels"),
-    Heartbeat: ("nonfinite_metrics",),
-    CheckpointSaved: ("write_us",),
-    AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
+    AttemptStarted: (
+        "scheduler",
+        "process_start_ticks",
+        "labels",
+        "rank",
+        "world_size",
+        "local_rank",
+        "launch_id",
+        "restart_count",
+    ),
+    Heartbeat: ("nonfinite_metrics", "rank", "rank_finished"),
+    CheckpointSaved: ("write_us", "rank", "world_size"),
+    ArtifactCommitted: ("rank",),
+    AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex", "rank"),
     SubmissionClosed: ("reason", "expected_shards", "submitted_until_us"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from ledger_server import ranks
 from ledger_server.errors import LifecycleViolation, PlanConflict
 from ledger_server.events import (
     ArtifactCommitted,
@@ -94,12 +95,7 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
     attempt = record.attempts.get(event.attempt_id)
     if isinstance(p, AttemptStarted):
         if attempt is not None:
-            raise LifecycleViolation(
-                f"attempt {event.attempt_id} already started",
-                reason="ATTEMPT_ALREADY_STARTED",
-                attempt_id=event.attempt_id,
-                existing_sequence=attempt.started_seq,
-            )
+            ranks.check_join(attempt, event, p)  # another rank of the attempt, or refused
         return
     if isinstance(p, ArtifactVerified):
         if not _was_committed(record, event.attempt_id, p):
@@ -122,6 +118,7 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
             reason="ATTEMPT_ENDED",
             attempt_id=event.attempt_id,
         )
+    ranks.check_rank(attempt, event)
 
 
 def _was_committed(record: ShardRecord, attempt_id: str, p: ArtifactVerified) -> bool:
@@ -162,10 +159,15 @@ def new_record(rec: RecordedEvent) -> ShardRecord:
 def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -> None:
     """Folds one accepted, non-plan event into the shard's record."""
     event, p, now = rec.event, rec.event.payload, rec.receive_time_us
-    if not isinstance(p, (Heartbeat, CheckpointSaved)):
+    if not isinstance(p, (Heartbeat, CheckpointSaved)) or ranks.changes_state(p):
         record.state_memo = None  # only these two never change the base state
     if isinstance(p, AttemptStarted):
-        record.attempts[event.attempt_id] = Attempt(
+        joined = record.attempts.get(event.attempt_id)
+        if joined is not None:
+            # Another rank of a multi-rank attempt: the attempt stays what it is.
+            ranks.join_rank(joined, p, now)
+            return
+        attempt = record.attempts[event.attempt_id] = Attempt(
             attempt_id=event.attempt_id,
             started_seq=rec.sequence,
             host=p.host,
@@ -178,6 +180,7 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
             scheduler=dict(p.scheduler),
             process_start_ticks=p.process_start_ticks,
         )
+        ranks.open_ranks(attempt, p, now)
         record.latest_attempt = event.attempt_id
         return
     if isinstance(p, ArtifactVerified):
@@ -185,18 +188,23 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         return
     if isinstance(p, Heartbeat):
         fold_beat(record, event.attempt_id, now, p.step)
+        if ranks.is_ranked(record.attempts[event.attempt_id]):
+            ranks.fold_rank_event(record.attempts[event.attempt_id], p, now)
         if p.nonfinite_metrics:
             fold_numeric(record.attempts[event.attempt_id], p.step, p.nonfinite_metrics)
         return
     attempt = record.attempts[event.attempt_id]
     attempt.last_seen_us = max(attempt.last_seen_us, now)
+    if ranks.is_ranked(attempt):
+        ranks.fold_rank_event(attempt, p, now)
     # Checkpoints, like heartbeats, never change the summary counters, so only the
     # events that do can mark an attempt late.
     if not isinstance(p, CheckpointSaved) and _arrived_late(rec, attempt.timeout_us):
         attempt.late = True
     if isinstance(p, CheckpointSaved):
-        attempt.last_step = max(attempt.last_step, p.step)
-        attempt.last_checkpoint = p.path
+        if ranks.fold_checkpoint_part(attempt, p):  # a sharded one counts once whole
+            attempt.last_step = max(attempt.last_step, p.step)
+            attempt.last_checkpoint = p.path
     elif isinstance(p, ArtifactCommitted):
         if p.path in record.path_heads or any(
             held[0] == p.path and held[2] != p.blake3_hex
@@ -263,12 +271,15 @@ def fold_beat(record: ShardRecord, attempt_id: str, now_us: int, step: int) -> N
 # --- derived views ----------------------------------------------------------
 
 
-def required_outputs(record: ShardRecord) -> tuple[str, ...]:
-    return record.expected_outputs
+def required_outputs(record: ShardRecord, attempt: Attempt | None = None) -> tuple[str, ...]:
+    """Returns the plan's expected outputs; for an attempt, each ``{rank}`` name once per rank."""
+    if attempt is None:
+        return record.expected_outputs
+    return ranks.expand_outputs(record.expected_outputs, attempt.world_size)
 
 
 def is_complete(record: ShardRecord, attempt: Attempt) -> bool:
-    required = required_outputs(record)
+    required = required_outputs(record, attempt)
     if required:
         return all(name in attempt.artifacts for name in required)
     return bool(attempt.artifacts)
@@ -283,7 +294,7 @@ def is_intact(record: ShardRecord, attempt: Attempt) -> bool:
 
 
 def verdicts_of(record: ShardRecord, attempt: Attempt) -> list[tuple[str, str] | None]:
-    names = required_outputs(record) or tuple(sorted(attempt.artifacts))
+    names = required_outputs(record, attempt) or tuple(sorted(attempt.artifacts))
     return [attempt.verdicts.get(name) for name in names]
 
 
@@ -310,7 +321,11 @@ def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
     latest = record.attempts.get(record.latest_attempt)
     if latest is None:
         return ShardState.PLANNED, ""
-    if not latest.failed_tag and not is_complete(record, latest):
+    if (
+        not latest.failed_tag
+        and not is_complete(record, latest)
+        and not ranks.all_finished(latest)  # every rank gone with an output missing
+    ):
         return ShardState.RUNNING, ""
     complete = [a for a in record.attempts.values() if is_complete(record, a)]
     complete.sort(key=lambda a: -a.started_seq)
@@ -327,7 +342,8 @@ def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
         # A finished set whose file another commit replaced (two attempts renaming onto
         # one path): what it vouched for is no longer on disk.
         return ShardState.VERIFY_FAILED, "overwritten"
-    return ShardState.FAILED, latest.failed_tag
+    # Every rank of the latest attempt finished cleanly, an expected output still missing.
+    return ShardState.FAILED, latest.failed_tag or "incomplete"
 
 
 def deadline_us(record: ShardRecord) -> int | None:
@@ -335,6 +351,8 @@ def deadline_us(record: ShardRecord) -> int | None:
     if base_state(record)[0] != ShardState.RUNNING:
         return None
     latest = record.attempts[record.latest_attempt]
+    if ranks.is_ranked(latest):
+        return ranks.deadline_us(latest)  # the first rank to fall silent makes it stale
     return latest.last_seen_us + latest.timeout_us
 
 

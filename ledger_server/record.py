@@ -19,7 +19,46 @@ from shard_client.canonical import canonical_json
 # 2: verdicts belong to one attempt's commit (were keyed by path and digest for the
 # whole shard), attempts know whether they ran in the run's first pass, numeric
 # pollution and late spooled events are recorded.
-RECORD_VERSION: Final = 2
+# 3: attempts of several ranks (torchrun/DDP) keep each rank's liveness, and sharded
+# checkpoints count only once every part is saved.
+RECORD_VERSION: Final = 3
+
+
+@dataclass(slots=True)
+class Rank:
+    """One rank (process) of a multi-rank attempt, as far as its own events tell."""
+
+    host: str
+    pid: int
+    local_rank: int
+    timeout_us: int
+    last_seen_us: int
+    last_step: int = -1
+    process_start_ticks: int = 0
+    scheduler: dict[str, str] = field(default_factory=dict)
+    # The rank left its block cleanly (its silence is no hang), or failed with this tag.
+    finished: bool = False
+    failed_tag: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns the rank as stored (defaults left out)."""
+        out: dict[str, Any] = {
+            "host": self.host,
+            "pid": self.pid,
+            "local_rank": self.local_rank,
+            "timeout_us": self.timeout_us,
+            "last_seen_us": self.last_seen_us,
+            "last_step": self.last_step,
+        }
+        if self.process_start_ticks:
+            out["process_start_ticks"] = self.process_start_ticks
+        if self.scheduler:
+            out["scheduler"] = self.scheduler
+        if self.finished:
+            out["finished"] = True
+        if self.failed_tag:
+            out["failed_tag"] = self.failed_tag
+        return out
 
 
 @dataclass(slots=True)
@@ -59,6 +98,14 @@ class Attempt:
     # time of its process, so a watchdog can stop it there and never signal a reused pid.
     scheduler: dict[str, str] = field(default_factory=dict)
     process_start_ticks: int = 0
+    # A multi-rank attempt (world_size > 1): its launch, when it started (server clock),
+    # each rank that started it, and the parts of sharded checkpoints saved per step.
+    world_size: int = 0
+    launch_id: str = ""
+    restart_count: int = 0
+    started_us: int = 0
+    ranks: dict[int, Rank] = field(default_factory=dict)
+    checkpoint_parts: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -176,6 +223,14 @@ def _attempt_json(a: Attempt) -> dict[str, Any]:
         out["scheduler"] = a.scheduler
     if a.process_start_ticks:
         out["process_start_ticks"] = a.process_start_ticks
+    if a.world_size > 1:
+        out["world_size"] = a.world_size
+        out["launch_id"] = a.launch_id
+        out["restart_count"] = a.restart_count
+        out["started_us"] = a.started_us
+        out["ranks"] = {str(r): rank.to_json() for r, rank in sorted(a.ranks.items())}
+    if a.checkpoint_parts:
+        out["checkpoint_parts"] = {str(s): parts for s, parts in a.checkpoint_parts.items()}
     return out
 
 
@@ -183,6 +238,8 @@ def _attempt_from(a: dict[str, Any]) -> Attempt:
     a = dict(a)
     a["artifacts"] = {n: (v[0], v[1], v[2]) for n, v in a["artifacts"].items()}
     a["verdicts"] = {n: (v[0], v[1]) for n, v in a.get("verdicts", {}).items()}
+    a["ranks"] = {int(r): Rank(**v) for r, v in a.get("ranks", {}).items()}
+    a["checkpoint_parts"] = {int(s): v for s, v in a.get("checkpoint_parts", {}).items()}
     return Attempt(**a)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from ledger_server import ranks
 from ledger_server.events import SubmissionClosed
 from ledger_server.projections import (
     base_state,
@@ -54,10 +55,12 @@ def _seen_in_first_pass(record: ShardRecord, attempt: Attempt) -> bool:
     """
     if not is_complete(record, attempt):
         return False
-    names = required_outputs(record) or tuple(attempt.artifacts)
+    names = required_outputs(record, attempt) or tuple(attempt.artifacts)
     late = attempt.after_pass
     return not late or (
-        all(n not in late for n in names) if required_outputs(record) else len(late) < len(names)
+        all(n not in late for n in names)
+        if required_outputs(record, attempt)
+        else len(late) < len(names)
     )
 
 
@@ -394,4 +397,19 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
         "failures": list(record.failures),
         "numeric": numeric_warning(latest),
         "first_pass": first_pass_outcome(record),
+        **_ranks_view(latest, now_us),
+    }
+
+
+def _ranks_view(latest: Attempt | None, now_us: int) -> dict[str, Any]:
+    """Returns the latest attempt's ranks for the view, only for a multi-rank attempt."""
+    if latest is None or not ranks.is_ranked(latest):
+        return {}
+    rows = ranks.ranks_view(latest, now_us)
+    return {
+        "world_size": latest.world_size,
+        "launch_id": latest.launch_id,
+        "restart_count": latest.restart_count,
+        "ranks_alive": sum(1 for r in rows if r["alive"]),
+        "ranks": rows,
     }

@@ -28,6 +28,7 @@ from ledger_server.events import (
     SubmissionClosed,
     payload_dict,
 )
+from ledger_server.ranks import RANK_PLACEHOLDER
 from shard_client.canonical import canonical_json
 from shard_client.labels import label_problem
 from shard_client.vocabulary import FAILURE_TAGS, SCHEDULER_FIELDS
@@ -40,6 +41,7 @@ MAX_EXPECTED_OUTPUTS: Final = 256
 MAX_MAP_ENTRIES: Final = 256
 MAX_PAYLOAD_BYTES: Final = 64 * 1024
 MAX_HEARTBEAT_TIMEOUT_US: Final = 7 * 24 * 3600 * 1_000_000
+MAX_WORLD_SIZE: Final = 65_536
 
 # The last microsecond a protobuf Timestamp may hold: 9999-12-31T23:59:59.999999Z.
 MAX_TIMESTAMP_US: Final = 253_402_300_799_999_999
@@ -132,7 +134,7 @@ def normalize_plan(p: ShardPlanned) -> ShardPlanned:
     if len(p.expected_outputs) > MAX_EXPECTED_OUTPUTS:
         raise InvalidEvent("planned.expected_outputs", f"more than {MAX_EXPECTED_OUTPUTS} names")
     for name in p.expected_outputs:
-        check_id("planned.expected_outputs", name)
+        check_id("planned.expected_outputs", name.replace(RANK_PLACEHOLDER, "0"))
     if len(set(p.expected_outputs)) != len(p.expected_outputs):
         raise InvalidEvent("planned.expected_outputs", "names must be unique")
     _check_text("planned.plan_line", p.plan_line, MAX_PAYLOAD_BYTES)
@@ -196,6 +198,7 @@ def _check_payload(event: Event) -> Payload:
             raise InvalidEvent("started.scheduler.kind", "must name the scheduler")
         _check_size("started.process_start_ticks", p.process_start_ticks)
         _check_labels("started.labels", p.labels)
+        _check_ranks(p)
     elif isinstance(p, Heartbeat):
         _check_size("heartbeat.step", p.step)
         if not (math.isfinite(p.progress) and 0.0 <= p.progress <= 1.0):
@@ -213,18 +216,25 @@ def _check_payload(event: Event) -> Payload:
             raise InvalidEvent("heartbeat.nonfinite_metrics", f"more than {MAX_MAP_ENTRIES}")
         for metric in p.nonfinite_metrics:
             _check_text("heartbeat.nonfinite_metrics", metric, 256, required=True)
+        _check_rank("heartbeat.rank", p.rank)
     elif isinstance(p, CheckpointSaved):
         _check_size("checkpoint.step", p.step)
         _check_text("checkpoint.path", p.path, MAX_PATH_CHARS, required=True)
         _check_size("checkpoint.size_bytes", p.size_bytes)
         check_digest("checkpoint.blake3_hex", p.blake3_hex)
         _check_size("checkpoint.write_duration", p.write_us)
+        _check_rank("checkpoint.rank", p.rank)
+        if not 0 <= p.world_size <= MAX_WORLD_SIZE:
+            raise InvalidEvent("checkpoint.world_size", f"must be in [0, {MAX_WORLD_SIZE}]")
+        if p.rank and p.rank >= p.world_size:
+            raise InvalidEvent("checkpoint.rank", "must be < checkpoint.world_size")
     elif isinstance(p, ArtifactCommitted):
         check_id("artifact_committed.name", p.name)
         _check_text("artifact_committed.path", p.path, MAX_PATH_CHARS, required=True)
         _check_size("artifact_committed.size_bytes", p.size_bytes)
         check_digest("artifact_committed.blake3_hex", p.blake3_hex)
         _check_text("artifact_committed.media_type", p.media_type, 255)
+        _check_rank("artifact_committed.rank", p.rank)
     elif isinstance(p, ArtifactVerified):
         check_id("verified.name", p.name)
         _check_text("verified.path", p.path, MAX_PATH_CHARS, required=True)
@@ -245,7 +255,26 @@ def _check_payload(event: Event) -> Payload:
         )
         if p.diagnostics_blake3_hex and not p.diagnostics_path:
             raise InvalidEvent("failed.diagnostics_path", "must be set with its digest")
+        _check_rank("failed.rank", p.rank)
     return p
+
+
+def _check_rank(field_name: str, rank: int) -> None:
+    # Whether the rank belongs to its attempt is the life cycle's question (projections).
+    if not 0 <= rank < MAX_WORLD_SIZE:
+        raise InvalidEvent(field_name, f"must be in [0, {MAX_WORLD_SIZE})")
+
+
+def _check_ranks(p: AttemptStarted) -> None:
+    """Raises InvalidEvent unless the started event's rank fields describe one rank of a launch."""
+    if not 0 <= p.world_size <= MAX_WORLD_SIZE:
+        raise InvalidEvent("started.world_size", f"must be in [0, {MAX_WORLD_SIZE}]")
+    if not 0 <= p.rank < max(p.world_size, 1):
+        raise InvalidEvent("started.rank", "must be in [0, started.world_size)")
+    if not 0 <= p.local_rank < max(p.world_size, 1):
+        raise InvalidEvent("started.local_rank", "must be in [0, started.world_size)")
+    _check_text("started.launch_id", p.launch_id, 255)
+    _check_size("started.restart_count", p.restart_count)
 
 
 def validate(event: Event) -> ValidEvent:

@@ -34,6 +34,7 @@ from shard_client.failures import DataError, IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
 from shard_client.ledger import Ledger
+from shard_client.ranks import RankInfo
 from shard_client.sender import Sender
 from shard_client.shard import Shard
 from shard_client.spooldir import drain_spool_dirs
@@ -58,6 +59,7 @@ __all__ = [
     "PermissionDenied",
     "PlanEntry",
     "Preempted",
+    "RankInfo",
     "Sender",
     "Shard",
     "atomic_write",

@@ -29,7 +29,12 @@ from shard_client.checkpoint import (
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerClientError
 
-__all__ = ["RecordedCheckpoint", "load_recorded_checkpoint", "recorded_checkpoints"]
+__all__ = [
+    "RecordedCheckpoint",
+    "complete_parts",
+    "load_recorded_checkpoint",
+    "recorded_checkpoints",
+]
 
 log = logging.getLogger("shard_client")
 
@@ -43,6 +48,9 @@ class RecordedCheckpoint:
     blake3_hex: str
     attempt_id: str
     sequence: int
+    # A part of a sharded checkpoint: the rank's, one of world_size (0: a whole file).
+    rank: int = 0
+    world_size: int = 0
 
 
 def recorded_checkpoints(
@@ -56,11 +64,37 @@ def recorded_checkpoints(
             blake3_hex=e.checkpoint.blake3_hex,
             attempt_id=e.attempt_id,
             sequence=e.sequence,
+            rank=e.checkpoint.rank,
+            world_size=e.checkpoint.world_size,
         )
         for e in client.list_events(run_id, namespace=namespace)
         if e.shard_id == shard_id and e.WhichOneof("payload") == "checkpoint"
     ]
     return sorted(found, key=lambda c: (c.step, c.sequence), reverse=True)
+
+
+def whole_files(recorded: list[RecordedCheckpoint]) -> list[RecordedCheckpoint]:
+    """Returns the recorded checkpoints that are one file each (no part of a sharded one)."""
+    return [c for c in recorded if c.world_size <= 1]
+
+
+def complete_parts(recorded: list[RecordedCheckpoint], rank: int) -> list[RecordedCheckpoint]:
+    """Returns ``rank``'s part of every sharded checkpoint whose parts were all recorded.
+
+    A step's checkpoint counts only when every rank of one attempt recorded its part
+    (with one world size): a step that one rank saved and another never did is no
+    checkpoint to resume from. Highest step first, as ``recorded`` is ordered.
+    """
+    groups: dict[tuple[str, int, int], dict[int, RecordedCheckpoint]] = {}
+    for c in recorded:
+        if c.world_size > 1:
+            groups.setdefault((c.attempt_id, c.step, c.world_size), {}).setdefault(c.rank, c)
+    whole = [
+        parts[rank]
+        for (_, _, world), parts in groups.items()
+        if len(parts) == world and rank in parts
+    ]
+    return sorted(whole, key=lambda c: (c.step, c.sequence), reverse=True)
 
 
 def _log_unrecorded(

@@ -30,6 +30,20 @@ def _is_oom(exc: BaseException) -> bool:
     return named or isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
 
 
+# torch.distributed's own error types (by name: torch is never imported here).
+_COLLECTIVE_ERRORS: Final = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def _is_collective(exc: BaseException) -> bool:
+    # A collective that failed: NCCL's errors, Gloo's (CPU ranks; its messages name the
+    # gloo sources, e.g. "gloo/transport/tcp/pair.cc: Connection closed by peer"), or
+    # torch.distributed's error types. All of them are tagged nccl, the field reports' tag.
+    text = str(exc)
+    if "NCCL" in text or "nccl" in type(exc).__name__.lower() or "gloo" in text.lower():
+        return True
+    return any(cls.__name__ in _COLLECTIVE_ERRORS for cls in type(exc).__mro__)
+
+
 def failure_tag(exc: BaseException) -> FailureTag:
     """Returns the failure tag of an exception: oom, killed, preempted, nccl, data or unknown."""
     chain = _chain(exc)
@@ -41,7 +55,7 @@ def failure_tag(exc: BaseException) -> FailureTag:
         return FailureTag.OOM
     if any(isinstance(e, DataError | UnicodeDecodeError | json.JSONDecodeError) for e in chain):
         return FailureTag.DATA
-    if any("NCCL" in str(e) or "nccl" in type(e).__name__.lower() for e in chain):
+    if any(_is_collective(e) for e in chain):
         return FailureTag.NCCL
     return FailureTag.UNKNOWN
 

@@ -41,6 +41,7 @@ class Heartbeats:
         attempt_id: str,
         clock: ProgressClock,
         watchdog: Watchdog | None = None,
+        ended_elsewhere: Callable[[], bool] | None = None,
     ) -> None:
         self.step, self.progress = 0, 0.0
         self._interval_s = interval_s
@@ -53,6 +54,9 @@ class Heartbeats:
         self._last_beat = 0.0
         self._clock = clock
         self._watchdog = watchdog
+        # A rank of a multi-rank attempt: asked about once a second whether another rank
+        # ended the attempt (and then stopping this one); true from then on.
+        self._ended_elsewhere = ended_elsewhere
         self._quiet_logged = False
         self._thread: threading.Thread | None = None
 
@@ -85,6 +89,8 @@ class Heartbeats:
     def _run(self) -> None:
         while True:
             due = min(self._last_beat + self._interval_s, self._sigterm.deadline())
+            if self._ended_elsewhere is not None:
+                due = min(due, time.monotonic() + 1.0)
             if self._watchdog is not None:
                 # A progress() call can move the deadline earlier (the first step time
                 # arms it) without waking this thread, so it looks again every second.
@@ -96,6 +102,9 @@ class Heartbeats:
             now = time.monotonic()
             if now >= self._sigterm.deadline():
                 self._sigterm.expire()
+            if self._ended_elsewhere is not None and self._ended_elsewhere():
+                self._last_beat = now  # the attempt ended: a beat would be refused
+                continue
             if self._watchdog is not None and self._watchdog.check(now):
                 # The attempt is recorded failed(timeout): a beat now would be refused.
                 self._last_beat = now

@@ -118,8 +118,15 @@ class Ledger:
           diagnostics bundle (None: $SHARDLEDGER_LOG_FILE, else none);
         - ``labels=None``: labels of this attempt (provider, pool, region, image, ...),
           over the Ledger's ``labels=`` and $SHARDLEDGER_LABEL_<KEY> (docs/metrics.md).
+        - ``ranks=True``: under torchrun (``$WORLD_SIZE`` > 1) every rank of the launch
+          joins one attempt, whose id is derived from the launch
+          (``$TORCHELASTIC_RUN_ID``, ``$TORCHELASTIC_RESTART_COUNT``); pass a
+          `shard_client.RankInfo` to say it yourself, or False when each process runs
+          a shard of its own (see docs/multirank.md). ``expected_outputs`` may then
+          name per-rank outputs as ``weights.rank{rank}``: each rank must commit its
+          own, rank 0 the names without ``{rank}``.
 
-        ``attempt_id`` defaults to a fresh random id.
+        ``attempt_id`` defaults to a fresh random id (a multi-rank launch: the launch's).
         """
         return Shard(
             self,

@@ -15,6 +15,8 @@ from typing import Any, Final, TypedDict, Unpack, overload
 from shard_client.fingerprint import Fingerprint
 from shard_client.ids import check_id
 from shard_client.labels import label_problem
+from shard_client.ranks import RANK_PLACEHOLDER, RankInfo
+from shard_client.ranks import detect as detect_ranks
 from shard_client.watchdog import DEFAULT_HANG_GRACE_S, DEFAULT_KILL_GRACE_S, HangPolicy
 
 __all__ = [
@@ -73,6 +75,7 @@ class ShardOptionKwargs(TypedDict, total=False):
     kill_grace: float | None
     log_file: str | os.PathLike[str] | None
     labels: Mapping[str, str] | None
+    ranks: RankInfo | bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ class ShardOptions:
     kill_grace: float | None = None
     log_file: str | None = None
     labels: Mapping[str, str] | None = None
+    # True: the rank torchrun set ($RANK, $WORLD_SIZE, ...), if any; False: one process.
+    ranks: RankInfo | bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
@@ -107,7 +112,7 @@ class ShardOptions:
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 (or None)")
         for name in self.expected_outputs or ():
-            check_id("expected output", name)
+            check_id("expected output", name.replace(RANK_PLACEHOLDER, "0"))
         problem = label_problem(self.labels or {})
         if problem:
             raise ValueError(f"labels: {problem}")
@@ -122,6 +127,14 @@ class ShardOptions:
             if values.get(key) is not None:
                 values[key] = os.fspath(values[key])
         return cls(**values)
+
+    def rank_info(self) -> RankInfo | None:
+        """Returns this process's rank in a multi-rank launch, None for a one-process shard."""
+        if isinstance(self.ranks, RankInfo):
+            info: RankInfo | None = self.ranks
+        else:
+            info = detect_ranks() if self.ranks else None
+        return info if info is not None and info.multi else None
 
     @property
     def interval(self) -> float:

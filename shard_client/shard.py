@@ -35,7 +35,7 @@ from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.classify import describe, failure_tag
 from shard_client.diagnostics import BundleContext
-from shard_client.errors import LedgerClientError
+from shard_client.errors import LedgerClientError, LedgerRejected
 from shard_client.failures import IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint
 from shard_client.fingerprint import fingerprint as read_fingerprint
@@ -44,12 +44,13 @@ from shard_client.ids import check_id
 from shard_client.labels import labels_from_env, merged_labels
 from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
+from shard_client.ranks import attempt_id_for, own_outputs
 from shard_client.scheduler import detect as detect_scheduler
 from shard_client.scheduler import process_start_ticks
 from shard_client.sender import new_event_id
 from shard_client.signals import SigtermGrace, stack_dumps_on_sigusr1
 from shard_client.vocabulary import FailureTag
-from shard_client.watchdog import ProgressClock, Watchdog
+from shard_client.watchdog import ProgressClock, Watchdog, terminate_self
 
 if TYPE_CHECKING:
     from shard_client.ledger import Ledger
@@ -91,6 +92,11 @@ class Shard:
         options: ShardOptions | None = None,
         attempt_id: str | None = None,
     ) -> None:
+        self.options = options or ShardOptions()
+        # Every rank of one launch derives the same attempt id: one attempt, N processes.
+        self.rank_info = self.options.rank_info()
+        if attempt_id is None and self.rank_info is not None:
+            attempt_id = attempt_id_for(run_id, shard_id, self.rank_info)
         self.attempt_id = attempt_id or uuid.uuid4().hex
         for what, value in (
             ("run_id", run_id),
@@ -99,10 +105,16 @@ class Shard:
         ):
             check_id(what, value)
         self.ledger, self.run_id, self.shard_id = ledger, run_id, shard_id
-        self.options = options or ShardOptions()
+        self._last_beat: Ack | None = None
         self._lock = threading.Lock()
         self._committed: list[str] = []
-        self._state = "new"  # new -> active -> closed, or active -> timed_out -> closed
+        # new -> active -> closed, or active -> timed_out | ended -> closed (ended: another
+        # rank ended the attempt, and this one stops).
+        self._state = "new"
+        # Ranks on one host share an attempt id: their bundles and dumps are told apart.
+        label = self.attempt_id
+        if self.rank_info is not None:
+            label = f"{self.attempt_id}.rank{self.rank_info.rank}"
         self._diagnostics = contextlib.ExitStack()
         wake = threading.Event()
         self._sigterm = SigtermGrace(
@@ -114,7 +126,7 @@ class Shard:
             Watchdog(
                 policy=policy,
                 clock=self._clock,
-                context=BundleContext(run_id, shard_id, self.attempt_id),
+                context=BundleContext(run_id, shard_id, label),
                 claim=self._claim_timeout,
                 record_failed=self._record_timeout,
             )
@@ -126,14 +138,16 @@ class Shard:
             progress_timeout_s=self.options.progress_timeout,
             sigterm=self._sigterm,
             wake=wake,
-            send=lambda beat: self._emit(heartbeat=beat),
+            send=self._send_beat,
             # After a trip the thread still ends the SIGTERM grace, so it lives on.
-            active=lambda: self._state in ("active", "timed_out"),
+            active=lambda: self._state in ("active", "timed_out", "ended"),
             shard_id=shard_id,
             attempt_id=self.attempt_id,
             clock=self._clock,
             watchdog=self._watchdog,
+            ended_elsewhere=self._ended_elsewhere if self.rank_info is not None else None,
         )
+        self._stack_label = label
         self._telemetry = TelemetryCoercer(shard_id=shard_id, attempt_id=self.attempt_id)
 
     @property
@@ -173,11 +187,17 @@ class Shard:
             process_start_ticks=process_start_ticks(),
             labels=self._labels(),
         )
+        if self.rank_info is not None:
+            started.rank = self.rank_info.rank
+            started.world_size = self.rank_info.world_size
+            started.local_rank = self.rank_info.local_rank
+            started.launch_id = self.rank_info.launch_id
+            started.restart_count = self.rank_info.restart_count
         # Waiting here turns a wrong run or shard id into an error before any work.
         self._emit(started=started).result(self.ledger.ack_timeout_s)
         self._state = "active"
         self._sigterm.install()
-        self._diagnostics.enter_context(stack_dumps_on_sigusr1(self.attempt_id))
+        self._diagnostics.enter_context(stack_dumps_on_sigusr1(self._stack_label))
         self._heartbeats.start()
         return self
 
@@ -188,18 +208,21 @@ class Shard:
         tb: TracebackType | None,
     ) -> None:
         with self._lock:
-            timed_out, self._state = self._state == "timed_out", "closed"
+            ending, self._state = self._state, "closed"
+        timed_out = ending in ("timed_out", "ended")
         # From here on a late SIGTERM is ignored, not raised.
         self._sigterm.restore()
         self._diagnostics.close()
         self._heartbeats.stop()
         clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
         if timed_out:
-            # The watchdog recorded failed(timeout); the ledger refuses a second ending.
+            # The watchdog recorded failed(timeout), or another rank ended the attempt;
+            # the ledger refuses a second ending.
             log.warning("shard_ended_after_hang shard=%s clean=%s", self.shard_id, clean)
             self.ledger.flush(self.ledger.flush_timeout_s)
             if clean:
-                raise Preempted(f"shard {self.shard_id}: stopped by the SDK hang watchdog")
+                why = "the SDK hang watchdog" if ending == "timed_out" else "another rank's failure"
+                raise Preempted(f"shard {self.shard_id}: stopped by {why}")
             return
         if not clean:
             assert exc is not None
@@ -210,6 +233,8 @@ class Shard:
             return
         missing = self._missing()
         if missing is None:
+            if self.rank_info is not None:
+                self._finish_rank()
             self.ledger.flush(self.ledger.flush_timeout_s)
             return
         message = (
@@ -231,8 +256,27 @@ class Shard:
     def _missing(self) -> list[str] | None:
         """Returns the expected names not committed ([] if none at all was), or None when complete."""
         done = set(self.committed)
-        missing = [n for n in self.options.expected_outputs or () if n not in done]
+        expected = own_outputs(self.options.expected_outputs or (), self.rank_info)
+        missing = [n for n in expected if n not in done]
+        if self.rank_info is not None and (
+            self.options.expected_outputs is not None or self.rank_info.rank != 0
+        ):
+            # A rank may own none of the names (rank 1 of "model"); without names only
+            # rank 0 must commit something. The ledger checks every rank's by the plan.
+            return missing or None
         return missing if missing or not done else None
+
+    def _finish_rank(self) -> None:
+        """Tells the ledger this rank left its block cleanly: its silence is no hang from now on."""
+        beat = pb.Heartbeat(step=self._heartbeats.step, progress=self._heartbeats.progress)
+        beat.rank_finished = True
+        try:
+            self._emit(heartbeat=beat).result(self.ledger.ack_timeout_s)
+        except LedgerRejected as error:
+            # Another rank ended the attempt meanwhile: this rank's part stands as committed.
+            log.warning("rank_finish_refused shard=%s error=%s", self.shard_id, error)
+        except LedgerClientError as error:
+            log.error("rank_finish_not_recorded shard=%s error=%s", self.shard_id, error)
 
     def _fail(self, tag: FailureTag, message: str) -> None:
         """Records failed(tag); an error doing so is logged, never raised over the job's own."""
@@ -243,6 +287,39 @@ class Shard:
         except LedgerClientError as error:
             log.error("failure_not_recorded shard=%s tag=%s error=%s", self.shard_id, tag, error)
         self.ledger.flush(self.ledger.flush_timeout_s)
+
+    def _send_beat(self, beat: pb.Heartbeat) -> Ack:
+        ack = self._last_beat = self._emit(heartbeat=beat)
+        return ack
+
+    def _ended_elsewhere(self) -> bool:
+        """Stops this rank once the ledger refused its heartbeat: another rank ended the attempt.
+
+        Called from the heartbeat thread about once a second. A rank blocked in a
+        collective whose peer died never returns to Python, so it is stopped like a
+        hang: diagnostics, SIGTERM, SIGKILL after ``kill_grace`` (no failed event:
+        the attempt already has its ending).
+        """
+        ack = self._last_beat
+        error = ack.error if ack is not None and ack.settled else None
+        if not isinstance(error, LedgerRejected) or error.reason != "ATTEMPT_ENDED":
+            return False
+        with self._lock:
+            if self._state != "active":
+                return self._state == "ended"
+            self._state = "ended"
+        message = f"attempt ended by another rank ({error}); stopping this rank"
+        log.error("attempt_ended_by_other_rank shard=%s %s", self.shard_id, message)
+        if self._watchdog is not None:
+            self._watchdog.stop_after_peer(message)
+        else:
+            threading.Thread(
+                target=terminate_self,
+                args=(self.shard_id, self.options.kill_grace or 30.0),
+                name=f"shard_client-stop-{self.shard_id}",
+                daemon=True,
+            ).start()
+        return True
 
     def _claim_timeout(self) -> bool:
         """Lets the watchdog end the attempt, unless the block is ending by itself."""
@@ -271,6 +348,10 @@ class Shard:
     # --- events -----------------------------------------------------------------
 
     def _emit(self, **payload: Any) -> Ack:
+        if self.rank_info is not None:
+            for message in payload.values():
+                if "rank" in message.DESCRIPTOR.fields_by_name:
+                    message.rank = self.rank_info.rank
         event = pb.ShardEvent(
             event_id=new_event_id(),
             namespace=self.ledger.namespace,
@@ -283,6 +364,10 @@ class Shard:
         return self.ledger.sender.emit(event)
 
     def _check_active(self) -> None:
+        if self._state == "ended":
+            raise RuntimeError(
+                f"shard {self.shard_id}: another rank ended the attempt; this rank stops"
+            )
         if self._state == "timed_out":
             raise RuntimeError(
                 f"shard {self.shard_id} was stopped by the SDK hang watchdog"
@@ -308,7 +393,7 @@ class Shard:
             metrics=values.metrics,
             nonfinite_metrics=values.nonfinite,
         )
-        return self._emit(heartbeat=heartbeat)
+        return self._send_beat(heartbeat)
 
     # --- artifacts --------------------------------------------------------------
 
@@ -385,7 +470,9 @@ class Shard:
         """Returns the attempt's labels: $SHARDLEDGER_LABEL_*, then the Ledger's, then the shard's."""
         return merged_labels(labels_from_env(), self.ledger.labels, self.options.labels)
 
-    def _record_checkpoint(self, step: int, info: atomic.CommitInfo, began_ns: int) -> None:
+    def _record_checkpoint(
+        self, step: int, info: atomic.CommitInfo, began_ns: int, *, part: bool = False
+    ) -> None:
         # The write time is the w of checkpoint_advice(): serialize + fsync + rename.
         took = Duration()
         took.FromNanoseconds(max(time.monotonic_ns() - began_ns, 1))
@@ -396,6 +483,8 @@ class Shard:
             blake3_hex=info.blake3_hex,
             write_duration=took,
         )
+        if part and self.rank_info is not None:
+            saved.world_size = self.rank_info.world_size
         self._emit(checkpoint=saved).result(self.ledger.ack_timeout_s)
         self._heartbeats.made_progress(step)
 
@@ -444,8 +533,10 @@ class Shard:
         client, namespace = self.ledger.client, self.ledger.namespace
         with self._clock.paused():
             loaded = checkpoint_records.load_recorded_checkpoint(
-                lambda: checkpoint_records.recorded_checkpoints(
-                    client, namespace=namespace, run_id=self.run_id, shard_id=self.shard_id
+                lambda: checkpoint_records.whole_files(
+                    checkpoint_records.recorded_checkpoints(
+                        client, namespace=namespace, run_id=self.run_id, shard_id=self.shard_id
+                    )
                 ),
                 directory=self._checkpoint_dir(),
                 label=f"run={self.run_id} shard={self.shard_id}",
@@ -453,4 +544,61 @@ class Shard:
             )
         if loaded is not None:
             self._heartbeats.step = max(self._heartbeats.step, loaded.step)
+        return loaded
+
+    # --- sharded checkpoints (one part per rank) --------------------------------
+
+    def _part_rank(self) -> int:
+        if self.rank_info is None:
+            raise RuntimeError("a checkpoint part belongs to a rank: this shard has one process")
+        return self.rank_info.rank
+
+    def save_checkpoint_part(
+        self, step: int, *, path: str | os.PathLike[str] | None = None, **states: Any
+    ) -> atomic.CommitInfo:
+        """Saves this rank's part of the step's sharded checkpoint (torch) and records it.
+
+        The step's checkpoint exists for the ledger, and for a resume, only once every
+        rank of the attempt recorded its part; call it on every rank.
+        """
+        self._check_active()
+        rank = self._part_rank()
+        target = path or self._checkpoint_path(step, None).replace(".pt", f".rank{rank}.pt")
+        began = time.monotonic_ns()
+        with self._clock.paused():
+            return checkpoint.save_checkpoint(
+                target,
+                step=step,
+                on_commit=lambda info: self._record_checkpoint(step, info, began, part=True),
+                **states,
+            )
+
+    def load_latest_checkpoint_part(self, **kwargs: Any) -> checkpoint.LoadedCheckpoint | None:
+        """Restores this rank's part of the newest sharded checkpoint whose parts were all recorded.
+
+        None: no complete one (start fresh; every rank sees the same records). The
+        part is re-hashed before loading; a part gone or changed since its commit
+        raises rather than falling back, since the other ranks resume from that step.
+        """
+        self._check_active()
+        rank = self._part_rank()
+        client, namespace = self.ledger.client, self.ledger.namespace
+        with self._clock.paused():
+            recorded = checkpoint_records.recorded_checkpoints(
+                client, namespace=namespace, run_id=self.run_id, shard_id=self.shard_id
+            )
+            parts = checkpoint_records.complete_parts(recorded, rank)
+            if not parts:
+                log.info(
+                    "checkpoint_fresh_start shard=%s rank=%d: no complete one", self.shard_id, rank
+                )
+                return None
+            newest = parts[0]
+            loaded = checkpoint.load_checkpoint(
+                newest.path, expected_blake3=newest.blake3_hex, **kwargs
+            )
+        log.info(
+            "checkpoint_part_resumed shard=%s rank=%d step=%d", self.shard_id, rank, loaded.step
+        )
+        self._heartbeats.step = max(self._heartbeats.step, loaded.step)
         return loaded

@@ -48,6 +48,7 @@ __all__ = [
     "HangPolicy",
     "ProgressClock",
     "Watchdog",
+    "terminate_self",
 ]
 
 log = logging.getLogger("shard_client")
@@ -185,6 +186,31 @@ class Watchdog:
         self._thread.start()
         return True
 
+    def stop_after_peer(self, message: str) -> None:
+        """Stops the process because another rank ended the attempt: diagnostics, TERM, KILL.
+
+        The attempt already has its ending on the ledger, so nothing is recorded.
+        """
+        if self.tripped:
+            return
+        self.tripped = True
+        self._thread = threading.Thread(
+            target=self._stop_peer,
+            args=(message,),
+            name=f"shard_client-watchdog-{self._context.shard_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _stop_peer(self, message: str) -> None:
+        ctx = self._context
+        try:
+            info = write_bundle(ctx, message=message, log_file=self.policy.log_file)
+            log.warning("peer_stop_diagnostics_written shard=%s path=%s", ctx.shard_id, info.path)
+        except Exception as exc:  # diagnostics are evidence; stopping matters more
+            log.error("peer_stop_diagnostics_failed shard=%s error=%r", ctx.shard_id, exc)
+        terminate_self(ctx.shard_id, self.policy.kill_grace, kill=self._kill)
+
     def _stop(self, quiet: float, threshold: float, basis: str) -> None:
         ctx, policy = self._context, self.policy
         message = (
@@ -210,22 +236,26 @@ class Watchdog:
             log.warning("hang_failure_recorded shard=%s tag=timeout", ctx.shard_id)
         except LedgerClientError as exc:  # still stopped: the ledger sees it stale instead
             log.error("hang_failure_not_recorded shard=%s error=%s", ctx.shard_id, exc)
-        pid = os.getpid()
-        log.warning("hang_sigterm_sent shard=%s pid=%d", ctx.shard_id, pid)
-        self._kill(pid, signal.SIGTERM)
-        time.sleep(policy.kill_grace)
-        log.error(
-            "hang_sigkill_sent shard=%s pid=%d: still alive %gs after SIGTERM",
-            ctx.shard_id,
-            pid,
-            policy.kill_grace,
-        )
-        for handler in logging.getLogger().handlers + log.handlers:
-            with contextlib.suppress(Exception):  # the last line must reach the log before KILL
-                handler.flush()
-        self._kill(pid, signal.SIGKILL)
+        terminate_self(ctx.shard_id, policy.kill_grace, kill=self._kill)
 
     def join(self, timeout: float) -> None:
         """Waits for the stopping thread (tests with a fake kill)."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def terminate_self(
+    label: str, kill_grace: float, *, kill: Callable[[int, int], None] = os.kill
+) -> None:
+    """Sends this process SIGTERM and, ``kill_grace`` seconds later if it still lives, SIGKILL."""
+    pid = os.getpid()
+    log.warning("hang_sigterm_sent shard=%s pid=%d", label, pid)
+    kill(pid, signal.SIGTERM)
+    time.sleep(kill_grace)
+    log.error(
+        "hang_sigkill_sent shard=%s pid=%d: still alive %gs after SIGTERM", label, pid, kill_grace
+    )
+    for handler in logging.getLogger().handlers + log.handlers:
+        with contextlib.suppress(Exception):  # the last line must reach the log before KILL
+            handler.flush()
+    kill(pid, signal.SIGKILL)

@@ -39,6 +39,7 @@ PUBLIC_API = [
     "PermissionDenied",
     "PlanEntry",
     "Preempted",
+    "RankInfo",
     "Sender",
     "Shard",
     "atomic_write",

@@ -518,6 +518,7 @@ def _scalar_values(fd: Any) -> st.SearchStrategy[Any]:
         FieldDescriptor.TYPE_DOUBLE: floats,
         FieldDescriptor.TYPE_ENUM: enum_numbers,
         FieldDescriptor.TYPE_BYTES: st.binary(max_size=64),
+        FieldDescriptor.TYPE_BOOL: st.booleans(),
     }[fd.type]
 
 

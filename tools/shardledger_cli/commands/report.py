@@ -41,6 +41,8 @@ exit codes: 0 every planned shard is verified; 1 some shard is not;
 
 List the run's shards in plan order as columns, streamed (a million shards
 print without a table in memory). --json prints one JSON array of views.
+RANKS is "alive/world" for a multi-rank (torchrun) attempt: the ranks still
+heartbeating; the view's "ranks" has each rank's state, host and pid.
 
 states: {", ".join(QUERY_STATES)}
 exit codes: 0 listed (even when empty); 3 unreachable; 4 refused""",

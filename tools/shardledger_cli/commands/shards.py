@@ -16,6 +16,7 @@ from shardledger_cli.output import iso_us
 _SHARD_COLUMNS: Final = (("INDEX", 7), ("SHARD", 32), ("STATE", 13), ("DETAIL", 16))
 _SHARD_COLUMNS_2: Final = (
     ("ATTEMPTS", 8),
+    ("RANKS", 9),
     ("HOST", 16),
     ("JOB", 24),
     ("LAST SEEN", 20),
@@ -50,9 +51,16 @@ def run_shards(args: argparse.Namespace) -> int:
         v = json.loads(view.view_json)
         cells = [str(v["plan_index"]), v["shard_id"], v["state"], v["detail"] or "-"]
         job = scheduler_label(v.get("scheduler") or {}) or "-"
-        cells += [str(v["attempts"]), v["host"] or "-", job, iso_us(v["last_seen_us"])]
+        cells += [str(v["attempts"]), _ranks(v), v["host"] or "-", job, iso_us(v["last_seen_us"])]
         out.write(_columns([*cells, ",".join(v["duplicates"]) or "-"]))
     return EXIT_OK
+
+
+def _ranks(view: Mapping[str, Any]) -> str:
+    """Returns "alive/world" for a multi-rank attempt (ranks still heartbeating), else "-"."""
+    if not view.get("world_size"):
+        return "-"
+    return f"{view['ranks_alive']}/{view['world_size']}"
 
 
 def _columns(cells: list[str]) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,9 @@ class Action:
     scheduler: dict[str, str] = field(default_factory=dict)
     stop_error: str = ""
     diagnostics_errors: list[str] = field(default_factory=list)
+    # A multi-rank attempt: what was done about each rank's process.
+    ranks: list[Action] = field(default_factory=list)
+    rank: int = -1
 
     @classmethod
     def of(cls, target: Target) -> Action:
@@ -63,7 +68,20 @@ class Action:
             "recovered": self.recovered,
             "ended_meanwhile": self.ended,
             "recorded_failed_timeout": self.recorded,
+            **({"ranks": [_rank_json(r) for r in self.ranks]} if self.ranks else {}),
         }
+
+
+def _rank_json(action: Action) -> dict[str, Any]:
+    return {
+        "rank": action.rank,
+        "host": action.host,
+        "pid": action.pid,
+        "method": action.method,
+        "steps": action.steps,
+        "diagnostics": action.diagnostics,
+        "stop_error": action.stop_error,
+    }
 
 
 def stale_checker(client: Any, run_id: str, *, namespace: str) -> Recheck:
@@ -135,7 +153,12 @@ def _stop(
 
 
 def _record(
-    action: Action, target: Target, append: Callable[[list[pb.ShardEvent]], object], namespace: str
+    action: Action,
+    target: Target,
+    append: Callable[[list[pb.ShardEvent]], object],
+    namespace: str,
+    *,
+    rank: int = 0,
 ) -> None:
     """Records failed(timeout); an attempt that ended meanwhile is done, not an error."""
     message = f"watchdog: silent past its heartbeat timeout; {', '.join(action.steps)}"
@@ -151,7 +174,7 @@ def _record(
         run_id=target.run_id,
         shard_id=target.shard_id,
         attempt_id=target.attempt_id,
-        failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_TIMEOUT, message=message[:4000]),
+        failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_TIMEOUT, message=message[:4000], rank=rank),
     )
     try:
         append([event])
@@ -191,10 +214,108 @@ def handle_stale(
     """
     target = target or StartedIndex(run_id, namespace).target(view)
     action = Action.of(target)
-    how = watch_stop.method(target, kill_command=kill_command)
-    action.method = how or "none"
     if _recovered(action, recheck):
         return action
+    if target.ranks:
+        _stop_ranks(
+            action,
+            target,
+            # The failure is the first silent rank's (the one the others wait on).
+            record=lambda: _record(
+                action, target, append, namespace, rank=_silent_rank(view, target)
+            ),
+            grace_s=grace_s,
+            diag_dir=diag_dir,
+            log_pattern=log_pattern,
+            log_lines=log_lines,
+            kill_command=kill_command,
+        )
+        return action
+    stopped = _diagnose_and_stop(
+        action,
+        target,
+        grace_s=grace_s,
+        diag_dir=diag_dir,
+        log_pattern=log_pattern,
+        log_lines=log_lines,
+        recheck=recheck,
+        kill_command=kill_command,
+    )
+    if stopped is None:
+        return action
+    if stopped or record_remote:
+        _record(action, target, append, namespace)
+    return action
+
+
+def _stop_ranks(action: Action, target: Target, *, record: Callable[[], None], **how: Any) -> None:
+    """Diagnoses every rank's process, records failed(timeout), then stops them all at once.
+
+    One silent rank makes the attempt stale, and the others wait on it in a
+    collective: the whole attempt is stopped, every rank on its own host. The
+    record comes before the signals: a rank that a signal wakes would otherwise
+    record its own ending first (preempted, nccl), and a rank no signal reaches
+    (another host, no scheduler) learns from the ledger, which refuses its next
+    heartbeat, and stops itself.
+    """
+    ranks = [Action.of(rank_target) for rank_target in target.ranks]
+    for rank_action, rank_target in zip(ranks, target.ranks, strict=True):
+        rank_action.rank = rank_target.rank
+    errors: list[Exception] = []
+
+    def record_once() -> None:  # the barrier's action: one thread, once all are diagnosed
+        _merge_ranks(action, ranks)
+        try:
+            record()
+        except Exception as exc:  # raised below, once every rank is stopped
+            errors.append(exc)
+
+    barrier = threading.Barrier(len(ranks), action=record_once)
+    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+        list(
+            pool.map(
+                lambda pair: _diagnose_and_stop(
+                    pair[0], pair[1], recheck=None, before_stop=barrier.wait, **how
+                ),
+                zip(ranks, target.ranks, strict=True),
+            )
+        )
+    action.steps.clear()
+    action.diagnostics_errors.clear()
+    _merge_ranks(action, ranks)
+    if errors:
+        raise errors[0]
+
+
+def _merge_ranks(action: Action, ranks: list[Action]) -> None:
+    """Copies what was done about each rank into the attempt's action, rank by rank."""
+    action.ranks = ranks
+    action.method = ",".join(sorted({r.method for r in ranks}))
+    for rank_action in ranks:
+        action.steps.extend(f"rank {rank_action.rank}: {step}" for step in rank_action.steps)
+        action.diagnostics_errors.extend(
+            f"rank {rank_action.rank}: {e}" for e in rank_action.diagnostics_errors
+        )
+        if rank_action.stop_error and not action.stop_error:
+            action.stop_error = f"rank {rank_action.rank}: {rank_action.stop_error}"
+    action.diagnostics = "; ".join(r.diagnostics for r in ranks if r.diagnostics)
+
+
+def _diagnose_and_stop(
+    action: Action,
+    target: Target,
+    *,
+    grace_s: float,
+    diag_dir: Path,
+    log_pattern: str | None,
+    log_lines: int,
+    recheck: Recheck | None,
+    kill_command: str | None,
+    before_stop: Callable[[], object] = lambda: None,
+) -> bool | None:
+    """Diagnoses and stops one process; returns whether it is stopped, None: it recovered."""
+    how = watch_stop.method(target, kill_command=kill_command)
+    action.method = how or "none"
     same = (
         watch_stop.identity(target.pid, target.start_ticks)
         if target.local and target.pid
@@ -203,7 +324,7 @@ def handle_stale(
     if same == "same":
         report = write_report(
             shard_id=target.shard_id,
-            attempt_id=target.attempt_id,
+            attempt_id=_label(target),
             pid=target.pid,
             diag_dir=diag_dir,
             log_pattern=log_pattern,
@@ -213,15 +334,23 @@ def handle_stale(
         action.diagnostics, action.diagnostics_errors = report.path, report.errors
         action.steps.append("diagnostics" if report.path else "diagnostics not written")
         if _recovered(action, recheck):
-            return action
-    stopped = _stop(action, target, how, grace_s=grace_s, kill_command=kill_command, same=same)
-    if stopped or record_remote:
-        _record(action, target, append, namespace)
-    return action
+            return None
+    before_stop()
+    return _stop(action, target, how, grace_s=grace_s, kill_command=kill_command, same=same)
 
 
 def _stack(target: Target, diag_dir: Path, grace_s: float) -> str:
     # A frozen process never answers: its stack wait must not outlast the grace it is given.
     return stack_dump(
-        target.pid, target.attempt_id, diag_dir, wait_s=min(STACK_WAIT_S, max(grace_s, 1.0))
+        target.pid, _label(target), diag_dir, wait_s=min(STACK_WAIT_S, max(grace_s, 1.0))
     )
+
+
+def _label(target: Target) -> str:
+    # The SDK names a rank's stack dumps <attempt>.rank<N> (its ranks share the attempt id).
+    return target.attempt_id if target.rank < 0 else f"{target.attempt_id}.rank{target.rank}"
+
+
+def _silent_rank(view: dict[str, Any], target: Target) -> int:
+    silent = [r["rank"] for r in view.get("ranks", []) if r.get("state") == "silent"]
+    return silent[0] if silent else target.ranks[0].rank

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 from shard_client.scheduler import process_start_ticks
@@ -72,6 +72,9 @@ class Target:
     pid: int = 0
     start_ticks: int = 0
     scheduler: Mapping[str, str] = field(default_factory=dict)
+    # A multi-rank attempt: its rank (-1: the attempt as a whole), and every rank's process.
+    rank: int = -1
+    ranks: tuple[Target, ...] = ()
 
     @property
     def local(self) -> bool:
@@ -108,7 +111,28 @@ class StartedIndex:
                 self.started[event.attempt_id] = event.started
 
     def target(self, view: Mapping[str, Any], client: Any | None = None) -> Target:
-        """Returns the stale view's latest attempt with what its started event recorded."""
+        """Returns the stale view's latest attempt with what its started events recorded."""
+        target = self._attempt_target(view, client)
+        if not view.get("ranks"):
+            return target
+        # Every rank's started event recorded its own process (the view carries them all).
+        ranks = tuple(
+            Target(
+                self.run_id,
+                view["shard_id"],
+                target.attempt_id,
+                host=r.get("host") or "",
+                pid=int(r.get("pid") or 0),
+                start_ticks=int(r.get("process_start_ticks") or 0),
+                scheduler=dict(r.get("scheduler") or {}),
+                rank=int(r["rank"]),
+            )
+            for r in view["ranks"]
+            if r.get("state") != "not_started"
+        )
+        return replace(target, ranks=ranks)
+
+    def _attempt_target(self, view: Mapping[str, Any], client: Any | None) -> Target:
         attempt = view["latest_attempt"]
         if attempt not in self.started and client is not None:
             self.refresh(client)

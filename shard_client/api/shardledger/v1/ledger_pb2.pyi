@@ -120,7 +120,7 @@ class ShardPlanned(_message.Message):
     def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
-    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels")
+    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels", "rank", "world_size", "local_rank", "launch_id", "restart_count")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,11 @@ class AttemptStarted(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     host: str
     pid: int
     heartbeat_timeout: _duration_pb2.Duration
@@ -151,7 +156,12 @@ class AttemptStarted(_message.Message):
     scheduler: SchedulerIdentity
     process_start_ticks: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    rank: int
+    world_size: int
+    local_rank: int
+    launch_id: str
+    restart_count: int
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ...) -> None: ...
 
 class SchedulerIdentity(_message.Message):
     __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
@@ -172,7 +182,7 @@ class SchedulerIdentity(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., job_id: _Optional[str] = ..., array_job_id: _Optional[str] = ..., array_task_id: _Optional[str] = ..., cluster: _Optional[str] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "progress", "metrics", "nonfinite_metrics")
+    __slots__ = ("step", "progress", "metrics", "nonfinite_metrics", "rank", "rank_finished")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -184,39 +194,49 @@ class Heartbeat(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_METRICS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_FINISHED_FIELD_NUMBER: _ClassVar[int]
     step: int
     progress: float
     metrics: _containers.ScalarMap[str, float]
     nonfinite_metrics: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., nonfinite_metrics: _Optional[_Iterable[str]] = ...) -> None: ...
+    rank: int
+    rank_finished: bool
+    def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., nonfinite_metrics: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., rank_finished: _Optional[bool] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
-    __slots__ = ("step", "path", "size_bytes", "blake3_hex", "write_duration")
+    __slots__ = ("step", "path", "size_bytes", "blake3_hex", "write_duration", "rank", "world_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     WRITE_DURATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     size_bytes: int
     blake3_hex: str
     write_duration: _duration_pb2.Duration
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., write_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    rank: int
+    world_size: int
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., write_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ArtifactCommitted(_message.Message):
-    __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type")
+    __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type", "rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     size_bytes: int
     blake3_hex: str
     media_type: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., media_type: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., media_type: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ArtifactVerified(_message.Message):
     __slots__ = ("name", "path", "blake3_hex", "result", "reason", "detail")
@@ -235,16 +255,18 @@ class ArtifactVerified(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., blake3_hex: _Optional[str] = ..., result: _Optional[_Union[VerificationResult, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AttemptFailed(_message.Message):
-    __slots__ = ("tag", "message", "diagnostics_path", "diagnostics_blake3_hex")
+    __slots__ = ("tag", "message", "diagnostics_path", "diagnostics_blake3_hex", "rank")
     TAG_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DIAGNOSTICS_PATH_FIELD_NUMBER: _ClassVar[int]
     DIAGNOSTICS_BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     tag: FailureTag
     message: str
     diagnostics_path: str
     diagnostics_blake3_hex: str
-    def __init__(self, tag: _Optional[_Union[FailureTag, str]] = ..., message: _Optional[str] = ..., diagnostics_path: _Optional[str] = ..., diagnostics_blake3_hex: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, tag: _Optional[_Union[FailureTag, str]] = ..., message: _Optional[str] = ..., diagnostics_path: _Optional[str] = ..., diagnostics_blake3_hex: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RunSubmissionClosed(_message.Message):
     __slots__ = ("reason", "expected_shards", "submitted_until")
