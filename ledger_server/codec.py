@@ -244,4 +244,5 @@ def encode_recorded(rec: RecordedEvent) -> pb.ShardEvent:
     msg.run_sequence = rec.run_sequence
     msg.receive_time.CopyFrom(us_timestamp(rec.receive_time_us))
     msg.row_hash = rec.row_hash
+    msg.row_format = rec.row_format
     return msg

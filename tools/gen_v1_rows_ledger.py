@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
 
@@ -34,7 +35,7 @@ PARAMS = (
 )
 
 
-def ev(eid: str, shard: str, attempt: str = "", **payload: object) -> pb.ShardEvent:
+def ev(eid: str, shard: str, attempt: str = "", **payload: Any) -> pb.ShardEvent:
     msg = pb.ShardEvent(event_id=eid, run_id=RUN, shard_id=shard, attempt_id=attempt, **payload)
     if attempt:
         msg.client_time.FromMicroseconds(1_764_000_000_123_456)

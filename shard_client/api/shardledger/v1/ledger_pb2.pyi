@@ -53,7 +53,7 @@ APPEND_OUTCOME_DUPLICATE: AppendOutcome
 APPEND_OUTCOME_ALREADY_PLANNED: AppendOutcome
 
 class ShardEvent(_message.Message):
-    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "sequence", "run_sequence", "receive_time", "row_hash")
+    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "sequence", "run_sequence", "receive_time", "row_hash", "row_format")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class ShardEvent(_message.Message):
     RUN_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIME_FIELD_NUMBER: _ClassVar[int]
     ROW_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROW_FORMAT_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     namespace: str
     run_id: str
@@ -88,7 +89,8 @@ class ShardEvent(_message.Message):
     run_sequence: int
     receive_time: _timestamp_pb2.Timestamp
     row_hash: bytes
-    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ...) -> None: ...
+    row_format: int
+    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ..., row_format: _Optional[int] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
     __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index")
