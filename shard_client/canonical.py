@@ -13,16 +13,19 @@ docs/contract.md specifies every byte; tests/data/contract_vectors.json pins the
   8785 (non-ASCII escaped), accepted from clients that still send it.
 
 RFC 8785 comes from the `rfc8785` package, which is pure Python and slow; a value
-that holds no float needing ECMAScript formatting, no integer past 2**53 and no key
-whose UTF-16 order could differ from its code-point order is encoded by the C json
-encoder instead, whose output is then the same bytes (tests/sdk/test_canonical.py
+that holds no integer past 2**53 and no key whose UTF-16 order could differ from its
+code-point order is encoded by the C json encoder instead, its floats written as
+ECMAScript does (integral ones as ints, the others repr() prints otherwise through
+placeholders), whose output is then the same bytes (tests/sdk/test_canonical.py
 checks that property against rfc8785.dumps).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -94,16 +97,48 @@ class _NeedsJcs(Exception):
 # (Python) and by UTF-16 code unit (RFC 8785); a key with a character at or above
 # U+D800 may not, and a lone surrogate is refused by RFC 8785.
 _FIRST_UNSAFE_KEY_CHAR: Final = "\ud800"
-# Non-integral floats at or above this magnitude have no exponent in repr() or in
-# ECMAScript's Number.prototype.toString, and both print the same shortest digits.
+# Non-integral floats of at least this magnitude (and below 2**53, past which every
+# float is integral) have no exponent in repr() nor in ECMAScript's
+# Number.prototype.toString, and both print the same shortest digits.
 _MIN_PLAIN_FLOAT: Final = 1e-4
+# A float printed otherwise is encoded as a placeholder string, replaced afterwards by
+# its ECMAScript text; the prefix is random per process, and a text in which it is
+# left over (a string value that held it) is encoded by the rfc8785 package instead.
+_TOKEN: Final = "\ue000" + secrets.token_hex(8) + ":"
 
 
-def _plain(value: Any) -> Any:
-    """Returns the value with integral floats as ints, or raises _NeedsJcs.
+def es6_number(value: float) -> str:
+    """Returns ECMAScript's Number.prototype.toString of a finite float (RFC 8785 3.2.2.3)."""
+    if value == 0:
+        return "0"
+    sign = "-" if value < 0 else ""
+    mantissa, _, exponent = repr(abs(value)).partition("e")  # shortest round-trip digits
+    whole, _, fraction = mantissa.partition(".")
+    if fraction == "0":
+        fraction = ""
+    all_digits = whole + fraction
+    digits = all_digits.lstrip("0")
+    # value = 0.DIGITS x 10**n
+    n = len(whole) + (int(exponent) if exponent else 0) - (len(all_digits) - len(digits))
+    digits = digits.rstrip("0")
+    k = len(digits)
+    if k <= n <= 21:
+        return sign + digits + "0" * (n - k)
+    if 0 < n <= 21:
+        return sign + digits[:n] + "." + digits[n:]
+    if -6 < n <= 0:
+        return sign + "0." + "0" * -n + digits
+    e = n - 1
+    tail = f"e{'+' if e >= 0 else '-'}{abs(e)}"
+    return sign + (digits if k == 1 else digits[0] + "." + digits[1:]) + tail
 
-    The result encodes with the C encoder to exactly RFC 8785's bytes; the value is
-    returned itself (not copied) when nothing in it changes.
+
+def _plain(value: Any, numbers: list[str]) -> Any:
+    """Returns the value the C encoder writes as RFC 8785, or raises _NeedsJcs.
+
+    Integral floats become ints; floats repr() prints otherwise than ECMAScript become
+    placeholders, their text appended to `numbers`. The value is returned itself (not
+    copied) when nothing in it changes.
     """
     kind = type(value)
     if kind is str or kind is bool or value is None:
@@ -116,10 +151,14 @@ def _plain(value: Any) -> Any:
         if value.is_integer():
             if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
                 return int(value)  # 1.0 -> 1, -0.0 -> 0, as ECMAScript prints them
-            raise _NeedsJcs
-        if abs(value) >= _MIN_PLAIN_FLOAT:  # NaN and infinity fail this and go to JCS
+        elif abs(value) >= _MIN_PLAIN_FLOAT:
             return value
-        raise _NeedsJcs
+        elif value != value:  # NaN: refused by the rfc8785 package, with its reason
+            raise _NeedsJcs
+        if value in (math.inf, -math.inf):
+            raise _NeedsJcs
+        numbers.append(es6_number(value))
+        return f"{_TOKEN}{len(numbers) - 1}"
     if kind is dict:
         out: dict[str, Any] | None = None
         for key, item in value.items():
@@ -127,7 +166,7 @@ def _plain(value: Any) -> Any:
                 raise _NeedsJcs
             if type(item) is str:
                 continue
-            plain = _plain(item)
+            plain = _plain(item, numbers)
             if plain is not item:
                 if out is None:
                     out = dict(value)
@@ -138,7 +177,7 @@ def _plain(value: Any) -> Any:
         for index, item in enumerate(value):
             if type(item) is str:
                 continue
-            plain = _plain(item)
+            plain = _plain(item, numbers)
             if plain is not item:
                 if items is None:
                     items = list(value)
@@ -153,8 +192,9 @@ def canonical_json(value: Any) -> str:
     Raises ValueError for NaN or infinity, integers beyond +-(2**53 - 1), lone
     surrogates and anything else JSON cannot hold.
     """
+    numbers: list[str] = []
     try:
-        plain = _plain(value)
+        plain = _plain(value, numbers)
     except _NeedsJcs:
         return _jcs(value)
     text = _ENCODE(plain)
@@ -165,6 +205,11 @@ def canonical_json(value: Any) -> str:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(f"input contains a lone surrogate: {exc.reason}") from None
+    if numbers:
+        for index, number in enumerate(numbers):
+            text = text.replace(f'"{_TOKEN}{index}"', number, 1)
+        if _TOKEN in text:  # a string value held the prefix: no placeholder is trusted
+            return _jcs(value)
     return text
 
 
