@@ -17,6 +17,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kind':<20} {'format 1':>9} {'RFC 8785':>9} {'rfc8785':>9}   ratios to format 1")
     for kind, payload in PAYLOADS.items():
         content = _event(payload).content()
-        legacy = _per_call_us(lambda c=content: legacy_json(c), args.seconds)
-        fast = _per_call_us(lambda c=content: content_jcs(c), args.seconds)
-        pure = _per_call_us(lambda c=content: rfc8785.dumps(c), args.seconds)
+        legacy = _per_call_us(partial(legacy_json, content), args.seconds)
+        fast = _per_call_us(partial(content_jcs, content), args.seconds)
+        pure = _per_call_us(partial(rfc8785.dumps, content), args.seconds)
         results[kind] = {
             "format1_us": round(legacy, 3),
             "rfc8785_fast_path_us": round(fast, 3),

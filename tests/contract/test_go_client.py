@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,16 +104,19 @@ def _run_in_python(target: str, run_id: str, out: Path, fates: tuple[str, ...]) 
         for shard, entry in zip(NIGHT, _entries(), strict=True):
             if shard["fate"] not in fates:
                 continue
-            opts = {
-                "fingerprint": Fingerprint.from_fields(FINGERPRINT),
-                "expected_outputs": ["weights"],
-                "output_dir": out,
-            }
+            job_of = partial(
+                ledger.shard,
+                run_id,
+                entry.shard_id,
+                fingerprint=Fingerprint.from_fields(FINGERPRINT),
+                expected_outputs=["weights"],
+                output_dir=out,
+            )
             if shard["fate"] == "fail":
-                with pytest.raises(DataError), ledger.shard(run_id, entry.shard_id, **opts):
+                with pytest.raises(DataError), job_of():
                     raise DataError("bad frame")
                 continue
-            with ledger.shard(run_id, entry.shard_id, **opts) as job:
+            with job_of() as job:
                 path = out / entry.shard_id / "weights.bin"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with job.atomic_write(path, name="weights") as f:

@@ -9,10 +9,12 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
+from shard_client import Ledger
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
 from shard_client.errors import LedgerRejected
+from shard_client.fingerprint import Fingerprint
 from tests.builders import event, planned
 
 A100 = {"gpu.0.name": "NVIDIA A100-SXM4-80GB", "gpu.0.uuid": "GPU-1", "driver": "550.54"}
@@ -94,3 +96,20 @@ def test_a_digest_without_a_map_is_kept_as_the_clients_group_key(client: LedgerC
     client.append([planned(), _started("att-1", {}, "e" * 64)])
     stored = next(e for e in client.list_events("run-1") if e.attempt_id)
     assert stored.started.fingerprint_digest == "e" * 64
+
+
+def test_the_sdk_sends_the_digest_of_the_map_it_sends_even_cut_to_the_limits(
+    client: LedgerClient, tmp_path: Path
+) -> None:
+    # A value past the ledger's 1024 characters is cut by the SDK; its digest is the cut map's.
+    long = Fingerprint.from_fields({"error": "x" * 3000, "driver": "550.54"})
+    client.append([planned()])
+    with (
+        Ledger(client.target) as ledger,
+        ledger.shard("run-1", "shard-0", fingerprint=long, output_dir=tmp_path) as shard,
+        shard.atomic_write(tmp_path / "out.bin", name="out") as f,
+    ):
+        f.write(b"done")
+    started = next(e.started for e in client.list_events("run-1") if e.HasField("started"))
+    assert len(started.fingerprint["error"]) == 1024
+    assert started.fingerprint_digest == fingerprint_digest(dict(started.fingerprint))
