@@ -282,6 +282,8 @@ def validate(event: Event, *, row_format: int = ROW_FORMAT) -> ValidEvent:
         content["payload"] = payload_dict(payload)
     try:
         text = legacy_json(content) if row_format == ROW_FORMAT_LEGACY else content_jcs(content)
+    except UnicodeEncodeError as exc:  # a lone surrogate from a caller that is not protobuf
+        raise InvalidEvent("payload", f"is not UTF-8 text: {exc.reason}") from None
     except (TypeError, ValueError) as exc:
         raise InvalidEvent("payload", f"is not representable: {exc}") from None
     try:

@@ -201,10 +201,7 @@ def canonical_json(value: Any) -> str:
     if not text.isascii():
         # A lone surrogate reaches the text from a string value; RFC 8785 refuses it, and
         # no UTF-8 row could hold it.
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"input contains a lone surrogate: {exc.reason}") from None
+        text.encode("utf-8")  # UnicodeEncodeError, a ValueError, names the surrogate
     if numbers:
         for index, number in enumerate(numbers):
             text = text.replace(f'"{_TOKEN}{index}"', number, 1)
@@ -222,6 +219,8 @@ def _jcs(value: Any) -> str:
     try:
         return rfc8785.dumps(value).decode("utf-8")
     except rfc8785.CanonicalizationError as exc:  # already a ValueError; say it plainly
+        if "UTF-8" in str(exc):  # a lone surrogate, as the fast path reports it
+            raise UnicodeEncodeError("utf-8", "", 0, 1, "surrogates not allowed") from None
         raise ValueError(str(exc)) from None
 
 
