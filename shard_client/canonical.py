@@ -133,6 +133,72 @@ def es6_number(value: float) -> str:
     return sign + (digits if k == 1 else digits[0] + "." + digits[1:]) + tail
 
 
+def _plain_float(value: float, numbers: list[str]) -> Any:
+    """Returns a float as the C encoder writes it like ECMAScript, or raises _NeedsJcs."""
+    if value.is_integer():
+        if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+            return int(value)  # 1.0 -> 1, -0.0 -> 0, as ECMAScript prints them
+    elif abs(value) >= _MIN_PLAIN_FLOAT:
+        return value
+    elif value != value:  # NaN: refused by the rfc8785 package, with its reason
+        raise _NeedsJcs
+    if value in (math.inf, -math.inf):
+        raise _NeedsJcs
+    numbers.append(es6_number(value))
+    return f"{_TOKEN}{len(numbers) - 1}"
+
+
+def _plain_item(item: Any, numbers: list[str]) -> Any:
+    """Returns a container or float item as _plain does; other types raise _NeedsJcs."""
+    kind = type(item)
+    if kind is float:
+        return _plain_float(item, numbers)
+    if kind is dict:
+        return _plain_dict(item, numbers)
+    if kind is list or kind is tuple:
+        return _plain_list(item, numbers)
+    raise _NeedsJcs  # another type: RFC 8785's encoder accepts it or says why not
+
+
+def _plain_dict(value: dict[Any, Any], numbers: list[str]) -> dict[Any, Any]:
+    out: dict[Any, Any] | None = None
+    for key, item in value.items():
+        if type(key) is not str or (not key.isascii() and max(key) >= _FIRST_UNSAFE_KEY_CHAR):
+            raise _NeedsJcs
+        kind = type(item)
+        # Scalars inline: an event is mostly strings and small ints.
+        if kind is str or kind is bool or item is None:
+            continue
+        if kind is int:
+            if -MAX_SAFE_INTEGER <= item <= MAX_SAFE_INTEGER:
+                continue
+            raise _NeedsJcs
+        plain = _plain_item(item, numbers)
+        if plain is not item:
+            if out is None:
+                out = dict(value)
+            out[key] = plain
+    return value if out is None else out
+
+
+def _plain_list(value: list[Any] | tuple[Any, ...], numbers: list[str]) -> Any:
+    items: list[Any] | None = None
+    for index, item in enumerate(value):
+        kind = type(item)
+        if kind is str or kind is bool or item is None:
+            continue
+        if kind is int:
+            if -MAX_SAFE_INTEGER <= item <= MAX_SAFE_INTEGER:
+                continue
+            raise _NeedsJcs
+        plain = _plain_item(item, numbers)
+        if plain is not item:
+            if items is None:
+                items = list(value)
+            items[index] = plain
+    return value if items is None else items
+
+
 def _plain(value: Any, numbers: list[str]) -> Any:
     """Returns the value the C encoder writes as RFC 8785, or raises _NeedsJcs.
 
@@ -147,43 +213,7 @@ def _plain(value: Any, numbers: list[str]) -> Any:
         if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
             return value
         raise _NeedsJcs
-    if kind is float:
-        if value.is_integer():
-            if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
-                return int(value)  # 1.0 -> 1, -0.0 -> 0, as ECMAScript prints them
-        elif abs(value) >= _MIN_PLAIN_FLOAT:
-            return value
-        elif value != value:  # NaN: refused by the rfc8785 package, with its reason
-            raise _NeedsJcs
-        if value in (math.inf, -math.inf):
-            raise _NeedsJcs
-        numbers.append(es6_number(value))
-        return f"{_TOKEN}{len(numbers) - 1}"
-    if kind is dict:
-        out: dict[str, Any] | None = None
-        for key, item in value.items():
-            if type(key) is not str or (not key.isascii() and max(key) >= _FIRST_UNSAFE_KEY_CHAR):
-                raise _NeedsJcs
-            if type(item) is str:
-                continue
-            plain = _plain(item, numbers)
-            if plain is not item:
-                if out is None:
-                    out = dict(value)
-                out[key] = plain
-        return value if out is None else out
-    if kind is list or kind is tuple:
-        items: list[Any] | None = None
-        for index, item in enumerate(value):
-            if type(item) is str:
-                continue
-            plain = _plain(item, numbers)
-            if plain is not item:
-                if items is None:
-                    items = list(value)
-                items[index] = plain
-        return value if items is None else items
-    raise _NeedsJcs  # another type: RFC 8785's encoder accepts it or says why not
+    return _plain_item(value, numbers)
 
 
 def canonical_json(value: Any) -> str:
