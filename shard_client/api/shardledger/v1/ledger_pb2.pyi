@@ -401,10 +401,42 @@ class GetTreeHeadRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ...) -> None: ...
 
 class GetTreeHeadResponse(_message.Message):
-    __slots__ = ("tree_head_json",)
+    __slots__ = ("tree_head_json", "tree_head")
     TREE_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    TREE_HEAD_FIELD_NUMBER: _ClassVar[int]
     tree_head_json: str
-    def __init__(self, tree_head_json: _Optional[str] = ...) -> None: ...
+    tree_head: TreeHead
+    def __init__(self, tree_head_json: _Optional[str] = ..., tree_head: _Optional[_Union[TreeHead, _Mapping]] = ...) -> None: ...
+
+class TreeHead(_message.Message):
+    __slots__ = ("namespace", "run_id", "tree_size", "root_hex", "timestamp_ms", "key_id", "signature_hex")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_HEX_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_HEX_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    tree_size: int
+    root_hex: str
+    timestamp_ms: int
+    key_id: str
+    signature_hex: str
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., root_hex: _Optional[str] = ..., timestamp_ms: _Optional[int] = ..., key_id: _Optional[str] = ..., signature_hex: _Optional[str] = ...) -> None: ...
+
+class InclusionProofBundle(_message.Message):
+    __slots__ = ("head", "leaf_index", "leaf_hex", "proof_hex")
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LEAF_HEX_FIELD_NUMBER: _ClassVar[int]
+    PROOF_HEX_FIELD_NUMBER: _ClassVar[int]
+    head: TreeHead
+    leaf_index: int
+    leaf_hex: str
+    proof_hex: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, head: _Optional[_Union[TreeHead, _Mapping]] = ..., leaf_index: _Optional[int] = ..., leaf_hex: _Optional[str] = ..., proof_hex: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetInclusionProofRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "event_id", "tree_size")
@@ -419,10 +451,12 @@ class GetInclusionProofRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., event_id: _Optional[str] = ..., tree_size: _Optional[int] = ...) -> None: ...
 
 class GetInclusionProofResponse(_message.Message):
-    __slots__ = ("proof_bundle_json",)
+    __slots__ = ("proof_bundle_json", "bundle")
     PROOF_BUNDLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     proof_bundle_json: str
-    def __init__(self, proof_bundle_json: _Optional[str] = ...) -> None: ...
+    bundle: InclusionProofBundle
+    def __init__(self, proof_bundle_json: _Optional[str] = ..., bundle: _Optional[_Union[InclusionProofBundle, _Mapping]] = ...) -> None: ...
 
 class GetConsistencyProofRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "old_size", "new_size")
@@ -437,12 +471,14 @@ class GetConsistencyProofRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., old_size: _Optional[int] = ..., new_size: _Optional[int] = ...) -> None: ...
 
 class GetConsistencyProofResponse(_message.Message):
-    __slots__ = ("proof", "tree_head_json")
+    __slots__ = ("proof", "tree_head_json", "tree_head")
     PROOF_FIELD_NUMBER: _ClassVar[int]
     TREE_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    TREE_HEAD_FIELD_NUMBER: _ClassVar[int]
     proof: _containers.RepeatedScalarFieldContainer[bytes]
     tree_head_json: str
-    def __init__(self, proof: _Optional[_Iterable[bytes]] = ..., tree_head_json: _Optional[str] = ...) -> None: ...
+    tree_head: TreeHead
+    def __init__(self, proof: _Optional[_Iterable[bytes]] = ..., tree_head_json: _Optional[str] = ..., tree_head: _Optional[_Union[TreeHead, _Mapping]] = ...) -> None: ...
 
 class GetPublicKeyRequest(_message.Message):
     __slots__ = ()
