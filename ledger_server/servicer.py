@@ -226,6 +226,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             return pb.GetRunSummaryResponse(
                 summary_json=legacy_json(summary),
                 as_of_time=codec.us_timestamp(summary["as_of_us"]),
+                summary=codec.run_summary_pb(summary),
             )
 
     def ListShards(

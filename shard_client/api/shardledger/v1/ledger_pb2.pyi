@@ -325,12 +325,137 @@ class GetRunSummaryRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class GetRunSummaryResponse(_message.Message):
-    __slots__ = ("summary_json", "as_of_time")
+    __slots__ = ("summary_json", "as_of_time", "summary")
     SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
     AS_OF_TIME_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
     summary_json: str
     as_of_time: _timestamp_pb2.Timestamp
-    def __init__(self, summary_json: _Optional[str] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    summary: RunSummary
+    def __init__(self, summary_json: _Optional[str] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ...) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("namespace", "run_id", "submitted", "verified", "failed", "missing", "unverified", "running", "stale", "verify_failed", "completion_rate", "silent_errors", "silent_error_rate", "failure_tags", "attempt_failure_tags", "verify_failures", "duplicates", "duplicate_shards", "repairs", "fingerprint_groups", "attempts", "unconfirmed", "numeric", "late_attempts", "recomputed", "recomputed_rate", "first_pass", "as_of_us", "event_count", "head_hash")
+    class FailureTagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AttemptFailureTagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class VerifyFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DuplicatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class FingerprintGroupsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_RATE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_TAGS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FAILURE_TAGS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPAIRS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    LATE_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_US_FIELD_NUMBER: _ClassVar[int]
+    EVENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    submitted: int
+    verified: int
+    failed: int
+    missing: int
+    unverified: int
+    running: int
+    stale: int
+    verify_failed: int
+    completion_rate: float
+    silent_errors: int
+    silent_error_rate: float
+    failure_tags: _containers.ScalarMap[str, int]
+    attempt_failure_tags: _containers.ScalarMap[str, int]
+    verify_failures: _containers.ScalarMap[str, int]
+    duplicates: _containers.ScalarMap[str, int]
+    duplicate_shards: int
+    repairs: int
+    fingerprint_groups: _containers.ScalarMap[str, int]
+    attempts: int
+    unconfirmed: int
+    numeric: int
+    late_attempts: int
+    recomputed: int
+    recomputed_rate: float
+    first_pass: FirstPassSummary
+    as_of_us: int
+    event_count: int
+    head_hash: str
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ...) -> None: ...
+
+class FirstPassSummary(_message.Message):
+    __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric")
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_AT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_RATE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ATTEMPT_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    RECONCILIATION_RATE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    closed_at_sequence: int
+    verified: int
+    completion_rate: float
+    silent_errors: int
+    silent_error_rate: float
+    first_attempt_verified: int
+    reconciliation_rate: float
+    missing: int
+    numeric: int
+    def __init__(self, closed: _Optional[bool] = ..., closed_at_sequence: _Optional[int] = ..., verified: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., numeric: _Optional[int] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "state", "page_size", "page_token")

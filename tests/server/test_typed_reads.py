@@ -1,4 +1,4 @@
-"""Tree heads and proof bundles come as proto messages (the JSON fields stay one version)."""
+"""Run summaries, tree heads and proof bundles come as proto messages (the JSON fields stay one version)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from ledger_server import codec
 from ledger_server.merkle import leaf_hash, verify_inclusion
 from ledger_server.signing import InclusionProofBundle, TreeHead, verify_tree_head
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -77,3 +78,33 @@ def test_a_consistency_proof_carries_the_typed_newer_head(client: LedgerClient) 
     response = client.call(lambda t: client.stub.GetConsistencyProof(request, timeout=t))
     assert response.tree_head.tree_size == 3
     assert json.loads(response.tree_head_json)["signature_hex"] == response.tree_head.signature_hex
+
+
+def test_the_typed_run_summary_says_what_the_json_says_under_the_same_keys(
+    client: LedgerClient,
+) -> None:
+    client.append([planned(shard_id=f"s{i}", index=i) for i in range(3)])
+    client.append([started(shard_id="s0"), committed(shard_id="s0")])
+    request = pb.GetRunSummaryRequest(run_id="run-1")
+    response = client.call(lambda t: client.stub.GetRunSummary(request, timeout=t))
+    legacy = json.loads(response.summary_json)
+    typed = MessageToDict(
+        response.summary,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+    )
+    assert set(typed) == set(legacy)
+    assert set(typed["first_pass"]) == set(legacy["first_pass"])
+    summary = response.summary
+    assert (summary.submitted, summary.missing, summary.unverified) == (3, 2, 1)
+    assert summary.completion_rate == legacy["completion_rate"] == 0.0
+    assert summary.event_count == legacy["event_count"] == 5
+    assert summary.as_of_us == legacy["as_of_us"]
+    assert summary.head_hash == legacy["head_hash"]
+    assert dict(summary.duplicates) == legacy["duplicates"]
+    assert summary.first_pass.closed is False and summary.first_pass.closed_at_sequence == 0
+
+
+def test_a_summary_key_without_a_field_yet_is_left_out_not_refused() -> None:
+    typed = codec.run_summary_pb({"submitted": 2, "a_key_added_later": {"x": 1}})
+    assert typed.submitted == 2
