@@ -256,3 +256,8 @@ def run_summary_pb(summary: dict[str, Any]) -> pb.RunSummary:
     out rather than refused, so the JSON and the message can grow in either order.
     """
     return json_format.ParseDict(summary, pb.RunSummary(), ignore_unknown_fields=True)
+
+
+def shard_details_pb(view: dict[str, Any]) -> pb.ShardDetails:
+    """Returns the typed shard view (a key without a field yet is left out, as for summaries)."""
+    return json_format.ParseDict(view, pb.ShardDetails(), ignore_unknown_fields=True)

@@ -252,7 +252,10 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 ns, request.run_id, state=request.state, after=after
             ):
                 msg = pb.ShardView(
-                    shard_id=v["shard_id"], state=v["state"], view_json=legacy_json(v)
+                    shard_id=v["shard_id"],
+                    state=v["state"],
+                    view_json=legacy_json(v),
+                    view=codec.shard_details_pb(v),
                 )
                 size = entry_bytes(msg)
                 if not page.admits(size):

@@ -108,3 +108,26 @@ def test_the_typed_run_summary_says_what_the_json_says_under_the_same_keys(
 def test_a_summary_key_without_a_field_yet_is_left_out_not_refused() -> None:
     typed = codec.run_summary_pb({"submitted": 2, "a_key_added_later": {"x": 1}})
     assert typed.submitted == 2
+
+
+def test_a_typed_shard_view_says_what_the_json_says_under_the_same_keys(
+    client: LedgerClient,
+) -> None:
+    client.append([planned(shard_id="s0"), planned(shard_id="s1", index=1)])
+    client.append([started(shard_id="s0"), committed(shard_id="s0")])
+    views = {v.shard_id: v for v in client.shards("run-1")}
+    done, fresh = views["s0"], views["s1"]
+    legacy = json.loads(done.view_json)
+    typed = MessageToDict(
+        done.view, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    assert set(typed) | {"numeric", "deadline_us"} == set(legacy)  # unset: null in the JSON
+    assert done.view.state == legacy["state"] == "committed"
+    assert done.view.pid == legacy["pid"] == 123
+    assert done.view.last_step == legacy["last_step"]
+    assert dict(done.view.artifacts)["out"].blake3 == legacy["artifacts"]["out"]["blake3"]
+    assert done.view.fingerprint == legacy["fingerprint"]
+    assert not done.view.HasField("deadline_us") and legacy["deadline_us"] is None
+    # Never started: no attempt, so no pid and no last heartbeat.
+    assert not fresh.view.HasField("pid") and json.loads(fresh.view_json)["pid"] is None
+    assert fresh.view.state == "planned" and fresh.view.plan_index == 1

@@ -472,14 +472,92 @@ class ListShardsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., state: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ShardView(_message.Message):
-    __slots__ = ("shard_id", "state", "view_json")
+    __slots__ = ("shard_id", "state", "view_json", "view")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VIEW_JSON_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     state: str
     view_json: str
-    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ...) -> None: ...
+    view: ShardDetails
+    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ..., view: _Optional[_Union[ShardDetails, _Mapping]] = ...) -> None: ...
+
+class ShardDetails(_message.Message):
+    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass")
+    class SchedulerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class ArtifactsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ArtifactView
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ArtifactView, _Mapping]] = ...) -> None: ...
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_US_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_US_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    plan_index: int
+    state: str
+    detail: str
+    attempts: int
+    latest_attempt: str
+    host: str
+    pid: int
+    scheduler: _containers.ScalarMap[str, str]
+    process_start_ticks: int
+    deadline_us: int
+    last_seen_us: int
+    last_step: int
+    fingerprint: str
+    artifacts: _containers.MessageMap[str, ArtifactView]
+    duplicates: _containers.RepeatedScalarFieldContainer[str]
+    repaired: bool
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    numeric: NumericWarning
+    first_pass: str
+    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ...) -> None: ...
+
+class ArtifactView(_message.Message):
+    __slots__ = ("path", "size_bytes", "blake3")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    blake3: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3: _Optional[str] = ...) -> None: ...
+
+class NumericWarning(_message.Message):
+    __slots__ = ("step", "metrics")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    metrics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListShardsResponse(_message.Message):
     __slots__ = ("shards", "next_page_token")
