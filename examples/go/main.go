@@ -351,6 +351,16 @@ func runNight(args []string) int {
 	emit(map[string]interface{}{
 		"step": "error", "code": st.Code().String(), "reason": reason, "metadata": metadata, "ok": refused,
 	})
+	// 5. A typed read: the run summary as a message, no JSON to parse.
+	summary, err := ledger.GetRunSummary(ctx, &pb.GetRunSummaryRequest{RunId: *runID})
+	if err != nil {
+		fail("summary: %v", err)
+	}
+	s := summary.GetSummary()
+	emit(map[string]interface{}{
+		"step": "summary", "submitted": s.GetSubmitted(), "unverified": s.GetUnverified(),
+		"failed": s.GetFailed(), "missing": s.GetMissing(), "fingerprint_groups": s.GetFingerprintGroups(),
+	})
 	if !ok {
 		return 1
 	}

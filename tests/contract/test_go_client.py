@@ -178,6 +178,16 @@ def test_a_night_from_go_is_the_night_from_python_and_their_shards_are_one(
     assert error["code"] == "InvalidArgument"
     assert error["reason"] == "FINGERPRINT_DIGEST_MISMATCH"
     assert error["metadata"]["computed"] == fingerprint_digest({"gpu.0.name": "H100"})
+    # Go reads the run summary as a typed message.
+    summary = next(line for line in lines if line["step"] == "summary")
+    assert summary == {
+        "step": "summary",
+        "submitted": 4,
+        "unverified": 2,
+        "failed": 1,
+        "missing": 1,
+        "fingerprint_groups": {fingerprint_digest(FINGERPRINT): 3},
+    }
     # Python's plan of the same night is Go's, event for event.
     python_plans = plan_events("night-go", entries)
     assert [e.event_id for e in python_plans] == [p["event_id"] for p in plans]
