@@ -181,6 +181,19 @@ class RunTreeCache:
 _CACHE_INIT_LOCK: Final = threading.Lock()
 
 
+def tree_head_pb(head: TreeHead) -> pb.TreeHead:
+    """Returns the typed form of a signed tree head (the fields of its JSON, one for one)."""
+    return pb.TreeHead(
+        namespace=head.namespace,
+        run_id=head.run_id,
+        tree_size=head.tree_size,
+        root_hex=head.root_hex,
+        timestamp_ms=head.timestamp_ms,
+        key_id=head.key_id,
+        signature_hex=head.signature_hex,
+    )
+
+
 class AuditRpcMixin:
     """Serves the audit RPCs of the v1 contract (mixed into LedgerServicer)."""
 
@@ -194,7 +207,9 @@ class AuditRpcMixin:
             with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 size = _size("tree_size", request.tree_size, entry.tree.size)
                 head = self._sign(run, size, entry.tree.root(size))
-            return pb.GetTreeHeadResponse(tree_head_json=canonical_json(head.to_json()))
+            return pb.GetTreeHeadResponse(
+                tree_head_json=canonical_json(head.to_json()), tree_head=tree_head_pb(head)
+            )
 
     def GetInclusionProof(
         self, request: pb.GetInclusionProofRequest, context: grpc.ServicerContext
@@ -203,7 +218,15 @@ class AuditRpcMixin:
             check_id("event_id", request.event_id)
             with self._audit_tree(context, request.namespace, request.run_id) as (run, entry):
                 bundle = self._inclusion(run, entry, request.event_id, request.tree_size)
-            return pb.GetInclusionProofResponse(proof_bundle_json=canonical_json(bundle.to_json()))
+            return pb.GetInclusionProofResponse(
+                proof_bundle_json=canonical_json(bundle.to_json()),
+                bundle=pb.InclusionProofBundle(
+                    head=tree_head_pb(bundle.head),
+                    leaf_index=bundle.leaf_index,
+                    leaf_hex=bundle.leaf_hex,
+                    proof_hex=list(bundle.proof_hex),
+                ),
+            )
 
     def GetConsistencyProof(
         self, request: pb.GetConsistencyProofRequest, context: grpc.ServicerContext
@@ -216,7 +239,9 @@ class AuditRpcMixin:
                 proof = entry.tree.consistency_proof(request.old_size, new)
                 head = self._sign(run, new, entry.tree.root(new))
             return pb.GetConsistencyProofResponse(
-                proof=proof, tree_head_json=canonical_json(head.to_json())
+                proof=proof,
+                tree_head_json=canonical_json(head.to_json()),
+                tree_head=tree_head_pb(head),
             )
 
     def GetPublicKey(

@@ -9,34 +9,72 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import blake3
 
-from ledger_server.events import PAYLOAD_TYPES, Event, RecordedEvent
+from ledger_server.events import (
+    PAYLOAD_TYPES,
+    ROW_FORMAT,
+    ROW_FORMAT_LEGACY,
+    Event,
+    Heartbeat,
+    RecordedEvent,
+    float_fields,
+    int_fields,
+    safe_int,
+)
 from ledger_server.store.base import StoredEvent
+from shard_client.canonical import canonical_json, legacy_json
 
 GENESIS_HASH: Final = bytes(32)
 
 
-def row_bytes(event: Event, *, run_sequence: int, receive_time_us: int) -> bytes:
+class DecodedRow(NamedTuple):
+    """A stored row parsed back: its event, its place in the run, and its row format."""
+
+    event: Event
+    run_sequence: int
+    receive_time_us: int
+    row_format: int
+
+
+def row_bytes(
+    event: Event, *, run_sequence: int, receive_time_us: int, row_format: int = ROW_FORMAT
+) -> bytes:
     """Returns the canonical row bytes of an event; the global sequence is left out."""
     return encode_row(
-        event.content_json(), run_sequence=run_sequence, receive_time_us=receive_time_us
+        event.content_json(row_format),
+        run_sequence=run_sequence,
+        receive_time_us=receive_time_us,
+        row_format=row_format,
     )
 
 
-def encode_row(content_json: str, *, run_sequence: int, receive_time_us: int) -> bytes:
+def _number(value: int) -> str:
+    n = safe_int(int(value))
+    return f'"{n}"' if isinstance(n, str) else str(n)
+
+
+def encode_row(
+    content_json: str, *, run_sequence: int, receive_time_us: int, row_format: int = ROW_FORMAT
+) -> bytes:
     """Returns the canonical row bytes around an event's canonical content JSON.
 
-    The row is the canonical JSON of {"event": content, "receive_time_us": .., "run_sequence": ..};
-    its keys sort in that order, so the event's own canonical JSON is spliced in unchanged
-    instead of being encoded a second time. The global sequence is left out so runs stay
-    portable.
+    The row is the canonical JSON of {"event": content, "receive_time_us": ..,
+    "run_sequence": .., "v": 2} (row format 2, RFC 8785) or of the same object without
+    "v" (row format 1, Python's json); its keys sort in that order under both, so the
+    event's own canonical JSON is spliced in unchanged instead of being encoded a second
+    time. The global sequence is left out so runs stay portable.
     """
+    if row_format == ROW_FORMAT_LEGACY:
+        return (
+            f'{{"event":{content_json},"receive_time_us":{int(receive_time_us)},'
+            f'"run_sequence":{int(run_sequence)}}}'
+        ).encode()
     return (
-        f'{{"event":{content_json},"receive_time_us":{int(receive_time_us)},'
-        f'"run_sequence":{int(run_sequence)}}}'
+        f'{{"event":{content_json},"receive_time_us":{_number(receive_time_us)},'
+        f'"run_sequence":{_number(run_sequence)},"v":{ROW_FORMAT}}}'
     ).encode()
 
 
@@ -60,16 +98,79 @@ def parse_row(row: bytes) -> Any:
     return value
 
 
+def row_format_of(outer: Any) -> int:
+    """Returns the format of a parsed row: 1 without a "v" key, else its (known) value."""
+    if "v" not in outer:
+        return ROW_FORMAT_LEGACY
+    version = outer["v"]
+    if type(version) is not int or version == ROW_FORMAT_LEGACY or version > ROW_FORMAT:
+        raise ValueError(f"unknown row format {version!r}")
+    return version
+
+
+def encode_parsed_row(outer: Any) -> bytes:
+    """Returns the row bytes of a parsed row, re-encoded by its own format's rules.
+
+    Both encodings give back the bytes they were parsed from: Python's json round-trips
+    Python's floats and ints exactly, and RFC 8785 output is RFC 8785 of its own parse.
+    """
+    if row_format_of(outer) == ROW_FORMAT_LEGACY:
+        return legacy_json(outer).encode()
+    return canonical_json(outer).encode()
+
+
 def event_from_row(row: bytes) -> tuple[Event, int, int]:
     """Parses canonical row bytes back into (event, run_sequence, receive_time_us)."""
-    return event_from_parsed(parse_row(row))
+    decoded = decode_parsed(parse_row(row))
+    return decoded.event, decoded.run_sequence, decoded.receive_time_us
+
+
+def decode_row(row: bytes) -> DecodedRow:
+    """Parses canonical row bytes back into their event, place and row format."""
+    return decode_parsed(parse_row(row))
 
 
 def event_from_parsed(outer: Any) -> tuple[Event, int, int]:
     """Builds (event, run_sequence, receive_time_us) from a row parse_row() returned."""
+    decoded = decode_parsed(outer)
+    return decoded.event, decoded.run_sequence, decoded.receive_time_us
+
+
+_INT_FIELDS: Final = {kind: int_fields(cls) for kind, cls in PAYLOAD_TYPES.items()}
+_FLOAT_FIELDS: Final = {kind: float_fields(cls) for kind, cls in PAYLOAD_TYPES.items()}
+
+
+def _as_int(value: Any) -> int:
+    # Row format 2 writes integers past 2**53 as decimal strings; a row whose string is
+    # not one fails here or, when re-derived, as not canonical.
+    return int(value) if type(value) is str else value
+
+
+def _typed(kind: str, payload_data: dict[str, Any]) -> None:
+    """Gives row-format-2 numbers back their schema types (in place)."""
+    for name in _INT_FIELDS[kind]:
+        if type(payload_data.get(name)) is str:
+            payload_data[name] = int(payload_data[name])
+    for name in _FLOAT_FIELDS[kind]:
+        if type(payload_data.get(name)) is int:  # RFC 8785 writes 1.0 as 1
+            payload_data[name] = float(payload_data[name])
+    if kind == Heartbeat.KIND:
+        metrics = payload_data["metrics"]
+        payload_data["metrics"] = {k: float(v) for k, v in metrics.items()}
+
+
+def decode_parsed(outer: Any) -> DecodedRow:
+    """Builds a DecodedRow from a row parse_row() returned."""
+    row_format = row_format_of(outer)
     data = outer["event"]
     kind = data["kind"]
     payload_data = dict(data["payload"])
+    client_time_us = data["client_time_us"]
+    run_sequence, receive_time_us = outer["run_sequence"], outer["receive_time_us"]
+    if row_format != ROW_FORMAT_LEGACY:
+        _typed(kind, payload_data)
+        client_time_us = _as_int(client_time_us)
+        run_sequence, receive_time_us = _as_int(run_sequence), _as_int(receive_time_us)
     if kind == "planned":
         payload_data["expected_outputs"] = tuple(payload_data["expected_outputs"])
     elif kind == "heartbeat" and "nonfinite_metrics" in payload_data:
@@ -81,16 +182,18 @@ def event_from_parsed(outer: Any) -> tuple[Event, int, int]:
         run_id=data["run_id"],
         shard_id=data["shard_id"],
         attempt_id=data["attempt_id"],
-        client_time_us=data["client_time_us"],
+        client_time_us=client_time_us,
         payload=payload,
     )
-    return event, outer["run_sequence"], outer["receive_time_us"]
+    return DecodedRow(event, run_sequence, receive_time_us, row_format)
 
 
 def recorded(stored: StoredEvent) -> RecordedEvent:
     """Decodes a stored row into a RecordedEvent."""
-    event, run_sequence, receive_time_us = event_from_row(stored.row)
-    return RecordedEvent(event, stored.sequence, run_sequence, receive_time_us, stored.row_hash)
+    event, run_sequence, receive_time_us, row_format = decode_row(stored.row)
+    return RecordedEvent(
+        event, stored.sequence, run_sequence, receive_time_us, stored.row_hash, row_format
+    )
 
 
 @dataclass(slots=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
+from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -299,4 +300,19 @@ def encode_recorded(rec: RecordedEvent) -> pb.ShardEvent:
     msg.run_sequence = rec.run_sequence
     msg.receive_time.CopyFrom(us_timestamp(rec.receive_time_us))
     msg.row_hash = rec.row_hash
+    msg.row_format = rec.row_format
     return msg
+
+
+def run_summary_pb(summary: dict[str, Any]) -> pb.RunSummary:
+    """Returns the typed run summary: every key of the summary that RunSummary has a field for.
+
+    A key without a field yet (one another change added to summary.run_summary) is left
+    out rather than refused, so the JSON and the message can grow in either order.
+    """
+    return json_format.ParseDict(summary, pb.RunSummary(), ignore_unknown_fields=True)
+
+
+def shard_details_pb(view: dict[str, Any]) -> pb.ShardDetails:
+    """Returns the typed shard view (a key without a field yet is left out, as for summaries)."""
+    return json_format.ParseDict(view, pb.ShardDetails(), ignore_unknown_fields=True)

@@ -2,6 +2,7 @@
 
     LedgerError
     ├── InvalidEvent            a field is malformed (INVALID_ARGUMENT)
+    │   └── FingerprintDigestMismatch  a digest that is not its fingerprint's
     ├── LimitExceeded           a documented limit was exceeded (INVALID_ARGUMENT, names the limit)
     ├── RunNotFound             the run has no events (NOT_FOUND)
     ├── EventNotFound           no such event in the run (NOT_FOUND)
@@ -43,6 +44,21 @@ class InvalidEvent(LedgerError):
     def __init__(self, field: str, problem: str, **metadata: Any) -> None:
         super().__init__(f"{field}: {problem}", field=field, **metadata)
         self.field = field
+
+
+class FingerprintDigestMismatch(InvalidEvent):
+    """A started event's fingerprint_digest is not the digest of its fingerprint map."""
+
+    reason = "FINGERPRINT_DIGEST_MISMATCH"
+
+    def __init__(self, sent: str, computed: str) -> None:
+        super().__init__(
+            "started.fingerprint_digest",
+            f"is {sent[:16]}..., the fingerprint's digest is {computed}"
+            " (leave it empty and the ledger fills it in)",
+            sent=sent,
+            computed=computed,
+        )
 
 
 class LimitExceeded(LedgerError):

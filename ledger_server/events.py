@@ -9,10 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final, NamedTuple
 
-from shard_client.canonical import canonical_json
+from shard_client.canonical import MAX_SAFE_INTEGER, canonical_json, legacy_json
 
 DEFAULT_NAMESPACE: Final = "default"
 VERIFY_RESULTS: Final = ("passed", "failed")
+
+# The row formats (docs/contract.md): 1 is Python's json (rows written before RFC 8785 was
+# adopted, which keep their bytes), 2 is RFC 8785 with a "v":2 key in the row. New rows
+# are written in ROW_FORMAT.
+ROW_FORMAT_LEGACY: Final = 1
+ROW_FORMAT: Final = 2
+ROW_FORMATS: Final = (ROW_FORMAT_LEGACY, ROW_FORMAT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +234,11 @@ class Event:
             "payload": payload_dict(self.payload),
         }
 
-    def content_json(self) -> str:
-        """Returns the canonical JSON of the client-supplied content."""
-        return canonical_json(self.content())
+    def content_json(self, row_format: int = ROW_FORMAT) -> str:
+        """Returns the canonical JSON of the client-supplied content in a row format."""
+        if row_format == ROW_FORMAT_LEGACY:
+            return legacy_json(self.content())
+        return content_jcs(self.content())
 
 
 class RecordedEvent(NamedTuple):
@@ -244,6 +253,57 @@ class RecordedEvent(NamedTuple):
     run_sequence: int
     receive_time_us: int
     row_hash: bytes
+    # The format of the stored row (ROW_FORMATS): which encoding its bytes re-derive with.
+    row_format: int = ROW_FORMAT
+
+
+def safe_int(value: int) -> int | str:
+    """Returns an integer as row format 2 holds it: a decimal string beyond +-(2**53 - 1)."""
+    return value if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER else str(value)
+
+
+def content_jcs(content: dict[str, Any]) -> str:
+    """Returns the RFC 8785 text of an event's content (row format 2).
+
+    Integers beyond +-(2**53 - 1) (a JCS number is an IEEE double) are written as
+    decimal strings, as the protobuf JSON mapping writes int64; they can only sit
+    at the content's top level or in its payload, whose schema says they are ints.
+    """
+    try:
+        return canonical_json(content)
+    except ValueError:
+        fixed = _big_ints_as_strings(content)
+        if fixed is content:
+            raise  # NaN, infinity or a lone surrogate: not an integer's doing
+        return canonical_json(fixed)
+
+
+def _big_ints_as_strings(content: dict[str, Any]) -> dict[str, Any]:
+    def fix(level: dict[str, Any]) -> dict[str, Any]:
+        changed = {
+            k: str(v)
+            for k, v in level.items()
+            if type(v) is int and not -MAX_SAFE_INTEGER <= v <= MAX_SAFE_INTEGER
+        }
+        return {**level, **changed} if changed else level
+
+    top = fix(content)
+    payload = content.get("payload")
+    if isinstance(payload, dict):
+        fixed = fix(payload)
+        if fixed is not payload:
+            top = {**top, "payload": fixed}
+    return top
+
+
+def int_fields(cls: type[Any]) -> tuple[str, ...]:
+    """Returns the names of a payload type's integer fields."""
+    return tuple(f.name for f in fields(cls) if f.type in ("int", int))
+
+
+def float_fields(cls: type[Any]) -> tuple[str, ...]:
+    """Returns the names of a payload type's float fields."""
+    return tuple(f.name for f in fields(cls) if f.type in ("float", float))
 
 
 def payload_dict(payload: Payload) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from itertools import islice
 from typing import Final
 
 from ledger_server import projections as proj
-from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row
+from ledger_server.chain import GENESIS_HASH, ChainWalker, decode_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
 from ledger_server.events import RecordedEvent, SubmissionClosed
 from ledger_server.record import ShardRecord
@@ -121,8 +121,8 @@ class _RunWriter:
             raise rejected("the row does not match its chain hash")
         self.chain.advance(row.row_hash)
         try:
-            event, in_row, receive_us = event_from_row(row.row)
-            valid = validate(event)
+            event, in_row, receive_us, row_format = decode_row(row.row)
+            valid = validate(event, row_format=row_format)
         except (ValueError, KeyError, TypeError) as exc:
             raise rejected(f"not a ledger row ({exc})") from None
         except LedgerError as exc:
@@ -133,10 +133,10 @@ class _RunWriter:
             self.chain.count,
         ):
             raise rejected(f"the row belongs to {event.namespace}/{event.run_id} at {in_row}")
-        if valid.canonical != event.content_json():
+        if valid.canonical != event.content_json(row_format):
             raise rejected("the event is not in the normal form the ledger stores")
         # The global sequence is assigned on insert; 0 marks it as not yet known.
-        return RecordedEvent(event, 0, in_row, receive_us, row.row_hash)
+        return RecordedEvent(event, 0, in_row, receive_us, row.row_hash, row_format)
 
     def _insert(self, row: ImportRow, rec: RecordedEvent) -> None:
         if self.run is None:
@@ -154,7 +154,14 @@ class _RunWriter:
         self.last_sequence = sequence
         self.last_receive_us = max(self.last_receive_us, rec.receive_time_us)
         self._fold(
-            RecordedEvent(rec.event, sequence, rec.run_sequence, rec.receive_time_us, row.row_hash)
+            RecordedEvent(
+                rec.event,
+                sequence,
+                rec.run_sequence,
+                rec.receive_time_us,
+                row.row_hash,
+                rec.row_format,
+            )
         )
 
     def _fold(self, rec: RecordedEvent) -> None:

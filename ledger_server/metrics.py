@@ -52,6 +52,7 @@ STORE_FAULTS: Final = (
 # Anything else is counted as OTHER, so a new reason can never grow the label set.
 REJECT_REASONS: Final = (
     *("INVALID_FIELD", "LIMIT_EXCEEDED", "RUN_NOT_FOUND", "EVENT_ID_REUSED", "PLAN_CONFLICT"),
+    "FINGERPRINT_DIGEST_MISMATCH",
     # LIFECYCLE_VIOLATION and its precise variants (projections.check_lifecycle).
     *("LIFECYCLE_VIOLATION", "SHARD_NOT_PLANNED", "ATTEMPT_ALREADY_STARTED"),
     *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED"),

@@ -14,6 +14,7 @@ Life cycle of one shard (see docs/projections.md):
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 from ledger_server import ranks
@@ -31,7 +32,7 @@ from ledger_server.events import (
 )
 from ledger_server.record import Attempt, ShardRecord, plan_line_for
 from ledger_server.states import QueryState, ShardState
-from shard_client.canonical import canonical_json
+from shard_client.canonical import canonical_json, legacy_json
 from shard_client.vocabulary import VERIFIER_REASONS
 
 # An event that reached the ledger this long (or its attempt's heartbeat timeout, if
@@ -74,13 +75,36 @@ def check_plan(record: ShardRecord | None, event: Event) -> bool:
     assert isinstance(event.payload, ShardPlanned)
     if record is None:
         return True
-    if record.definition_json != canonical_json(event.payload.definition()):
+    definition = canonical_json(event.payload.definition())
+    if record.definition_json != definition and not same_definition(
+        record.definition_json, definition
+    ):
         raise PlanConflict(
             f"shard {event.shard_id} was planned with a different definition",
             shard_id=event.shard_id,
             existing_sequence=record.planned_seq,
         )
     return False
+
+
+def _params_meaning(params_json: str) -> str:
+    value = json.loads(params_json)
+    try:
+        return canonical_json(value)
+    except ValueError:  # an integer past 2**53 in a plan of row format 1: exact digits
+        return legacy_json(value)
+
+
+def same_definition(stored_json: str, definition_json: str) -> bool:
+    """Returns whether two definitions' JSON say the same, their params compared by meaning.
+
+    A plan stored in row format 1 holds its params in Python's encoding ({"lr":1.0}); the
+    same plan sent again is normalized to RFC 8785 ({"lr":1}) and is the same plan.
+    """
+    stored, sent = json.loads(stored_json), json.loads(definition_json)
+    stored["params_json"] = _params_meaning(stored["params_json"])
+    sent["params_json"] = _params_meaning(sent["params_json"])
+    return bool(stored == sent)
 
 
 def check_lifecycle(record: ShardRecord | None, event: Event) -> None:

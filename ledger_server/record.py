@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from ledger_server.events import ShardPlanned
 from ledger_server.states import ShardState
-from shard_client.canonical import canonical_json
+from shard_client.canonical import legacy_json
 
 # 2: verdicts belong to one attempt's commit (were keyed by path and digest for the
 # whole shard), attempts know whether they ran in the run's first pass, numeric
@@ -149,7 +149,7 @@ class ShardRecord:
         }
         if self.path_heads:
             data["path_heads"] = self.path_heads
-        return canonical_json(data)
+        return legacy_json(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ShardRecord:
@@ -260,16 +260,19 @@ def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | N
 
 
 def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:
-    """Returns the plan line handed back in resume lists (the original one when given)."""
+    """Returns the plan line handed back in resume lists (the original one when given).
+
+    Without one, the line is built around the plan's params text, spliced in as stored
+    (RFC 8785 for plans of row format 2, Python's encoding for older ones), so a record
+    rebuilt from old rows says what it said.
+    """
     if plan.plan_line:
         return plan.plan_line
-    return canonical_json(
-        {
-            "shard_id": shard_id,
-            "input_ref": plan.input_ref,
-            "input_bytes": plan.input_bytes,
-            "input_blake3": plan.input_blake3,
-            "params": json.loads(plan.params_json),
-            "expected_outputs": list(plan.expected_outputs),
-        }
+    return (
+        f'{{"expected_outputs":{legacy_json(list(plan.expected_outputs))},'
+        f'"input_blake3":{legacy_json(plan.input_blake3)},'
+        f'"input_bytes":{int(plan.input_bytes)},'
+        f'"input_ref":{legacy_json(plan.input_ref)},'
+        f'"params":{plan.params_json},'
+        f'"shard_id":{legacy_json(shard_id)}}}'
     )

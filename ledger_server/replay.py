@@ -77,12 +77,14 @@ class RunReplay:
         outer = parse_row(row)
         data = outer["event"]
         if data["kind"] == Heartbeat.KIND and "nonfinite_metrics" not in data["payload"]:
-            self.last_receive_us = outer["receive_time_us"]
+            receive_us, step = outer["receive_time_us"], data["payload"]["step"]
+            self.last_receive_us = int(receive_us) if type(receive_us) is str else receive_us
             fold_beat(
                 self.records[data["shard_id"]],
                 data["attempt_id"],
-                outer["receive_time_us"],
-                data["payload"]["step"],
+                # Row format 2 holds integers past 2**53 as decimal strings.
+                int(receive_us) if type(receive_us) is str else receive_us,
+                int(step) if type(step) is str else step,
             )
             return
         event, run_sequence, receive_us = event_from_parsed(outer)

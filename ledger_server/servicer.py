@@ -21,7 +21,7 @@ from ledger_server.signing import SigningKey
 from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
-from shard_client.canonical import canonical_json
+from shard_client.canonical import legacy_json
 
 MAX_PAGE_SIZE: Final = 5000
 RESUME_CHUNK: Final = 1000
@@ -224,8 +224,9 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             ns = self._scope(context, READ, request.namespace, request.run_id)
             summary = self.ledger.summary(ns, request.run_id)
             return pb.GetRunSummaryResponse(
-                summary_json=canonical_json(summary),
+                summary_json=legacy_json(summary),
                 as_of_time=codec.us_timestamp(summary["as_of_us"]),
+                summary=codec.run_summary_pb(summary),
             )
 
     def ListShards(
@@ -251,7 +252,10 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 ns, request.run_id, state=request.state, after=after
             ):
                 msg = pb.ShardView(
-                    shard_id=v["shard_id"], state=v["state"], view_json=canonical_json(v)
+                    shard_id=v["shard_id"],
+                    state=v["state"],
+                    view_json=legacy_json(v),
+                    view=codec.shard_details_pb(v),
                 )
                 size = entry_bytes(msg)
                 if not page.admits(size):

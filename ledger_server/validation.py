@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from typing import Final, NamedTuple
 
-from ledger_server.errors import InvalidEvent, LimitExceeded
+from ledger_server.errors import FingerprintDigestMismatch, InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
+    ROW_FORMAT,
+    ROW_FORMAT_LEGACY,
     VERIFY_RESULTS,
     ArtifactCommitted,
     ArtifactVerified,
@@ -26,10 +29,11 @@ from ledger_server.events import (
     Payload,
     ShardPlanned,
     SubmissionClosed,
+    content_jcs,
     payload_dict,
 )
 from ledger_server.ranks import RANK_PLACEHOLDER
-from shard_client.canonical import canonical_json
+from shard_client.canonical import canonical_json, fingerprint_digest, legacy_json
 from shard_client.labels import label_problem
 from shard_client.vocabulary import FAILURE_TAGS, SCHEDULER_FIELDS
 
@@ -106,7 +110,7 @@ def _check_size(field_name: str, value: int) -> None:
         raise InvalidEvent(field_name, "must not be negative")
 
 
-def _check_json_object(field_name: str, text: str) -> str:
+def _check_json_object(field_name: str, text: str, row_format: int = ROW_FORMAT) -> str:
     if not text:
         return "{}"
     try:
@@ -116,16 +120,21 @@ def _check_json_object(field_name: str, text: str) -> str:
     if not isinstance(value, dict):
         raise InvalidEvent(field_name, "must be a JSON object")
     try:
-        text = canonical_json(value)
+        # RFC 8785 refuses an integer past +-(2**53 - 1) (a JCS number is an IEEE double,
+        # so another language would read another number): send it as a string.
+        encode = legacy_json if row_format == ROW_FORMAT_LEGACY else canonical_json
+        text = encode(value)
         # A JSON escape may name a lone surrogate ("\\ud800"): valid JSON, but no UTF-8
         # text can carry it, and the row must be stored as UTF-8.
         text.encode("utf-8")
+    except RecursionError:
+        raise InvalidEvent(field_name, "is nested too deeply") from None
     except ValueError as exc:  # UnicodeEncodeError is a ValueError
         raise InvalidEvent(field_name, f"is not canonicalizable: {exc}") from None
     return text
 
 
-def normalize_plan(p: ShardPlanned) -> ShardPlanned:
+def normalize_plan(p: ShardPlanned, row_format: int = ROW_FORMAT) -> ShardPlanned:
     """Returns the plan with canonical JSON fields, or raises InvalidEvent."""
     _check_text("planned.input_ref", p.input_ref, MAX_PATH_CHARS, required=True)
     _check_size("planned.input_bytes", p.input_bytes)
@@ -143,9 +152,11 @@ def normalize_plan(p: ShardPlanned) -> ShardPlanned:
         input_ref=p.input_ref,
         input_bytes=p.input_bytes,
         input_blake3=p.input_blake3,
-        params_json=_check_json_object("planned.params_json", p.params_json),
+        params_json=_check_json_object("planned.params_json", p.params_json, row_format),
         expected_outputs=tuple(p.expected_outputs),
-        plan_line=_check_json_object("planned.plan_line", p.plan_line) if p.plan_line else "",
+        plan_line=(
+            _check_json_object("planned.plan_line", p.plan_line, row_format) if p.plan_line else ""
+        ),
         plan_index=p.plan_index,
         labels=p.labels,
     )
@@ -157,7 +168,7 @@ def _check_labels(field_name: str, labels: dict[str, str]) -> None:
         raise InvalidEvent(field_name, problem)
 
 
-def _check_payload(event: Event) -> Payload:
+def _check_payload(event: Event, row_format: int) -> Payload:
     p = event.payload
     if isinstance(p, SubmissionClosed):
         # A run-level event: it is about no shard and no attempt.
@@ -174,7 +185,7 @@ def _check_payload(event: Event) -> Payload:
     if isinstance(p, ShardPlanned):
         if event.attempt_id:
             raise InvalidEvent("attempt_id", "must be empty for a planned event")
-        return normalize_plan(p)
+        return normalize_plan(p, row_format)
     if isinstance(p, ArtifactVerified):
         check_id("attempt_id", event.attempt_id, required=False)
     else:
@@ -199,6 +210,8 @@ def _check_payload(event: Event) -> Payload:
         _check_size("started.process_start_ticks", p.process_start_ticks)
         _check_labels("started.labels", p.labels)
         _check_ranks(p)
+        if row_format != ROW_FORMAT_LEGACY:
+            return _own_digest(p)
     elif isinstance(p, Heartbeat):
         _check_size("heartbeat.step", p.step)
         if not (math.isfinite(p.progress) and 0.0 <= p.progress <= 1.0):
@@ -277,8 +290,33 @@ def _check_ranks(p: AttemptStarted) -> None:
     _check_size("started.restart_count", p.restart_count)
 
 
-def validate(event: Event) -> ValidEvent:
-    """Returns the event with defaults applied and its canonical JSON, or raises InvalidEvent."""
+def _own_digest(p: AttemptStarted) -> AttemptStarted:
+    """Returns the started payload with the digest the server computes from its fingerprint.
+
+    A fingerprint map's digest is the server's: absent, it is filled in; sent, it must be
+    the map's (or the digest older SDKs computed, non-ASCII escaped, which a spool may still
+    hold), else FINGERPRINT_DIGEST_MISMATCH. Without a map there is nothing to compute
+    from, and a digest sent alone is kept as the client's group key.
+    """
+    if not p.fingerprint:
+        return p
+    digest = fingerprint_digest(p.fingerprint)
+    if p.fingerprint_digest == digest:
+        return p
+    if p.fingerprint_digest and p.fingerprint_digest != fingerprint_digest(
+        p.fingerprint, legacy=True
+    ):
+        raise FingerprintDigestMismatch(p.fingerprint_digest, digest)
+    return replace(p, fingerprint_digest=digest)
+
+
+def validate(event: Event, *, row_format: int = ROW_FORMAT) -> ValidEvent:
+    """Returns the event with defaults applied and its canonical JSON, or raises InvalidEvent.
+
+    `row_format` is the format the event is stored in: new events are validated for
+    ROW_FORMAT; an imported row of format 1 by the rules its server applied (its JSON
+    fields in Python's encoding, its fingerprint digest as the client sent it).
+    """
     check_id("event_id", event.event_id)
     namespace = check_namespace(event.namespace)
     check_id("run_id", event.run_id)
@@ -287,7 +325,7 @@ def validate(event: Event) -> ValidEvent:
     if event.client_time_us > MAX_TIMESTAMP_US:
         # Beyond it a Timestamp cannot carry the value back: every read of the run would fail.
         raise InvalidEvent("client_time", "must be before the year 10000")
-    payload = _check_payload(event)
+    payload = _check_payload(event, row_format)
     # Only a plan or a namespace is ever normalized; every other event is encoded as sent.
     content = event.content()
     if namespace != event.namespace:
@@ -295,7 +333,9 @@ def validate(event: Event) -> ValidEvent:
     if payload is not event.payload:
         content["payload"] = payload_dict(payload)
     try:
-        text = canonical_json(content)
+        text = legacy_json(content) if row_format == ROW_FORMAT_LEGACY else content_jcs(content)
+    except UnicodeEncodeError as exc:  # a lone surrogate from a caller that is not protobuf
+        raise InvalidEvent("payload", f"is not UTF-8 text: {exc.reason}") from None
     except (TypeError, ValueError) as exc:
         raise InvalidEvent("payload", f"is not representable: {exc}") from None
     try:

@@ -13,23 +13,17 @@ import contextlib
 import importlib
 import os
 import platform
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
-import blake3
-
-from shard_client.canonical import fingerprint_json
+from shard_client.canonical import digest_fields, fingerprint_digest, fingerprint_json
 
 __all__ = ["SCHEMA_VERSION", "Fingerprint", "NvmlSeam", "PynvmlSeam", "fingerprint"]
 
 # Bumped whenever a key is added, removed or renamed, so digests are comparable.
 SCHEMA_VERSION = "2"
-# Recorded, but not part of the digest: which board it was and its health do not
-# change numerics, and keeping them out lets identical nodes share one group.
-_IDENTITY_KEY = re.compile(r"gpu\.\d+\.(uuid|ecc\..+)")
 IMAGE_DIGEST_ENV = "SHARDLEDGER_IMAGE_DIGEST"
 _RECORDED_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
 
@@ -45,17 +39,17 @@ class Fingerprint:
     def from_fields(cls, fields: Mapping[str, str]) -> Fingerprint:
         """Builds a fingerprint; the digest covers every field but GPU identity and health."""
         copied = dict(fields)
-        return cls(fields=copied, digest=blake3.blake3(digest_material(copied)).hexdigest())
+        return cls(fields=copied, digest=fingerprint_digest(copied))
 
 
 def digest_material(fields: Mapping[str, str]) -> bytes:
-    """Returns the bytes the digest is computed over: the kept fields as `fingerprint_json`.
+    """Returns the bytes the digest is computed over: the kept fields' RFC 8785 bytes.
 
     GPU UUIDs and ECC counters are left out: two identical nodes, or one board
-    before and after an ECC event, are one environment for numerics.
+    before and after an ECC event, are one environment for numerics. The rule is
+    the contract's (docs/contract.md); the ledger recomputes every digest with it.
     """
-    kept = {k: v for k, v in fields.items() if not _IDENTITY_KEY.fullmatch(k)}
-    return fingerprint_json(kept)
+    return fingerprint_json(digest_fields(fields))
 
 
 class NvmlSeam(Protocol):

@@ -33,6 +33,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from shard_client import atomic, checkpoint, checkpoint_records
 from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import fingerprint_digest
 from shard_client.classify import describe, failure_tag
 from shard_client.diagnostics import BundleContext
 from shard_client.errors import LedgerClientError, LedgerRejected
@@ -175,14 +176,18 @@ class Shard:
             # A job preempted mid-checkpoint leaves a whole checkpoint's worth of temp file.
             atomic.cleanup_orphans(checkpoints, older_than_s=self.options.orphan_age_s)
         fp = self._read_fingerprint()
+        fields = {k[:256]: v[:1024] for k, v in fp.fields.items()}  # the ledger's limits
         timeout = Duration()
         timeout.FromNanoseconds(int(self.options.heartbeat_timeout * 1e9))
         started = pb.AttemptStarted(
             host=socket.gethostname(),
             pid=os.getpid(),
             heartbeat_timeout=timeout,
-            fingerprint={k[:256]: v[:1024] for k, v in fp.fields.items()},
-            fingerprint_digest=fp.digest,
+            fingerprint=fields,
+            # The ledger computes the digest from the map it receives and refuses another
+            # (docs/contract.md), so it is the digest of the map as sent, cut or not; a
+            # digest without fields is the caller's own group key, sent as it is.
+            fingerprint_digest=fingerprint_digest(fields) if fields else fp.digest,
             scheduler=_scheduler_identity(),
             process_start_ticks=process_start_ticks(),
             labels=self._labels(),

@@ -9,6 +9,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import fingerprint_digest
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -27,6 +28,9 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 DIGEST_A = "a" * 64
 DIGEST_B = "b" * 64
+# The fingerprint started() records, and its digest (the ledger refuses any other).
+FINGERPRINT = {"driver": "550.54"}
+FINGERPRINT_DIGEST = fingerprint_digest(FINGERPRINT)
 
 
 def event(
@@ -80,8 +84,8 @@ def started(
             host="node-1",
             pid=123,
             heartbeat_timeout=Duration(seconds=timeout_s),
-            fingerprint={"driver": "550.54"},
-            fingerprint_digest=DIGEST_B,
+            fingerprint=FINGERPRINT,
+            fingerprint_digest=FINGERPRINT_DIGEST,
         ),
     )
 

@@ -55,7 +55,7 @@ from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.canonical import canonical_json
+from shard_client.canonical import canonical_json, fingerprint_digest
 from shard_client.client import LedgerClient
 from shardledger_cli.output import write_lines
 
@@ -71,7 +71,7 @@ SUMMARY_KEYS: Final = (
 )
 BATCH: Final = 10_000
 DIGEST: Final = "ab" * 32
-FP: Final = "cd" * 32
+FP: Final = fingerprint_digest({"gpu": "H100"})  # the ledger refuses any other for the map
 TARGETS: Final = {
     "status_s": 1.0,
     "status_stretch_s": 0.2,

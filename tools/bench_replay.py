@@ -50,13 +50,14 @@ from ledger_server.events import (
 from ledger_server.rebuild import rebuild_run
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import check_namespace, validate
+from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
 from tools.bench_projections import save_result, shard_id
 
 RUN: Final = "night"
 NAMESPACE: Final = check_namespace("")  # the default namespace, as the server stores it
 DIGEST: Final = "ab" * 32
-FP: Final = "cd" * 32
+FP: Final = fingerprint_digest({"gpu": "H100"})  # the ledger refuses any other for the map
 HOUR_US: Final = 3600 * 1_000_000
 WAVE: Final = 10_000  # shards in flight at once: their heartbeats interleave in the log
 FLUSH: Final = 20_000  # rows per store flush while writing

@@ -11,13 +11,14 @@ from google.protobuf.duration_pb2 import Duration
 
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, build_parser
 from shardledger_cli.commands.trend import ShardArtifacts, compare_rulers
-from tests.builders import DIGEST_B, committed, event, planned, started
+from tests.builders import FINGERPRINT_DIGEST, committed, event, planned, started
 
-FP_OLD = "1" * 64  # driver 550, the fingerprint group of every ruler run so far
-FP_NEW = "2" * 64  # driver 560: numbers are not comparable across it
+FP_OLD = fingerprint_digest({"driver": "550"})  # the fingerprint group of every ruler run so far
+FP_NEW = fingerprint_digest({"driver": "560"})  # numbers are not comparable across it
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +148,7 @@ def test_trend_shows_completion_silent_errors_and_tags_of_the_last_runs(
     assert (row["silent_errors"], row["silent_error_rate"]) == (1, 0.25)  # s3: looked done
     assert row["failure_tags"] == {"oom": 1}
     assert row["verify_failures"] == {"empty": 1}
-    assert row["fingerprint_groups"] == {FP_OLD: 3, DIGEST_B: 1}
+    assert row["fingerprint_groups"] == {FP_OLD: 3, FINGERPRINT_DIGEST: 1}
     assert report["ruler_comparisons"] == []
 
 

@@ -515,6 +515,7 @@ def _scalar_values(fd: Any) -> st.SearchStrategy[Any]:
         FieldDescriptor.TYPE_STRING: boundary_text,
         FieldDescriptor.TYPE_INT64: int64s,
         FieldDescriptor.TYPE_INT32: int32s,
+        FieldDescriptor.TYPE_UINT32: st.sampled_from([0, 1, 2, 3, 2**32 - 1]),
         FieldDescriptor.TYPE_DOUBLE: floats,
         FieldDescriptor.TYPE_ENUM: enum_numbers,
         FieldDescriptor.TYPE_BYTES: st.binary(max_size=64),

@@ -45,7 +45,7 @@ from ledger_server.service import LedgerService
 from ledger_server.states import QUERY_STATES
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.summary import run_summary, shard_view
-from shard_client.canonical import canonical_json
+from shard_client.canonical import canonical_json, fingerprint_digest
 
 RUN = "r1"
 T0 = 1_000_000
@@ -53,7 +53,8 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 SHARDS = ("s0", "s1", "s2", "s3")
 PLAN_INDEX = (2, 0, 2, 1)  # ties on purpose: plan order is (plan_index, shard_id)
 DIGESTS = tuple(c * 64 for c in "abc")
-FINGERPRINTS = ("", "e" * 64, "f" * 64)
+# No fingerprint (no group), then two maps with the digests the ledger computes for them.
+FINGERPRINTS = ("", fingerprint_digest({"fp": "1"}), fingerprint_digest({"fp": "2"}))
 NAMES = ("a", "b", "c")
 TAGS = ("oom", "timeout", "incomplete")
 REASONS = ("size_mismatch", "digest_mismatch", "missing", "outside_root")
@@ -716,7 +717,7 @@ class Builder:
             return self.event("", "", SubmissionClosed(f"wave {c}", d % 6, until))
         if kind == "start":
             payload = AttemptStarted(
-                f"node-{j}", 7, (10, 40)[d % 2], {"fp": str(c)}, FINGERPRINTS[c]
+                f"node-{j}", 7, (10, 40)[d % 2], {"fp": str(c)} if c else {}, FINGERPRINTS[c]
             )
         elif kind in ("hb", "invalid", "stray"):
             polluted = ("loss",) if d % 5 == 4 else ()  # a NaN loss, named, not sent

@@ -21,6 +21,7 @@ from ledger_server.events import (
     SubmissionClosed,
 )
 from ledger_server.validation import validate
+from shard_client.canonical import fingerprint_digest
 from shard_client.vocabulary import FailureTag
 
 DIGEST = "ab" * 32
@@ -39,7 +40,7 @@ PAYLOADS: dict[str, Payload] = {
         pid=4242,
         heartbeat_timeout_us=30_000_000,
         fingerprint={"cuda": "12.4", "torch": "2.13.0"},
-        fingerprint_digest=DIGEST,
+        fingerprint_digest=fingerprint_digest({"cuda": "12.4", "torch": "2.13.0"}),
     ),
     "heartbeat": Heartbeat(step=17, progress=0.25, metrics={"loss": 1.5}),
     "checkpoint": CheckpointSaved(step=17, path="/ckpt/17.pt", size_bytes=99, blake3_hex=DIGEST),

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ledger_server.audit import verify_rows
-from ledger_server.chain import GENESIS_HASH, ChainWalker, event_from_row, row_bytes
+from ledger_server.chain import GENESIS_HASH, ChainWalker, decode_row, row_bytes
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.errors import LedgerError
+from ledger_server.events import ROW_FORMAT_LEGACY
 from ledger_server.merkle import MerkleTree
 from ledger_server.store.base import RunRow, StoredEvent
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -62,7 +63,7 @@ class ChainWalk:
                 " (a row was deleted, inserted or reordered)"
             )
         try:
-            event, in_row, receive_us = event_from_row(row)
+            event, in_row, receive_us, row_format = decode_row(row)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return f"row bytes are not a ledger row ({type(exc).__name__}: {exc})"
         if self.namespace is None:
@@ -71,7 +72,10 @@ class ChainWalk:
             return f"row belongs to {event.namespace}/{event.run_id}"
         if in_row != run_sequence:
             return f"row bytes say run_sequence {in_row}, the row sits at {run_sequence}"
-        if row_bytes(event, run_sequence=in_row, receive_time_us=receive_us) != row:
+        derived = row_bytes(
+            event, run_sequence=in_row, receive_time_us=receive_us, row_format=row_format
+        )
+        if derived != row:
             return "row bytes are not canonical (edited)"
         if not chain.links(row, row_hash):
             return "row hash does not match blake3(previous hash || row)"
@@ -84,6 +88,8 @@ def event_row(msg: pb.ShardEvent) -> bytes:
         decode_event(msg),
         run_sequence=msg.run_sequence,
         receive_time_us=timestamp_us(msg.receive_time),
+        # A server older than the field sends 0: its rows are all of format 1.
+        row_format=msg.row_format or ROW_FORMAT_LEGACY,
     )
 
 

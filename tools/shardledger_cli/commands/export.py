@@ -16,13 +16,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any, Final
 
+from ledger_server.chain import encode_parsed_row
 from ledger_server.errors import ConflictError, LedgerError
 from ledger_server.importer import ImportRow, import_run
 from ledger_server.signing import TreeHead, load_public_key, public_key_id
 from ledger_server.store import redact_url
 from ledger_server.store.base import WriterBusy
 from ledger_server.validation import check_namespace
-from shard_client.canonical import canonical_json
+from shard_client.canonical import legacy_json
 from shard_client.errors import LedgerRejected
 from shardledger_cli.audit_checks import (
     head_problem,
@@ -109,7 +110,9 @@ def register(
 
 
 def _line(value: dict[str, Any]) -> str:
-    return canonical_json(value) + "\n"
+    # Python's json, not RFC 8785: it round-trips every parsed number exactly, so each row
+    # re-encodes to its hashed bytes by its own format's rules (chain.encode_parsed_row).
+    return legacy_json(value) + "\n"
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -250,7 +253,7 @@ class ExportReader:
         try:
             if record["type"] != "event" or not isinstance(record["row"], dict):
                 raise ValueError("not an event line")
-            row = canonical_json(record["row"]).encode()
+            row = encode_parsed_row(record["row"])
             run_sequence = int(record["run_sequence"])
             row_hash = bytes.fromhex(record["row_hash"])
             if record["row"].get("receive_time_us") != record["receive_time_us"]:

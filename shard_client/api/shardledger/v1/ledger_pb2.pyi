@@ -53,7 +53,7 @@ APPEND_OUTCOME_DUPLICATE: AppendOutcome
 APPEND_OUTCOME_ALREADY_PLANNED: AppendOutcome
 
 class ShardEvent(_message.Message):
-    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "submission_closed", "sequence", "run_sequence", "receive_time", "row_hash")
+    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "submission_closed", "sequence", "run_sequence", "receive_time", "row_hash", "row_format")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class ShardEvent(_message.Message):
     RUN_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIME_FIELD_NUMBER: _ClassVar[int]
     ROW_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROW_FORMAT_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     namespace: str
     run_id: str
@@ -90,7 +91,8 @@ class ShardEvent(_message.Message):
     run_sequence: int
     receive_time: _timestamp_pb2.Timestamp
     row_hash: bytes
-    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., submission_closed: _Optional[_Union[RunSubmissionClosed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ...) -> None: ...
+    row_format: int
+    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., submission_closed: _Optional[_Union[RunSubmissionClosed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ..., row_format: _Optional[int] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
     __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels")
@@ -377,12 +379,137 @@ class GetRunSummaryRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class GetRunSummaryResponse(_message.Message):
-    __slots__ = ("summary_json", "as_of_time")
+    __slots__ = ("summary_json", "as_of_time", "summary")
     SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
     AS_OF_TIME_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
     summary_json: str
     as_of_time: _timestamp_pb2.Timestamp
-    def __init__(self, summary_json: _Optional[str] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    summary: RunSummary
+    def __init__(self, summary_json: _Optional[str] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ...) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("namespace", "run_id", "submitted", "verified", "failed", "missing", "unverified", "running", "stale", "verify_failed", "completion_rate", "silent_errors", "silent_error_rate", "failure_tags", "attempt_failure_tags", "verify_failures", "duplicates", "duplicate_shards", "repairs", "fingerprint_groups", "attempts", "unconfirmed", "numeric", "late_attempts", "recomputed", "recomputed_rate", "first_pass", "as_of_us", "event_count", "head_hash")
+    class FailureTagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AttemptFailureTagsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class VerifyFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DuplicatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class FingerprintGroupsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_RATE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_TAGS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FAILURE_TAGS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPAIRS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    LATE_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_US_FIELD_NUMBER: _ClassVar[int]
+    EVENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    submitted: int
+    verified: int
+    failed: int
+    missing: int
+    unverified: int
+    running: int
+    stale: int
+    verify_failed: int
+    completion_rate: float
+    silent_errors: int
+    silent_error_rate: float
+    failure_tags: _containers.ScalarMap[str, int]
+    attempt_failure_tags: _containers.ScalarMap[str, int]
+    verify_failures: _containers.ScalarMap[str, int]
+    duplicates: _containers.ScalarMap[str, int]
+    duplicate_shards: int
+    repairs: int
+    fingerprint_groups: _containers.ScalarMap[str, int]
+    attempts: int
+    unconfirmed: int
+    numeric: int
+    late_attempts: int
+    recomputed: int
+    recomputed_rate: float
+    first_pass: FirstPassSummary
+    as_of_us: int
+    event_count: int
+    head_hash: str
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ...) -> None: ...
+
+class FirstPassSummary(_message.Message):
+    __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric")
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_AT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_RATE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ATTEMPT_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    RECONCILIATION_RATE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    closed_at_sequence: int
+    verified: int
+    completion_rate: float
+    silent_errors: int
+    silent_error_rate: float
+    first_attempt_verified: int
+    reconciliation_rate: float
+    missing: int
+    numeric: int
+    def __init__(self, closed: _Optional[bool] = ..., closed_at_sequence: _Optional[int] = ..., verified: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., numeric: _Optional[int] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "state", "page_size", "page_token")
@@ -399,14 +526,92 @@ class ListShardsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., state: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ShardView(_message.Message):
-    __slots__ = ("shard_id", "state", "view_json")
+    __slots__ = ("shard_id", "state", "view_json", "view")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VIEW_JSON_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     state: str
     view_json: str
-    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ...) -> None: ...
+    view: ShardDetails
+    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ..., view: _Optional[_Union[ShardDetails, _Mapping]] = ...) -> None: ...
+
+class ShardDetails(_message.Message):
+    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass")
+    class SchedulerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class ArtifactsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ArtifactView
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ArtifactView, _Mapping]] = ...) -> None: ...
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_US_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_US_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    plan_index: int
+    state: str
+    detail: str
+    attempts: int
+    latest_attempt: str
+    host: str
+    pid: int
+    scheduler: _containers.ScalarMap[str, str]
+    process_start_ticks: int
+    deadline_us: int
+    last_seen_us: int
+    last_step: int
+    fingerprint: str
+    artifacts: _containers.MessageMap[str, ArtifactView]
+    duplicates: _containers.RepeatedScalarFieldContainer[str]
+    repaired: bool
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    numeric: NumericWarning
+    first_pass: str
+    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ...) -> None: ...
+
+class ArtifactView(_message.Message):
+    __slots__ = ("path", "size_bytes", "blake3")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    blake3: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3: _Optional[str] = ...) -> None: ...
+
+class NumericWarning(_message.Message):
+    __slots__ = ("step", "metrics")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    metrics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListShardsResponse(_message.Message):
     __slots__ = ("shards", "next_page_token")
@@ -453,10 +658,42 @@ class GetTreeHeadRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ...) -> None: ...
 
 class GetTreeHeadResponse(_message.Message):
-    __slots__ = ("tree_head_json",)
+    __slots__ = ("tree_head_json", "tree_head")
     TREE_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    TREE_HEAD_FIELD_NUMBER: _ClassVar[int]
     tree_head_json: str
-    def __init__(self, tree_head_json: _Optional[str] = ...) -> None: ...
+    tree_head: TreeHead
+    def __init__(self, tree_head_json: _Optional[str] = ..., tree_head: _Optional[_Union[TreeHead, _Mapping]] = ...) -> None: ...
+
+class TreeHead(_message.Message):
+    __slots__ = ("namespace", "run_id", "tree_size", "root_hex", "timestamp_ms", "key_id", "signature_hex")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_HEX_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_HEX_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    tree_size: int
+    root_hex: str
+    timestamp_ms: int
+    key_id: str
+    signature_hex: str
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., root_hex: _Optional[str] = ..., timestamp_ms: _Optional[int] = ..., key_id: _Optional[str] = ..., signature_hex: _Optional[str] = ...) -> None: ...
+
+class InclusionProofBundle(_message.Message):
+    __slots__ = ("head", "leaf_index", "leaf_hex", "proof_hex")
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LEAF_HEX_FIELD_NUMBER: _ClassVar[int]
+    PROOF_HEX_FIELD_NUMBER: _ClassVar[int]
+    head: TreeHead
+    leaf_index: int
+    leaf_hex: str
+    proof_hex: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, head: _Optional[_Union[TreeHead, _Mapping]] = ..., leaf_index: _Optional[int] = ..., leaf_hex: _Optional[str] = ..., proof_hex: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetInclusionProofRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "event_id", "tree_size")
@@ -471,10 +708,12 @@ class GetInclusionProofRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., event_id: _Optional[str] = ..., tree_size: _Optional[int] = ...) -> None: ...
 
 class GetInclusionProofResponse(_message.Message):
-    __slots__ = ("proof_bundle_json",)
+    __slots__ = ("proof_bundle_json", "bundle")
     PROOF_BUNDLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     proof_bundle_json: str
-    def __init__(self, proof_bundle_json: _Optional[str] = ...) -> None: ...
+    bundle: InclusionProofBundle
+    def __init__(self, proof_bundle_json: _Optional[str] = ..., bundle: _Optional[_Union[InclusionProofBundle, _Mapping]] = ...) -> None: ...
 
 class GetConsistencyProofRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "old_size", "new_size")
@@ -489,12 +728,14 @@ class GetConsistencyProofRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., old_size: _Optional[int] = ..., new_size: _Optional[int] = ...) -> None: ...
 
 class GetConsistencyProofResponse(_message.Message):
-    __slots__ = ("proof", "tree_head_json")
+    __slots__ = ("proof", "tree_head_json", "tree_head")
     PROOF_FIELD_NUMBER: _ClassVar[int]
     TREE_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    TREE_HEAD_FIELD_NUMBER: _ClassVar[int]
     proof: _containers.RepeatedScalarFieldContainer[bytes]
     tree_head_json: str
-    def __init__(self, proof: _Optional[_Iterable[bytes]] = ..., tree_head_json: _Optional[str] = ...) -> None: ...
+    tree_head: TreeHead
+    def __init__(self, proof: _Optional[_Iterable[bytes]] = ..., tree_head_json: _Optional[str] = ..., tree_head: _Optional[_Union[TreeHead, _Mapping]] = ...) -> None: ...
 
 class GetPublicKeyRequest(_message.Message):
     __slots__ = ()

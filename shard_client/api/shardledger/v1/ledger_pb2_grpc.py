@@ -99,7 +99,8 @@ class LedgerServiceServicer:
     def AppendEvents(self, request, context):
         """AppendEvents appends a batch of events atomically: all are stored, or none.
         An event whose event_id was already stored with the same content is
-        acknowledged again with its original sequence and stored nothing.
+        acknowledged again with its original sequence and stored nothing. The content
+        compared is every client field but client_time (see ShardEvent.event_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
