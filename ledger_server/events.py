@@ -42,7 +42,8 @@ class ShardPlanned:
         """Returns what makes two plans of one shard the same plan."""
         return {
             "input_ref": self.input_ref,
-            "input_bytes": self.input_bytes,
+            # Past 2**53 a JCS number cannot hold it: a decimal string, as rows hold it.
+            "input_bytes": safe_int(self.input_bytes),
             "input_blake3": self.input_blake3,
             "params_json": self.params_json,
             "expected_outputs": list(self.expected_outputs),

@@ -67,7 +67,11 @@ def test_the_old_rows_are_of_row_format_1_and_verify_before(
     rows = _rows(old_db)
     assert rows and all(b'"v":' not in r[-12:] for r in rows)
     assert b'\\"lr\\":1.0' in rows[0] and b'"loss":1e-07' in rows[5]
-    _verify_and_rebuild(capsys, old_db)
+    # Its chain verifies as it is; its shard records are of an older record version
+    # (multi-rank state came later), which the upgrade at server start rebuilds, so
+    # `db rebuild --check` is asked only after it (the next test).
+    code, out, _ = run_cli(capsys, "audit", "verify", RUN, "--db", str(old_db))
+    assert code == 0, out
 
 
 def test_after_the_upgrade_old_rows_verify_unchanged_and_the_run_goes_on_in_format_2(

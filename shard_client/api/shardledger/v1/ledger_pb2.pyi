@@ -389,7 +389,7 @@ class GetRunSummaryResponse(_message.Message):
     def __init__(self, summary_json: _Optional[str] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("namespace", "run_id", "submitted", "verified", "failed", "missing", "unverified", "running", "stale", "verify_failed", "completion_rate", "silent_errors", "silent_error_rate", "failure_tags", "attempt_failure_tags", "verify_failures", "duplicates", "duplicate_shards", "repairs", "fingerprint_groups", "attempts", "unconfirmed", "numeric", "late_attempts", "recomputed", "recomputed_rate", "first_pass", "as_of_us", "event_count", "head_hash")
+    __slots__ = ("namespace", "run_id", "submitted", "verified", "failed", "missing", "unverified", "running", "stale", "verify_failed", "completion_rate", "silent_errors", "silent_error_rate", "failure_tags", "attempt_failure_tags", "verify_failures", "duplicates", "duplicate_shards", "repairs", "fingerprint_groups", "attempts", "unconfirmed", "numeric", "late_attempts", "recomputed", "recomputed_rate", "first_pass", "as_of_us", "event_count", "head_hash", "lifecycle")
     class FailureTagsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +455,7 @@ class RunSummary(_message.Message):
     AS_OF_US_FIELD_NUMBER: _ClassVar[int]
     EVENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     run_id: str
     submitted: int
@@ -485,7 +486,46 @@ class RunSummary(_message.Message):
     as_of_us: int
     event_count: int
     head_hash: str
-    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ...) -> None: ...
+    lifecycle: RunLifecycle
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ..., lifecycle: _Optional[_Union[RunLifecycle, _Mapping]] = ...) -> None: ...
+
+class RunLifecycle(_message.Message):
+    __slots__ = ("state", "submission_closed", "submission_closed_at", "submission_closed_at_us", "submission_closed_at_sequence", "submission_closes_at", "expected_shards", "settled", "settled_at", "settled_at_us", "waiting_on")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_CLOSED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_CLOSED_AT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_CLOSES_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_AT_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    WAITING_ON_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    submission_closed: bool
+    submission_closed_at: str
+    submission_closed_at_us: int
+    submission_closed_at_sequence: int
+    submission_closes_at: str
+    expected_shards: int
+    settled: bool
+    settled_at: str
+    settled_at_us: int
+    waiting_on: RunWaitingOn
+    def __init__(self, state: _Optional[str] = ..., submission_closed: _Optional[bool] = ..., submission_closed_at: _Optional[str] = ..., submission_closed_at_us: _Optional[int] = ..., submission_closed_at_sequence: _Optional[int] = ..., submission_closes_at: _Optional[str] = ..., expected_shards: _Optional[int] = ..., settled: _Optional[bool] = ..., settled_at: _Optional[str] = ..., settled_at_us: _Optional[int] = ..., waiting_on: _Optional[_Union[RunWaitingOn, _Mapping]] = ...) -> None: ...
+
+class RunWaitingOn(_message.Message):
+    __slots__ = ("running", "stale", "unverified", "unplanned")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    UNPLANNED_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    stale: int
+    unverified: int
+    unplanned: int
+    def __init__(self, running: _Optional[int] = ..., stale: _Optional[int] = ..., unverified: _Optional[int] = ..., unplanned: _Optional[int] = ...) -> None: ...
 
 class FirstPassSummary(_message.Message):
     __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric")
@@ -538,7 +578,7 @@ class ShardView(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ..., view: _Optional[_Union[ShardDetails, _Mapping]] = ...) -> None: ...
 
 class ShardDetails(_message.Message):
-    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass")
+    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass", "world_size", "launch_id", "restart_count", "ranks_alive", "ranks")
     class SchedulerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -573,6 +613,11 @@ class ShardDetails(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUMERIC_FIELD_NUMBER: _ClassVar[int]
     FIRST_PASS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     plan_index: int
     state: str
@@ -593,7 +638,45 @@ class ShardDetails(_message.Message):
     failures: _containers.RepeatedScalarFieldContainer[str]
     numeric: NumericWarning
     first_pass: str
-    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ...) -> None: ...
+    world_size: int
+    launch_id: str
+    restart_count: int
+    ranks_alive: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankView]
+    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ...) -> None: ...
+
+class RankView(_message.Message):
+    __slots__ = ("rank", "state", "alive", "local_rank", "host", "pid", "process_start_ticks", "scheduler", "last_seen_us", "last_step", "failed_tag")
+    class SchedulerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_US_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILED_TAG_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    state: str
+    alive: bool
+    local_rank: int
+    host: str
+    pid: int
+    process_start_ticks: int
+    scheduler: _containers.ScalarMap[str, str]
+    last_seen_us: int
+    last_step: int
+    failed_tag: str
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., alive: _Optional[bool] = ..., local_rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., process_start_ticks: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., failed_tag: _Optional[str] = ...) -> None: ...
 
 class ArtifactView(_message.Message):
     __slots__ = ("path", "size_bytes", "blake3")
