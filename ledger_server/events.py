@@ -65,6 +65,12 @@ class Heartbeat:
     metrics: dict[str, float]
     # Metrics that were NaN or infinite at this step, by name (left out of metrics).
     nonfinite_metrics: tuple[str, ...] = ()
+    # A heartbeat the SDK coalesced from several progress() calls also says what the
+    # interval held: its first step, each metric's extremes, and how many calls.
+    first_step: int = 0
+    metrics_min: dict[str, float] = field(default_factory=dict)
+    metrics_max: dict[str, float] = field(default_factory=dict)
+    progress_calls: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +147,7 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 # unset (empty or zero), so older rows and events keep their bytes.
 _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     AttemptStarted: ("scheduler", "process_start_ticks"),
-    Heartbeat: ("nonfinite_metrics",),
+    Heartbeat: ("nonfinite_metrics", "first_step", "metrics_min", "metrics_max", "progress_calls"),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {

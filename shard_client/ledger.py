@@ -106,7 +106,10 @@ class Ledger:
         - ``kill_grace=None``: seconds from the watchdog's SIGTERM to its SIGKILL
           (None: $SHARDLEDGER_KILL_GRACE, else 30 s);
         - ``log_file=None``: the job's log, whose last 200 lines go into the
-          diagnostics bundle (None: $SHARDLEDGER_LOG_FILE, else none).
+          diagnostics bundle (None: $SHARDLEDGER_LOG_FILE, else none);
+        - ``coalesce_progress=True``: ``progress()`` calls reach the ledger as at
+          most one heartbeat per ``heartbeat_interval`` with the latest values and
+          the interval's extremes (see shard_client.progress); False sends every call.
 
         ``attempt_id`` defaults to a fresh random id.
         """

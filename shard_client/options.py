@@ -71,6 +71,7 @@ class ShardOptionKwargs(TypedDict, total=False):
     hang_grace: float | None
     kill_grace: float | None
     log_file: str | os.PathLike[str] | None
+    coalesce_progress: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,8 @@ class ShardOptions:
     hang_grace: float | None = None
     kill_grace: float | None = None
     log_file: str | None = None
+    # progress() calls coalesced into at most one heartbeat per interval (shard_client.progress).
+    coalesce_progress: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:

@@ -5,6 +5,7 @@
     python -m tools.bench batched   100-event appends (chain + projections) vs raw SQLite inserts
     python -m tools.bench artifact  SDK atomic_write vs raw write+fsync+rename (256 MiB and 4 KiB)
     python -m tools.bench sdk       heartbeat thread CPU and emit blocking time, server up and down
+    python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
     python -m tools.bench all       everything; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
@@ -37,6 +38,7 @@ from ledger_server.config import ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from tools.bench_coalesce import bench_coalesce
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -426,6 +428,7 @@ def bench_sdk(seconds: float = 10.0, events: int = 20_000) -> dict[str, Any]:
             heartbeat_interval=1.0,
             fingerprint=False,
             sigterm_grace=None,
+            coalesce_progress=False,  # every call an emit: what this measures
         ) as shard:
             beater = next(
                 t for t in threading.enumerate() if t.name.startswith("shard_client-heartbeat")
@@ -477,6 +480,7 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "batched": bench_batched,
     "artifact": bench_artifact,
     "sdk": bench_sdk,
+    "coalesce": bench_coalesce,
 }
 
 
@@ -517,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         key = (
             name if id_style == "sdk" or name not in ("unary", "batched") else f"{name}_{id_style}"
         )
-        driven = name in ("unary", "batched")
+        driven = name in ("unary", "batched", "coalesce")
         report[key] = BENCHES[name](seconds=args.seconds) if driven else BENCHES[name]()
         print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output)
