@@ -87,6 +87,7 @@ def _stages(beats: list[bytes], service: LedgerService) -> dict[str, float]:
         "decode": timed(lambda: [[codec.decode_event(m) for m in r.events] for r in parsed]),
         "validate": timed(lambda: [[validate(e) for e in b] for b in decoded]),
     }
+
     def append_all() -> None:
         for wire in beats:
             _append(service, wire)

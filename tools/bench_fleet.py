@@ -1,0 +1,314 @@
+"""A fleet on one ledger: thousands of open channels at the SDK's cadence, plus readers.
+
+    python -m tools.bench fleet [--seconds S] [--connections 1000,5000,10000]
+
+For each level a fresh server (``shardledger serve``, its own process, so its
+CPU and RSS are its own) takes N simulated jobs from a few client processes,
+each job on its own channel and TCP connection, as real jobs are: ``started``,
+then a heartbeat every interval (the SDK's default 15 s, compressed by
+--speedup), a checkpoint every fourth beat, and the artifact commit at the end
+of its life (--seconds). Meanwhile a reader asks for ``status``, the resume list
+and ``/metrics`` once a second. Reported per level: commit and heartbeat
+acknowledgement p50/p99, events/s, the server's CPU (cores) and RSS, its open
+file descriptors, and the readers' latencies. The same-run baseline is the
+smallest level: how the figures move as connections grow.
+
+Each client process raises its soft RLIMIT_NOFILE to the hard limit (a
+connection is a descriptor on each side); the server raises its own at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ledger_server.server import raise_fd_limit
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+
+DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
+CLIENT_PROCS = 4
+APPEND = "/shardledger.v1.LedgerService/AppendEvents"
+RUN = "fleet"
+
+
+def _pct(samples: list[float], q: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+def _request(shard: str, seq: int, **payload: Any) -> bytes:
+    event = pb.ShardEvent(event_id=f"{shard}-{seq}", run_id=RUN, shard_id=shard, **payload)
+    if "planned" not in payload:
+        event.attempt_id = "a"
+    event.client_time.GetCurrentTime()
+    return pb.AppendEventsRequest(events=[event]).SerializeToString()
+
+
+def _client(target: str, shards: list[str], interval: float, seconds: float, out: Any) -> None:
+    """One client process: a channel per job, each job's events at their times."""
+    raise_fd_limit()
+    # A local subchannel pool gives every channel its own TCP connection, as separate
+    # job processes have; by default channels to one target share one in a process.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.insecure_channel(target, options=options) for _ in shards]
+    calls = [c.unary_unary(APPEND, None, None) for c in channels]
+    lat: dict[str, list[float]] = {"started": [], "heartbeat": [], "checkpoint": [], "commit": []}
+    errors: list[str] = []
+    pending = threading.Semaphore(2000)  # calls in flight from this process, at most
+    lock = threading.Lock()
+    begin = time.monotonic()
+    # (due, job, k): k = 0 started, 1.. beats; the commit once the job's life is over.
+    heap = [(begin + interval * j / len(shards), j, 0) for j in range(len(shards))]
+    heapq.heapify(heap)
+    seq = [0] * len(shards)
+
+    def done(kind: str, sent: float, future: Any) -> None:
+        pending.release()
+        with lock:
+            if future.exception() is not None:
+                errors.append(str(future.code()))
+            else:
+                lat[kind].append(1000 * (time.monotonic() - sent))
+
+    while heap:
+        due, j, k = heapq.heappop(heap)
+        time.sleep(max(0.0, due - time.monotonic()))
+        shard = shards[j]
+        seq[j] += 1
+        life_over = due - begin >= seconds
+        if k == 0:
+            kind, body = (
+                "started",
+                _request(
+                    shard,
+                    seq[j],
+                    started=pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 60}),
+                ),
+            )
+        elif life_over:
+            kind, body = (
+                "commit",
+                _request(
+                    shard,
+                    seq[j],
+                    artifact_committed=pb.ArtifactCommitted(
+                        name="out", path=f"/out/{shard}", size_bytes=1, blake3_hex="ab" * 32
+                    ),
+                ),
+            )
+        elif k % 4 == 0:
+            kind, body = (
+                "checkpoint",
+                _request(
+                    shard,
+                    seq[j],
+                    checkpoint=pb.CheckpointSaved(
+                        step=k, path=f"/ck/{shard}", size_bytes=1, blake3_hex="cd" * 32
+                    ),
+                ),
+            )
+        else:
+            kind, body = (
+                "heartbeat",
+                _request(
+                    shard,
+                    seq[j],
+                    heartbeat=pb.Heartbeat(step=k, progress=0.5, metrics={"loss": 0.1}),
+                ),
+            )
+        pending.acquire()
+        sent = time.monotonic()
+        future = calls[j].future(body, timeout=60)
+        future.add_done_callback(functools.partial(done, kind, sent))
+        if kind != "commit":
+            heapq.heappush(heap, (due + interval, j, k + 1))
+    for _ in range(2000):
+        pending.acquire()  # every call answered
+    for c in channels:
+        c.close()
+    out.put((lat, errors))
+
+
+def _proc_stat(pid: int) -> tuple[float, int, int, int]:
+    """Returns (CPU seconds, RSS KiB, peak RSS KiB, open descriptors) of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return cpu, int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0]), fds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _reader(
+    target: str, metrics_url: str, stop: threading.Event, out: dict[str, list[float]]
+) -> None:
+    client = LedgerClient(target)
+    while not stop.wait(1.0):
+        for name, call in (
+            ("status", lambda: client.summary(RUN)),
+            ("resume", lambda: sum(1 for _ in client.resume(RUN))),
+            ("metrics", lambda: urllib.request.urlopen(metrics_url, timeout=30).read()),
+        ):
+            start = time.monotonic()
+            try:
+                call()
+            except Exception:  # a reader's failure is a figure, not the benchmark's end
+                out.setdefault(f"{name}_errors", []).append(1.0)
+                continue
+            out.setdefault(name, []).append(1000 * (time.monotonic() - start))
+    client.close()
+
+
+def _level(connections: int, seconds: float, interval: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file, metrics_port = Path(tmp) / "port", _free_port()
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shardledger_cli",
+                "serve",
+                *("--db", f"{tmp}/l.db", "--listen", "127.0.0.1:0"),
+                *("--port-file", str(port_file), "--log-level", "warning"),
+                *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
+            ],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            while not port_file.exists() or not port_file.read_text():
+                if server.poll() is not None:
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.05)
+            target = f"127.0.0.1:{port_file.read_text().strip()}"
+            shards = [f"j{i}" for i in range(connections)]
+            client = LedgerClient(target)
+            for base in range(0, connections, 1000):
+                client.append(
+                    [
+                        pb.ShardEvent(
+                            event_id=f"plan-{s}",
+                            run_id=RUN,
+                            shard_id=s,
+                            planned=pb.ShardPlanned(input_ref=f"/in/{s}", plan_index=i),
+                        )
+                        for i, s in enumerate(shards[base : base + 1000], base)
+                    ]
+                )
+            stop = threading.Event()
+            reads: dict[str, list[float]] = {}
+            reader = threading.Thread(
+                target=_reader,
+                args=(target, f"http://127.0.0.1:{metrics_port}/metrics", stop, reads),
+            )
+            ctx = mp.get_context("spawn")
+            queue: Any = ctx.Queue()
+            procs = [
+                ctx.Process(
+                    target=_client,
+                    args=(target, shards[p::CLIENT_PROCS], interval, seconds, queue),
+                )
+                for p in range(CLIENT_PROCS)
+            ]
+            cpu0, *_ = _proc_stat(server.pid)
+            wall0 = time.monotonic()
+            for p in procs:
+                p.start()
+            reader.start()
+            peak_fds = 0
+            results: list[Any] = []
+            while len(results) < len(procs):
+                try:
+                    results.append(queue.get(timeout=1.0))
+                except Exception:
+                    peak_fds = max(peak_fds, _proc_stat(server.pid)[3])
+            wall = time.monotonic() - wall0
+            cpu1, rss, peak_rss, fds = _proc_stat(server.pid)
+            stop.set()
+            reader.join()
+            for p in procs:
+                p.join()
+            client.close()
+        finally:
+            server.terminate()
+            server.wait(60)
+    lat: dict[str, list[float]] = {}
+    errors: list[str] = []
+    for part, errs in results:
+        for kind, samples in part.items():
+            lat.setdefault(kind, []).extend(samples)
+        errors.extend(errs)
+    events = sum(len(v) for v in lat.values())
+    return {
+        "connections": connections,
+        "events": events,
+        "events_per_s": round(events / wall),
+        "errors": len(errors),
+        "error_codes": sorted(set(errors))[:5],
+        "commit_ack_ms": {"p50": _pct(lat["commit"], 0.5), "p99": _pct(lat["commit"], 0.99)},
+        "heartbeat_ack_ms": {
+            "p50": _pct(lat["heartbeat"], 0.5),
+            "p99": _pct(lat["heartbeat"], 0.99),
+        },
+        "server_cpu_cores": round((cpu1 - cpu0) / wall, 2),
+        "server_rss_mb": round(rss / 1024),
+        "server_peak_rss_mb": round(peak_rss / 1024),
+        "server_open_fds_peak": max(peak_fds, fds),
+        "status_ms_p50": _pct(reads.get("status", []), 0.5),
+        "resume_ms_p50": _pct(reads.get("resume", []), 0.5),
+        "metrics_ms_p50": _pct(reads.get("metrics", []), 0.5),
+        "reader_errors": sum(len(v) for k, v in reads.items() if k.endswith("_errors")),
+        "wall_s": round(wall, 1),
+    }
+
+
+def bench_fleet(
+    seconds: float = 30.0, connections: tuple[int, ...] = (1000, 5000, 10000), speedup: float = 2.0
+) -> dict[str, Any]:
+    """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed."""
+    raise_fd_limit()
+    interval = DEFAULT_INTERVAL_S / speedup
+    out: dict[str, Any] = {
+        "workload": f"{CLIENT_PROCS} client processes, one channel per job; a heartbeat every"
+        f" {interval:g} s (the SDK's 15 s / {speedup:g}), a checkpoint every 4th beat, the commit"
+        f" after {seconds:g} s; status, resume and /metrics once a second",
+        "levels": [],
+        "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
+    }
+    for n in connections:
+        level = _level(n, seconds, interval)
+        print(level, flush=True)
+        out["levels"].append(level)
+    base = out["levels"][0]
+    for level in out["levels"]:
+        level["commit_p99_vs_smallest"] = round(
+            level["commit_ack_ms"]["p99"] / max(base["commit_ack_ms"]["p99"], 0.01), 2
+        )
+        level["cpu_per_event_vs_smallest"] = round(
+            (level["server_cpu_cores"] / max(level["events_per_s"], 1))
+            / max(base["server_cpu_cores"] / max(base["events_per_s"], 1), 1e-12),
+            2,
+        )
+    return out
