@@ -7,6 +7,7 @@
     python -m tools.bench sdk       heartbeat thread CPU and emit blocking time, server up and down
     python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
     python -m tools.bench fleet     1,000 / 5,000 / 10,000 open channels at the SDK's cadence + readers
+    python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
     python -m tools.bench all       everything; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
@@ -41,6 +42,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from tools.bench_coalesce import bench_coalesce
 from tools.bench_fleet import bench_fleet
+from tools.bench_peers import bench_peers
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -484,9 +486,10 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "sdk": bench_sdk,
     "coalesce": bench_coalesce,
     "fleet": bench_fleet,
+    "peers": bench_peers,
 }
 # How long each driven benchmark runs unless --seconds says otherwise.
-DEFAULT_SECONDS = {"unary": 5.0, "batched": 5.0, "coalesce": 10.0, "fleet": 30.0}
+DEFAULT_SECONDS = {"unary": 5.0, "batched": 5.0, "coalesce": 10.0, "fleet": 30.0, "peers": 5.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -512,8 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         "--seconds",
         type=float,
         default=None,
-        help="how long unary, batched, coalesce and fleet drive their clients"
-        " (default: 5, 5, 10 and 30)",
+        help="how long unary, batched, coalesce, fleet and peers run (default: 5, 5, 10, 30 and 5)",
     )
     parser.add_argument(
         "--connections",
