@@ -32,9 +32,10 @@ DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 
 def _job(
     target: str, run: str, shards: int, seconds: float, *, coalesce: bool, out_dir: Path
-) -> None:
-    """Runs `shards` threads, each one attempt calling progress() every step."""
+) -> list[int]:
+    """Runs `shards` threads, each one attempt calling progress() every step; returns call ns."""
     ledger = Ledger(target)
+    samples: list[int] = []
 
     def work(shard_id: str) -> None:
         with ledger.shard(
@@ -47,9 +48,11 @@ def _job(
         ) as shard:
             begin, step = time.monotonic(), 0
             while (now := time.monotonic()) - begin < seconds:
+                called = time.perf_counter_ns()
                 shard.progress(
                     step, min(1.0, (now - begin) / seconds), loss=1 / (step + 1), lr=1e-3
                 )
+                samples.append(time.perf_counter_ns() - called)  # list.append is atomic
                 step += 1
                 time.sleep(max(0.0, begin + step / STEPS_PER_S - time.monotonic()))
             shard.progress(step, 1.0, loss=1 / (step + 1), lr=1e-3)
@@ -62,6 +65,7 @@ def _job(
     for t in threads:
         t.join()
     ledger.close()
+    return samples
 
 
 def _plan(client: LedgerClient, run: str, shards: int) -> None:
@@ -108,7 +112,9 @@ def bench_coalesce(seconds: float = 10.0, shards: int = 8) -> dict[str, Any]:
                 run = f"coalesce-{mode.replace('_', '-')}"
                 _plan(client, run, shards)
                 begin = time.monotonic()
-                _job(target, run, shards, seconds, coalesce=coalesce, out_dir=Path(tmp))
+                calls = sorted(
+                    _job(target, run, shards, seconds, coalesce=coalesce, out_dir=Path(tmp))
+                )
                 wall = time.monotonic() - begin
                 beats, other, size = _count(client, run)
                 per_shard_hour = 3600 / wall
@@ -117,6 +123,10 @@ def bench_coalesce(seconds: float = 10.0, shards: int = 8) -> dict[str, Any]:
                     "other_events_per_shard": round(other / shards, 1),
                     "heartbeats_per_shard_hour": round(beats / shards * per_shard_hour),
                     "bytes_per_shard_hour": round(size / shards * per_shard_hour),
+                    "progress_call_us": {
+                        "p50": round(calls[len(calls) // 2] / 1000, 1),
+                        "p99": round(calls[int(len(calls) * 0.99)] / 1000, 1),
+                    },
                 }
         finally:
             running.stop(1)
