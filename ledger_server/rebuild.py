@@ -88,39 +88,20 @@ def fold_rows(
 
 
 def take_projections(replay: RunReplay) -> tuple[list[ShardRow], dict[str, int]]:
-    """Returns the rebuilt shard rows in plan order and the summary counters; empties the replay.
+    """Returns the rebuilt shard rows in plan order and the summary counters.
 
-    For callers that need the rows whole (db copy); a rebuild streams them instead
-    (`stream_rows`), so a run's rows are never all held at once.
+    It empties the replay: each record is dropped as soon as its row is built, so
+    a run's records and its rows (each ~1 GB or more at a million shards) are not
+    both held at their full size. The counters are summed first, from the records.
     """
-    counters = rebuilt_counters(replay)
-    return list(stream_rows(replay, plan_order(replay), take=True)), counters
-
-
-def rebuilt_counters(replay: RunReplay) -> dict[str, int]:
-    """Returns the run's summary counters as the replay's records sum them."""
-    return {k: n for k, n in replay.counters().items() if n}
-
-
-def plan_order(replay: RunReplay) -> list[tuple[int, str]]:
-    """Returns (plan_index, shard_id) of every replayed record, in plan order."""
-    return sorted((r.plan_index, shard_id) for shard_id, r in replay.records.items())
-
-
-def stream_rows(
-    replay: RunReplay, order: list[tuple[int, str]], *, take: bool
-) -> Iterator[ShardRow]:
-    """Yields the rebuilt shard rows in plan order, one at a time.
-
-    With ``take`` each record is dropped as its row is built, so the replay empties
-    as the rows go by; without it the records stay for a second pass (the rewrite).
-    At a million shards the rows are ~1.5 GB of JSON: built one at a time, a
-    rebuild holds the records and one row, never the records and all the rows.
-    """
+    rebuilt_counters = {k: n for k, n in replay.counters().items() if n}
     records = replay.records
+    order = sorted((r.plan_index, shard_id) for shard_id, r in records.items())
+    rows = []
     for _, shard_id in order:
-        record = records.pop(shard_id) if take else records[shard_id]
-        yield ShardRow(shard_id=shard_id, **proj.row_columns(record))
+        record = records.pop(shard_id)
+        rows.append(ShardRow(shard_id=shard_id, **proj.row_columns(record)))
+    return rows, rebuilt_counters
 
 
 def rebuild_run(
@@ -146,24 +127,20 @@ def rebuild_run(
             pass
         count, head = chain.chain.count, chain.chain.head
         replayed_at = time.monotonic()
-        counters, order = rebuilt_counters(replay), plan_order(replay)
-        # A check drops each record once compared; a repair keeps them for the rewrite.
-        rows = stream_rows(replay, order, take=not write)
+        rows, rebuilt_counters = take_projections(replay)
         differing = _differing(rows, view.iter_shards(run.run_pk))
-        counters_differ = view.counters(run.run_pk) != counters
+        counters_differ = view.counters(run.run_pk) != rebuilt_counters
         written = False
         compared_at = time.monotonic()
         if write and (differing or counters_differ):
-            rows = stream_rows(replay, order, take=True)
-            _rewrite(store, run, (count, head), rows, counters)
+            _rewrite(store, run, (count, head), rows, rebuilt_counters)
             written = True
-        replay.records.clear()
     finished = time.monotonic()
     return RunRebuild(
         namespace=run.namespace,
         run_id=run.run_id,
         events=count,
-        shards=len(order),
+        shards=len(rows),
         differing_shards=differing,
         counters_differ=counters_differ,
         written=written,
@@ -193,7 +170,7 @@ class _ChainCheck:
             yield stored
 
 
-def _differing(rebuilt: Iterable[ShardRow], stored: Iterable[ShardRow]) -> int:
+def _differing(rebuilt: list[ShardRow], stored: Iterable[ShardRow]) -> int:
     """Counts shard rows that differ, merging both lists in plan order."""
     differing = 0
     wanted = iter(rebuilt)
@@ -234,7 +211,7 @@ def _rewrite(
     store: Store,
     run: RunRow,
     replayed: tuple[int, bytes],
-    rows: Iterable[ShardRow],
+    rows: list[ShardRow],
     rebuilt_counters: dict[str, int],
 ) -> None:
     with store.write() as tx:
