@@ -522,7 +522,15 @@ def main(argv: list[str] | None = None) -> int:
         default="1000,5000,10000",
         help="fleet: the numbers of open channels to measure, comma-separated",
     )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=None,
+        help="fleet: the server's --max-workers, its in-flight limit 8x that (default: its own)",
+    )
     args = parser.parse_args(argv)
+    if args.max_workers is not None and args.max_workers < 1:
+        parser.error("--max-workers must be positive")
     if args.seconds is not None and args.seconds <= 0:
         parser.error("--seconds must be positive")
     try:
@@ -545,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["seconds"] = args.seconds or DEFAULT_SECONDS[name]
         if name == "fleet":
             kwargs["connections"] = connections
+            kwargs["max_workers"] = args.max_workers
         report[key] = BENCHES[name](**kwargs)
         print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output)

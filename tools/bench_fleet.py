@@ -46,6 +46,15 @@ DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 CLIENT_PROCS = 4
 APPEND = "/shardledger.v1.LedgerService/AppendEvents"
 RUN = "fleet"
+# What the SDK's sender keeps (spools) and sends again rather than giving up on.
+_RETRIED = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -83,7 +92,7 @@ def _body(kind: str, shard: str, seq: int, k: int) -> bytes:
 class _Job:
     """One simulated job's channel and where it is in its life."""
 
-    __slots__ = ("call", "channel", "k", "seq", "shard")
+    __slots__ = ("busy", "call", "channel", "k", "seq", "shard")
 
     def __init__(self, target: str, shard: str) -> None:
         # A local subchannel pool gives every channel its own TCP connection, as separate
@@ -93,6 +102,7 @@ class _Job:
         )
         self.call = self.channel.unary_unary(APPEND, None, None)
         self.shard, self.k, self.seq = shard, 0, 0
+        self.busy = False  # an event of this job is in flight or waiting to be resent
 
 
 def _client(target: str, shards: list[str], interval: float, seconds: float, out: Any) -> None:
@@ -123,9 +133,10 @@ def _client(target: str, shards: list[str], interval: float, seconds: float, out
         code = future.code()
         with lock:
             inflight[0] -= 1
+            jobs[j].busy = code in _RETRIED  # still owed to the ledger
             if code == grpc.StatusCode.OK:
                 lat[kind].append(1000 * (time.monotonic() - first))
-            elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+            elif code in _RETRIED:
                 retries[0] += 1
                 inflight[0] += 1  # still owed an answer
                 wait = min(max(2 * delay, 0.1), 5.0) * random.uniform(0.5, 1.0)
@@ -146,6 +157,10 @@ def _client(target: str, shards: list[str], interval: float, seconds: float, out
             continue
         due, _, j, kind, body, first, delay = heapq.heappop(heap)
         job = jobs[j]
+        if not kind and job.busy:
+            # The SDK delivers a job's events in order: the next waits for the last's answer.
+            heapq.heappush(heap, (due + 0.1, next(order), j, "", b"", 0.0, 0.0))
+            continue
         if not kind:  # the job's next event, on its schedule
             job.seq += 1
             kind = (
@@ -163,6 +178,7 @@ def _client(target: str, shards: list[str], interval: float, seconds: float, out
                 heapq.heappush(heap, (due + interval, next(order), j, "", b"", 0.0, 0.0))
         with lock:
             inflight[0] += 1 if delay == 0.0 else 0
+        job.busy = True
         future = job.call.future(body, timeout=60)
         future.add_done_callback(functools.partial(done, j, kind, body, first, delay))
     for job in jobs:
@@ -207,7 +223,9 @@ def _reader(
     client.close()
 
 
-def _level(connections: int, seconds: float, interval: float) -> dict[str, Any]:
+def _level(
+    connections: int, seconds: float, interval: float, max_workers: int | None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         port_file, metrics_port = Path(tmp) / "port", _free_port()
         server = subprocess.Popen(
@@ -219,6 +237,9 @@ def _level(connections: int, seconds: float, interval: float) -> dict[str, Any]:
                 *("--db", f"{tmp}/l.db", "--listen", "127.0.0.1:0"),
                 *("--port-file", str(port_file), "--log-level", "warning"),
                 *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
+                *(() if max_workers is None else ("--max-workers", str(max_workers))),
+                # Overload is measured by latency and retries, not by refusals at the door.
+                *(() if max_workers is None else ("--max-concurrent-rpcs", str(8 * max_workers))),
             ],
             stderr=subprocess.DEVNULL,
         )
@@ -317,7 +338,10 @@ def _level(connections: int, seconds: float, interval: float) -> dict[str, Any]:
 
 
 def bench_fleet(
-    seconds: float = 30.0, connections: tuple[int, ...] = (1000, 5000, 10000), speedup: float = 2.0
+    seconds: float = 30.0,
+    connections: tuple[int, ...] = (1000, 5000, 10000),
+    speedup: float = 2.0,
+    max_workers: int | None = None,
 ) -> dict[str, Any]:
     """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed."""
     raise_fd_limit()
@@ -326,11 +350,12 @@ def bench_fleet(
         "workload": f"{CLIENT_PROCS} client processes, one channel per job; a heartbeat every"
         f" {interval:g} s (the SDK's 15 s / {speedup:g}), a checkpoint every 4th beat, the commit"
         f" after {seconds:g} s; status, resume and /metrics once a second",
+        "server_max_workers": max_workers or "default (32)",
         "levels": [],
         "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
     }
     for n in connections:
-        level = _level(n, seconds, interval)
+        level = _level(n, seconds, interval, max_workers)
         print(level, flush=True)
         out["levels"].append(level)
     base = out["levels"][0]
