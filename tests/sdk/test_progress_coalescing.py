@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Unpack
+
+import pytest
 
 from shard_client import Ledger, LedgerClient
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.metrics import Coerced
 from shard_client.options import ShardOptionKwargs
 from shard_client.progress import ProgressWindow
+from tests.builders import run_cli
 from tests.sdk.test_shard_lifecycle import RUN, plan, state
 
 pytest_plugins = ["tests.sdk.test_shard_lifecycle"]  # the ledger and target fixtures
@@ -155,3 +159,25 @@ def test_a_failing_block_records_its_last_progress_before_the_failure(
     kinds = [e.WhichOneof("payload") for e in events(client, "boom")]
     assert kinds[-3:] == ["heartbeat", "heartbeat", "failed"]
     assert beats(client, "boom")[-1].step == 29
+
+
+def test_a_night_of_coalesced_heartbeats_rebuilds_to_the_projections_the_server_wrote(
+    ledger: Ledger,
+    client: LedgerClient,
+    db_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plan(client, "r1", "r2")
+    for shard_id in ("r1", "r2"):
+        with ledger.shard(RUN, shard_id, **QUIET) as shard:
+            for step in range(40):
+                shard.progress(step, loss=math.nan if step == 30 else 1.0 / (step + 1))
+            shard.commit(touch(tmp_path / f"{shard_id}.out"))
+    code, out, err = run_cli(
+        capsys, "db", "rebuild", "--database-url", f"sqlite:///{db_path}", "--check", "--json"
+    )
+    assert code == 0, err
+    [run] = json.loads(out)["runs"]
+    assert (run["run_id"], run["shards"], run["differing_shards"]) == (RUN, 2, 0)
+    assert run["counters_differ"] is False
