@@ -316,21 +316,17 @@ class BatchFolder:
             return self._close_submission(tx, event, content, head, state, receive_us)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
+        if proj.fold_live_beat(record, event, receive_us):
+            # A live attempt's plain heartbeat: checked and folded in one narrow step, and
+            # its row is the two numbers and the deadline (the shard stays out of `full`).
+            sequence = self._insert(tx, head, event, content, receive_us)
+            state.dirty.add(shard_key)
+            return AppendResult(event.event_id, sequence, APPENDED)
         if not proj.check(record, event):
             assert record is not None  # only a plan identical to the stored one
             return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
-        run_sequence = head.count + 1
-        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
-        row_hash = chain_hash(head.hash, row)
-        sequence = tx.insert_event(
-            run_pk=head.run_pk,
-            run_sequence=run_sequence,
-            event_id=event.event_id,
-            row=row,
-            row_hash=row_hash,
-        )
-        head.count, head.hash, head.moved = run_sequence, row_hash, True
-        rec = RecordedEvent(event, sequence, run_sequence, receive_us, row_hash)
+        sequence = self._insert(tx, head, event, content, receive_us)
+        rec = RecordedEvent(event, sequence, head.count, receive_us, head.hash)
         payload = event.payload
         if record is None:
             state.before[shard_key] = Counter()
@@ -363,17 +359,7 @@ class BatchFolder:
         receive_us: int,
     ) -> AppendResult:
         """Appends a run-level close and moves the run's close counters (closing_delta)."""
-        run_sequence = head.count + 1
-        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
-        row_hash = chain_hash(head.hash, row)
-        sequence = tx.insert_event(
-            run_pk=head.run_pk,
-            run_sequence=run_sequence,
-            event_id=event.event_id,
-            row=row,
-            row_hash=row_hash,
-        )
-        head.count, head.hash, head.moved = run_sequence, row_hash, True
+        sequence = self._insert(tx, head, event, content, receive_us)
         current = state.closing.get(head.run_pk)
         if current is None:
             keys = (SUBMISSION_CLOSED_KEY, SUBMISSION_CLOSED_US_KEY)
@@ -387,6 +373,22 @@ class BatchFolder:
             tx.add_counters(head.run_pk, delta)
             current.update(delta)
         return AppendResult(event.event_id, sequence, APPENDED)
+
+    @staticmethod
+    def _insert(tx: WriteTx, head: _Head, event: Event, content: str, receive_us: int) -> int:
+        """Chains the event's row onto the run's head and buffers it; returns its sequence."""
+        run_sequence = head.count + 1
+        row = encode_row(content, run_sequence=run_sequence, receive_time_us=receive_us)
+        row_hash = chain_hash(head.hash, row)
+        sequence = tx.insert_event(
+            run_pk=head.run_pk,
+            run_sequence=run_sequence,
+            event_id=event.event_id,
+            row=row,
+            row_hash=row_hash,
+        )
+        head.count, head.hash, head.moved = run_sequence, row_hash, True
+        return sequence
 
     def _pass_closed(self, tx: WriteTx, state: _BatchState, run_pk: int) -> int:
         """Returns the sequence that closed the run's first pass, or 0 while it is open."""

@@ -87,6 +87,12 @@ class Heartbeat:
     rank: int = 0
     # The rank left its block cleanly; its silence from now on is no hang.
     rank_finished: bool = False
+    # A heartbeat the SDK coalesced from several progress() calls also says what the
+    # interval held: its first step, each metric's extremes, and how many calls.
+    first_step: int = 0
+    metrics_min: dict[str, float] = field(default_factory=dict)
+    metrics_max: dict[str, float] = field(default_factory=dict)
+    progress_calls: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +200,15 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
         "launch_id",
         "restart_count",
     ),
-    Heartbeat: ("nonfinite_metrics", "rank", "rank_finished"),
+    Heartbeat: (
+        "nonfinite_metrics",
+        "rank",
+        "rank_finished",
+        "first_step",
+        "metrics_min",
+        "metrics_max",
+        "progress_calls",
+    ),
     CheckpointSaved: ("write_us", "rank", "world_size"),
     ArtifactCommitted: ("rank",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex", "rank"),

@@ -283,6 +283,29 @@ def _arrived_late(rec: RecordedEvent, timeout_us: int) -> bool:
     return made > 0 and rec.receive_time_us - made > max(timeout_us, LATE_MIN_US)
 
 
+def fold_live_beat(record: ShardRecord | None, event: Event, now_us: int) -> bool:
+    """Folds a plain heartbeat of the shard's latest live attempt; False: not that case.
+
+    The writer's fast path for most of a night's events. Its contract, which the
+    property test checks on random histories: when it returns True the record is
+    what check() and fold() make of the same event (which they accept); when it
+    returns False it changed nothing and the event takes the generic path. Any
+    heartbeat the generic fold treats differently (non-finite metrics flag the
+    shard; an older attempt's beat rewrites the whole row) stays out of it.
+    """
+    p = event.payload
+    if record is None or type(p) is not Heartbeat or p.nonfinite_metrics:
+        return False
+    if p.rank or p.rank_finished or event.attempt_id != record.latest_attempt:
+        return False
+    attempt = record.attempts.get(event.attempt_id)
+    # A rank of a multi-rank attempt keeps its own liveness in the record: generic fold.
+    if attempt is None or attempt.failed_tag or ranks.is_ranked(attempt):
+        return False
+    fold_beat(record, event.attempt_id, now_us, p.step)
+    return True
+
+
 def fold_beat(record: ShardRecord, attempt_id: str, now_us: int, step: int) -> None:
     """Folds a heartbeat: the attempt was seen at now_us and reached step (both by max)."""
     attempt = record.attempts[attempt_id]

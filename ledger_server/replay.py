@@ -19,6 +19,7 @@ from ledger_server.events import (
     SubmissionClosed,
 )
 from ledger_server.projections import fold, fold_beat, live_state
+from ledger_server.ranks import is_ranked
 from ledger_server.record import ShardRecord
 from ledger_server.states import QueryState
 from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
@@ -33,6 +34,11 @@ def closes_first_pass(rec: RecordedEvent) -> bool:
     """
     p = rec.event.payload
     return isinstance(p, ArtifactVerified) and p.reason not in VERIFIER_REASONS
+
+
+# A heartbeat naming any of these takes the generic fold (non-finite metrics flag the
+# shard; a rank's beat moves its own liveness).
+_PLAIN_BEAT_KEYS: frozenset[str] = frozenset({"nonfinite_metrics", "rank", "rank_finished"})
 
 
 @dataclass(slots=True)
@@ -76,17 +82,20 @@ class RunReplay:
         """
         outer = parse_row(row)
         data = outer["event"]
-        if data["kind"] == Heartbeat.KIND and "nonfinite_metrics" not in data["payload"]:
-            receive_us, step = outer["receive_time_us"], data["payload"]["step"]
-            self.last_receive_us = int(receive_us) if type(receive_us) is str else receive_us
-            fold_beat(
-                self.records[data["shard_id"]],
-                data["attempt_id"],
+        payload = data["payload"]
+        if data["kind"] == Heartbeat.KIND and _PLAIN_BEAT_KEYS.isdisjoint(payload):
+            record = self.records[data["shard_id"]]
+            attempt = record.attempts.get(data["attempt_id"])
+            # A rank of a multi-rank attempt keeps its own liveness: the generic fold.
+            if attempt is not None and not is_ranked(attempt):
+                receive_us, step = outer["receive_time_us"], payload["step"]
                 # Row format 2 holds integers past 2**53 as decimal strings.
-                int(receive_us) if type(receive_us) is str else receive_us,
-                int(step) if type(step) is str else step,
-            )
-            return
+                receive_us = int(receive_us) if type(receive_us) is str else receive_us
+                self.last_receive_us = receive_us
+                fold_beat(
+                    record, data["attempt_id"], receive_us, int(step) if type(step) is str else step
+                )
+                return
         event, run_sequence, receive_us = event_from_parsed(outer)
         self.feed(RecordedEvent(event, sequence, run_sequence, receive_us, row_hash))
 

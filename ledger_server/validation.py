@@ -110,6 +110,27 @@ def _check_size(field_name: str, value: int) -> None:
         raise InvalidEvent(field_name, "must not be negative")
 
 
+def _check_coalesced(p: Heartbeat) -> None:
+    """Checks what a coalesced heartbeat says about its interval."""
+    if p.progress_calls < 1:
+        raise InvalidEvent(
+            "heartbeat.progress_calls", "must be >= 1 when first_step or metric extremes are set"
+        )
+    if not 0 <= p.first_step <= p.step:
+        raise InvalidEvent("heartbeat.first_step", "must be in [0, step]")
+    for field_name, extremes in (("metrics_min", p.metrics_min), ("metrics_max", p.metrics_max)):
+        if len(extremes) > MAX_MAP_ENTRIES:
+            raise InvalidEvent(f"heartbeat.{field_name}", f"more than {MAX_MAP_ENTRIES} entries")
+        for metric, number in extremes.items():
+            _check_text(f"heartbeat.{field_name}", metric, 256, required=True)
+            if not math.isfinite(number):
+                raise InvalidEvent(f"heartbeat.{field_name}", f"{metric!r} must be finite")
+    for metric, low in p.metrics_min.items():
+        high = p.metrics_max.get(metric)
+        if high is not None and low > high:
+            raise InvalidEvent("heartbeat.metrics_min", f"{metric!r} is above its maximum")
+
+
 def _check_json_object(field_name: str, text: str, row_format: int = ROW_FORMAT) -> str:
     if not text:
         return "{}"
@@ -230,6 +251,8 @@ def _check_payload(event: Event, row_format: int) -> Payload:
         for metric in p.nonfinite_metrics:
             _check_text("heartbeat.nonfinite_metrics", metric, 256, required=True)
         _check_rank("heartbeat.rank", p.rank)
+        if p.progress_calls or p.first_step or p.metrics_min or p.metrics_max:
+            _check_coalesced(p)
     elif isinstance(p, CheckpointSaved):
         _check_size("checkpoint.step", p.step)
         _check_text("checkpoint.path", p.path, MAX_PATH_CHARS, required=True)

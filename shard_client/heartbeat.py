@@ -1,4 +1,12 @@
-"""The heartbeat thread of a shard attempt: beats while the job is quiet, ends the SIGTERM grace."""
+"""A shard attempt's heartbeats: progress() coalesced per interval, a thread for quiet times.
+
+``shard.progress()`` may be called every step; the ledger gets at most one
+heartbeat per ``heartbeat_interval`` from it (see shard_client.progress), plus
+one at once for the attempt's first call and for a metric that turns
+non-finite for the first time. Everything else the shard emits (a checkpoint,
+a commit, a failure) first flushes the pending heartbeat, so the ledger's
+order is the job's order and no progress is held back behind an outcome.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import LedgerClientError
+from shard_client.metrics import MAX_METRICS, Coerced
+from shard_client.progress import ProgressWindow
 from shard_client.signals import SigtermGrace
 from shard_client.watchdog import ProgressClock, Watchdog
 
@@ -35,15 +46,27 @@ class Heartbeats:
         progress_timeout_s: float | None,
         sigterm: SigtermGrace,
         wake: threading.Event,
-        send: Callable[[pb.Heartbeat], object],
+        send: Callable[[pb.Heartbeat, Ack | None], Ack],
+        reserve: Callable[[], Ack],
         active: Callable[[], bool],
         shard_id: str,
         attempt_id: str,
         clock: ProgressClock,
         watchdog: Watchdog | None = None,
         ended_elsewhere: Callable[[], bool] | None = None,
+        coalesce: bool = True,
     ) -> None:
         self.step, self.progress = 0, 0.0
+        self._reserve = reserve
+        self._coalesce = coalesce
+        # progress() runs in the job's threads, the beat in this one: the window, its Ack
+        # and the send order are guarded together, so the ledger sees windows in order.
+        self._lock = threading.Lock()
+        self._window: ProgressWindow | None = None
+        self._window_ack: Ack | None = None
+        self._calls = 0
+        self._nonfinite_seen: set[str] = set()
+        self._dropped_logged = False
         self._interval_s = interval_s
         self._progress_timeout_s = progress_timeout_s
         self._sigterm = sigterm
@@ -74,11 +97,56 @@ class Heartbeats:
         if self._thread is not None:
             self._thread.join(5.0)
 
-    def beat_sent(self, step: int, progress: float) -> None:
-        """Notes a heartbeat the job sent itself: progress, and no beat due for an interval."""
-        self.step, self.progress = step, progress
+    def add(self, values: Coerced) -> Ack:
+        """Adds one progress() call to the pending heartbeat; sends it when it is due.
+
+        Due: the attempt's first call, a metric non-finite for the first time, an
+        interval since the last beat, or coalescing off. The Ack returned is the
+        heartbeat's that carries the call (settled once that heartbeat is).
+        """
         self._clock.stepped()
-        self._last_beat = time.monotonic()
+        with self._lock:
+            self.step, self.progress = values.step, values.progress
+            if self._window is None or self._window_ack is None:
+                self._window, self._window_ack = ProgressWindow(), self._reserve()
+            self._window.add(values)
+            ack = self._window_ack
+            self._calls += 1
+            fresh = set(values.nonfinite) - self._nonfinite_seen
+            if fresh and len(self._nonfinite_seen) < MAX_METRICS:
+                self._nonfinite_seen |= fresh  # numeric pollution is news: it goes at once
+            else:
+                fresh = set()
+            now = time.monotonic()
+            due = now >= self._last_beat + self._interval_s
+            if not self._coalesce or due or fresh or self._calls == 1:
+                self._flush_locked(now)
+        return ack
+
+    def flush(self) -> None:
+        """Sends the pending heartbeat, if any: before any other event of the attempt."""
+        with self._lock:
+            self._flush_locked(time.monotonic())
+
+    def _flush_locked(self, now: float) -> None:
+        window, ack = self._window, self._window_ack
+        if window is None or ack is None:
+            return
+        self._window = self._window_ack = None
+        self._last_beat = now
+        if window.dropped and not self._dropped_logged:
+            self._dropped_logged = True
+            log.warning(
+                "progress_metrics_dropped shard=%s attempt=%s names=%d: over one heartbeat's limits",
+                self._shard_id,
+                self._attempt_id,
+                window.dropped,
+            )
+        try:
+            self._send(window.heartbeat(), ack)
+        except LedgerClientError as error:
+            ack._settle("failed", 0, error)  # whoever waits on the calls' Ack learns why
+            raise
 
     def made_progress(self, step: int | None = None) -> None:
         """Notes progress other than a heartbeat (a commit or checkpoint), at least ``step``."""
@@ -110,12 +178,14 @@ class Heartbeats:
                 self._last_beat = now
                 continue
             if now >= self._last_beat + self._interval_s:
-                self._last_beat = now
-                if self._stalled(now):
-                    continue  # no beat: the ledger marks the shard stale after its timeout
-                beat = pb.Heartbeat(step=self.step, progress=self.progress)
-                with contextlib.suppress(LedgerClientError, RuntimeError):
-                    self._send(beat)
+                with self._lock, contextlib.suppress(LedgerClientError, RuntimeError):
+                    if self._window is not None:
+                        self._flush_locked(now)  # the interval's progress() calls
+                        continue
+                    self._last_beat = now
+                    if self._stalled(now):
+                        continue  # no beat: the ledger marks the shard stale after its timeout
+                    self._send(pb.Heartbeat(step=self.step, progress=self.progress), None)
 
     def _stalled(self, now: float) -> bool:
         """Whether progress_timeout passed without progress (logged once per stall)."""

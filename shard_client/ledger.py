@@ -125,6 +125,9 @@ class Ledger:
           a shard of its own (see docs/multirank.md). ``expected_outputs`` may then
           name per-rank outputs as ``weights.rank{rank}``: each rank must commit its
           own, rank 0 the names without ``{rank}``.
+        - ``coalesce_progress=True``: ``progress()`` calls reach the ledger as at
+          most one heartbeat per ``heartbeat_interval`` with the latest values and
+          the interval's extremes (see shard_client.progress); False sends every call.
 
         ``attempt_id`` defaults to a fresh random id (a multi-rank launch: the launch's).
         """

@@ -76,6 +76,7 @@ class ShardOptionKwargs(TypedDict, total=False):
     log_file: str | os.PathLike[str] | None
     labels: Mapping[str, str] | None
     ranks: RankInfo | bool
+    coalesce_progress: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,8 @@ class ShardOptions:
     labels: Mapping[str, str] | None = None
     # True: the rank torchrun set ($RANK, $WORLD_SIZE, ...), if any; False: one process.
     ranks: RankInfo | bool = True
+    # progress() calls coalesced into at most one heartbeat per interval (shard_client.progress).
+    coalesce_progress: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:

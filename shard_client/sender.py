@@ -187,9 +187,11 @@ class Sender:
         self._thread: threading.Thread | None = None
         self.orphans: OrphanDrainer | None = None
 
-    def emit(self, event: pb.ShardEvent) -> Ack:
+    def emit(self, event: pb.ShardEvent, *, ack: Ack | None = None) -> Ack:
         """Queues a copy of the event and returns its Ack; never waits for the network.
 
+        ``ack``: one handed out before the event existed (a coalesced heartbeat's,
+        made with the event's id), settled in place of a new one.
         The event is copied, so the caller may reuse the message. One over
         MAX_EVENT_BYTES is refused at once (its Ack says "rejected"; it is logged and
         written to rejected.jsonl): no ledger could store it.
@@ -198,7 +200,7 @@ class Sender:
             self._reset()
         copy = pb.ShardEvent()
         copy.CopyFrom(event)
-        item = _Item(copy, Ack(event.event_id, self), copy.ByteSize())
+        item = _Item(copy, ack or Ack(event.event_id, self), copy.ByteSize())
         if item.size > MAX_EVENT_BYTES:
             return self._refuse_oversized(item)
         with self._cond:

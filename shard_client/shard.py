@@ -140,6 +140,8 @@ class Shard:
             sigterm=self._sigterm,
             wake=wake,
             send=self._send_beat,
+            reserve=lambda: Ack(new_event_id(), self.ledger.sender),
+            coalesce=self.options.coalesce_progress,
             # After a trip the thread still ends the SIGTERM grace, so it lives on.
             active=lambda: self._state in ("active", "timed_out", "ended"),
             shard_id=shard_id,
@@ -219,6 +221,7 @@ class Shard:
         self._sigterm.restore()
         self._diagnostics.close()
         self._heartbeats.stop()
+        self._flush_progress()
         clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
         if timed_out:
             # The watchdog recorded failed(timeout), or another rank ended the attempt;
@@ -293,9 +296,9 @@ class Shard:
             log.error("failure_not_recorded shard=%s tag=%s error=%s", self.shard_id, tag, error)
         self.ledger.flush(self.ledger.flush_timeout_s)
 
-    def _send_beat(self, beat: pb.Heartbeat) -> Ack:
-        ack = self._last_beat = self._emit(heartbeat=beat)
-        return ack
+    def _send_beat(self, beat: pb.Heartbeat, ack: Ack | None = None) -> Ack:
+        sent = self._last_beat = self._emit(heartbeat=beat, ack=ack)
+        return sent
 
     def _ended_elsewhere(self) -> bool:
         """Stops this rank once the ledger refused its heartbeat: another rank ended the attempt.
@@ -326,6 +329,13 @@ class Shard:
             ).start()
         return True
 
+    def _flush_progress(self) -> None:
+        """Sends the progress held for the next beat; telemetry never fails the job's exit."""
+        try:
+            self._heartbeats.flush()
+        except LedgerClientError as error:
+            log.warning("progress_not_sent shard=%s error=%s", self.shard_id, error)
+
     def _claim_timeout(self) -> bool:
         """Lets the watchdog end the attempt, unless the block is ending by itself."""
         with self._lock:
@@ -352,13 +362,16 @@ class Shard:
 
     # --- events -----------------------------------------------------------------
 
-    def _emit(self, **payload: Any) -> Ack:
+    def _emit(self, *, ack: Ack | None = None, **payload: Any) -> Ack:
+        if "heartbeat" not in payload:
+            # Progress held for the next beat goes first: the ledger keeps the job's order.
+            self._heartbeats.flush()
         if self.rank_info is not None:
             for message in payload.values():
                 if "rank" in message.DESCRIPTOR.fields_by_name:
                     message.rank = self.rank_info.rank
         event = pb.ShardEvent(
-            event_id=new_event_id(),
+            event_id=new_event_id() if ack is None else ack.event_id,
             namespace=self.ledger.namespace,
             run_id=self.run_id,
             shard_id=self.shard_id,
@@ -366,7 +379,7 @@ class Shard:
             client_time=_now(),
             **payload,
         )
-        return self.ledger.sender.emit(event)
+        return self.ledger.sender.emit(event, ack=ack)
 
     def _check_active(self) -> None:
         if self._state == "ended":
@@ -382,7 +395,14 @@ class Shard:
             raise RuntimeError(f"shard {self.shard_id} is not inside its `with` block")
 
     def progress(self, step: int, progress: float = 0.0, **metrics: object) -> Ack:
-        """Records a heartbeat with the step, progress in [0, 1] and a few metrics, now.
+        """Reports the step, progress in [0, 1] and a few metrics; call it every step.
+
+        Calls are coalesced: the ledger gets at most one heartbeat per
+        ``heartbeat_interval`` with the latest values and the interval's lowest
+        step, each metric's min and max, and the non-finite names (the first call,
+        and a metric turning non-finite, go at once; ``coalesce_progress=False``
+        sends every call). A checkpoint, commit or failure sends the pending
+        heartbeat first. The Ack is that of the heartbeat that carries this call.
 
         Telemetry never raises into the job: NaN and ±Inf metrics are sent by name in
         ``nonfinite_metrics``, numpy and torch scalars are read with float(), values
@@ -390,15 +410,7 @@ class Shard:
         shard_client.metrics).
         """
         self._check_active()
-        values = self._telemetry.coerce(step, progress, metrics)
-        self._heartbeats.beat_sent(values.step, values.progress)
-        heartbeat = pb.Heartbeat(
-            step=values.step,
-            progress=values.progress,
-            metrics=values.metrics,
-            nonfinite_metrics=values.nonfinite,
-        )
-        return self._send_beat(heartbeat)
+        return self._heartbeats.add(self._telemetry.coerce(step, progress, metrics))
 
     # --- artifacts --------------------------------------------------------------
 

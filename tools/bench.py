@@ -5,6 +5,9 @@
     python -m tools.bench batched   100-event appends (chain + projections) vs raw SQLite inserts
     python -m tools.bench artifact  SDK atomic_write vs raw write+fsync+rename (256 MiB and 4 KiB)
     python -m tools.bench sdk       heartbeat thread CPU and emit blocking time, server up and down
+    python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
+    python -m tools.bench fleet     1,000 / 5,000 / 10,000 open channels at the SDK's cadence + readers
+    python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
     python -m tools.bench all       everything; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
@@ -37,6 +40,9 @@ from ledger_server.config import ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from tools.bench_coalesce import bench_coalesce
+from tools.bench_fleet import bench_fleet
+from tools.bench_peers import bench_peers
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -426,6 +432,7 @@ def bench_sdk(seconds: float = 10.0, events: int = 20_000) -> dict[str, Any]:
             heartbeat_interval=1.0,
             fingerprint=False,
             sigterm_grace=None,
+            coalesce_progress=False,  # every call an emit: what this measures
         ) as shard:
             beater = next(
                 t for t in threading.enumerate() if t.name.startswith("shard_client-heartbeat")
@@ -477,7 +484,12 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "batched": bench_batched,
     "artifact": bench_artifact,
     "sdk": bench_sdk,
+    "coalesce": bench_coalesce,
+    "fleet": bench_fleet,
+    "peers": bench_peers,
 }
+# How long each driven benchmark runs unless --seconds says otherwise.
+DEFAULT_SECONDS = {"unary": 5.0, "batched": 5.0, "coalesce": 10.0, "fleet": 30.0, "peers": 5.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,12 +514,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seconds",
         type=float,
-        default=5.0,
-        help="how long unary and batched drive their clients (default: 5)",
+        default=None,
+        help="how long unary, batched, coalesce, fleet and peers run (default: 5, 5, 10, 30 and 5)",
+    )
+    parser.add_argument(
+        "--connections",
+        default="1000,5000,10000",
+        help="fleet: the numbers of open channels to measure, comma-separated",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=None,
+        help="fleet: the server's --max-workers, its in-flight limit 8x that (default: its own)",
     )
     args = parser.parse_args(argv)
-    if args.seconds <= 0:
+    if args.max_workers is not None and args.max_workers < 1:
+        parser.error("--max-workers must be positive")
+    if args.seconds is not None and args.seconds <= 0:
         parser.error("--seconds must be positive")
+    try:
+        connections = tuple(int(n) for n in args.connections.split(","))
+    except ValueError:
+        parser.error(f"--connections {args.connections!r}: give numbers, e.g. 1000,5000")
+    if not connections or min(connections) < 1:
+        parser.error("--connections must be positive numbers")
     global id_style
     id_style = args.ids
     names = list(BENCHES) if args.which == "all" else [args.which]
@@ -517,8 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         key = (
             name if id_style == "sdk" or name not in ("unary", "batched") else f"{name}_{id_style}"
         )
-        driven = name in ("unary", "batched")
-        report[key] = BENCHES[name](seconds=args.seconds) if driven else BENCHES[name]()
+        kwargs: dict[str, Any] = {}
+        if name in DEFAULT_SECONDS:
+            kwargs["seconds"] = args.seconds or DEFAULT_SECONDS[name]
+        if name == "fleet":
+            kwargs["connections"] = connections
+            kwargs["max_workers"] = args.max_workers
+        report[key] = BENCHES[name](**kwargs)
         print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

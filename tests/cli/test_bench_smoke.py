@@ -79,3 +79,39 @@ def test_bench_storage_commits_and_uploads_the_same_bytes_and_reports_ratios(
     assert result["artifact_mib"] == 2
     assert set(result["seconds"]) == {"raw", "commit", "commit_digest", "read_back_digest"}
     assert result["ratio_commit_to_raw"] > 0 and result["full_digest_read_back_s"] > 0
+
+
+def test_bench_peers_measures_the_ledger_and_names_a_missing_peer(tmp_path: Path) -> None:
+    out = tmp_path / "ingest.json"
+    done = _bench("tools.bench", "peers", "--seconds", "0.05", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    peers = json.loads(out.read_text())["peers"]
+    assert peers["ledger_batched_events_per_s"] > 0 and peers["raw_sqlite_rows_per_s"] > 0
+    # Without the bench extra (CI's test install) the peer is skipped with the reason.
+    es = peers["eventsourcing"]
+    assert isinstance(es, dict) or es.startswith("skipped: eventsourcing is not installed")
+
+
+def test_bench_coalesce_sends_fewer_heartbeats_than_calls(tmp_path: Path) -> None:
+    out = tmp_path / "ingest.json"
+    done = _bench("tools.bench", "coalesce", "--seconds", "0.5", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())["coalesce"]
+    every, merged = result["every_call"], result["coalesced"]
+    assert merged["heartbeats_per_shard"] < every["heartbeats_per_shard"]
+    assert every["other_events_per_shard"] == merged["other_events_per_shard"] == 2
+
+
+def test_bench_fleet_runs_every_job_to_its_commit_without_errors(tmp_path: Path) -> None:
+    out = tmp_path / "ingest.json"
+    done = _bench("tools.bench", "fleet", "--seconds", "1", "--connections", "20", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    [level] = json.loads(out.read_text())["fleet"]["levels"]
+    assert (level["connections"], level["errors"], level["reader_errors"]) == (20, 0, 0)
+    assert level["commit_ack_ms"]["p99"] > 0 and level["server_open_fds_peak"] >= 20
+
+
+def test_bench_refuses_connections_that_are_no_numbers(tmp_path: Path) -> None:
+    done = _bench("tools.bench", "fleet", "--connections", "many", timeout=60)
+    assert done.returncode == 2
+    assert "--connections 'many': give numbers" in done.stderr

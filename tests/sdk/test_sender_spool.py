@@ -23,6 +23,7 @@ from ledger_server.server import RunningServer, create_server
 from shard_client import Ledger, LedgerClient, LedgerUnavailable, LifecycleError, PlanEntry, Sender
 from shard_client import plan_events as make_plan_events
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.options import ShardOptionKwargs
 from shard_client.spool import Spool
 from shard_client.spooldir import drain_spool_dirs
 from shardledger_cli.cli import main as cli
@@ -111,7 +112,13 @@ def test_server_restart_mid_job_delivers_every_event_exactly_once_in_order(
     plan(servers.target, "a")
     ledger = Ledger(servers.target, unavailable_after_s=0.3)
     emitted: list[str] = []
-    with ledger.shard(RUN, "a", heartbeat_timeout=600, fingerprint=False) as shard:
+    # Every progress() call one event: the test counts deliveries, not heartbeats.
+    options: ShardOptionKwargs = {
+        "heartbeat_timeout": 600,
+        "fingerprint": False,
+        "coalesce_progress": False,
+    }
+    with ledger.shard(RUN, "a", **options) as shard:
         emitted.append(shard.attempt_id)
         for step in range(300):
             emitted.append(shard.progress(step, step / 300).event_id)
@@ -164,7 +171,7 @@ def test_events_of_concurrent_shards_are_coalesced_into_few_appends(servers: Ser
     ledger = Ledger(client=client)
 
     def work(shard_id: str) -> None:
-        with ledger.shard(RUN, shard_id, fingerprint=False) as shard:
+        with ledger.shard(RUN, shard_id, fingerprint=False, coalesce_progress=False) as shard:
             for step in range(250):
                 shard.progress(step)
             shard.commit(_touch(servers.db.parent / f"{shard_id}.out"))
@@ -259,7 +266,7 @@ JOB = """
 import sys
 from shard_client import Ledger
 ledger = Ledger(unavailable_after_s=0.2)
-with ledger.shard({run!r}, "left", fingerprint=False) as shard:
+with ledger.shard({run!r}, "left", fingerprint=False, coalesce_progress=False) as shard:
     for step in range(20):
         shard.progress(step)
     with shard.atomic_write("left.out") as f:

@@ -444,7 +444,7 @@ def test_ledger_works_in_parent_and_in_a_forked_child(
         ledger = Ledger()
 
         def work(shard_id):
-            with ledger.shard({RUN!r}, shard_id, fingerprint=False) as shard:
+            with ledger.shard({RUN!r}, shard_id, fingerprint=False, coalesce_progress=False) as shard:
                 for step in range(200):
                     shard.progress(step)
                 with shard.atomic_write(shard_id + ".out") as f:

@@ -31,7 +31,7 @@ import sys
 from shard_client import Ledger
 
 ledger = Ledger(unavailable_after_s=0.2)
-with ledger.shard({run!r}, sys.argv[1], fingerprint=False) as shard:
+with ledger.shard({run!r}, sys.argv[1], fingerprint=False, coalesce_progress=False) as shard:
     for step in range(5):
         shard.progress(step, step / 5, loss=1.0)
     with shard.atomic_write(sys.argv[1] + ".out") as f:

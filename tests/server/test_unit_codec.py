@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ledger_server import codec
@@ -121,3 +123,23 @@ def test_the_chain_walker_accepts_a_chain_and_names_its_break() -> None:
     assert (walker.count, walker.head, walker.expected) == (2, hashes[1], 3)
     assert not walker.in_order(2)
     assert not walker.links(b'{"a":3}', hashes[1])
+
+
+def test_a_coalesced_heartbeat_round_trips_through_protobuf_and_its_row() -> None:
+    beat = Heartbeat(
+        step=40,
+        progress=0.5,
+        metrics={"loss": 0.25},
+        nonfinite_metrics=("grad_norm",),
+        first_step=0,
+        metrics_min={"loss": 0.25},
+        metrics_max={"loss": 2.0},
+        progress_calls=41,
+    )
+    event = dataclasses.replace(_event("heartbeat"), payload=beat)
+    message = codec.encode_event(event)
+    assert (message.heartbeat.progress_calls, message.heartbeat.metrics_max["loss"]) == (41, 2.0)
+    assert codec.decode_event(type(message).FromString(message.SerializeToString())) == event
+    valid = validate(event)
+    row = row_bytes(valid.event, run_sequence=2, receive_time_us=1_700_000_000_200_000)
+    assert event_from_row(row)[0] == event

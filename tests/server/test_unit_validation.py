@@ -43,6 +43,30 @@ BAD: list[tuple[Event, str, str]] = [
     (_event(Heartbeat(1, 1.5, {})), "heartbeat.progress", "must be a number in [0, 1]"),
     (_event(Heartbeat(1, 0.5, {"loss": float("nan")})), "heartbeat.metrics", "must be finite"),
     (_event(Heartbeat(-1, 0.5, {})), "heartbeat.step", "must not be negative"),
+    (
+        _event(Heartbeat(1, 0.5, {}, first_step=2, progress_calls=2)),
+        "heartbeat.first_step",
+        "must be in [0, step]",
+    ),
+    (
+        _event(Heartbeat(1, 0.5, {}, metrics_min={"loss": 1.0})),
+        "heartbeat.progress_calls",
+        "must be >= 1 when first_step or metric extremes are set",
+    ),
+    (
+        _event(
+            Heartbeat(
+                1, 0.5, {}, metrics_min={"loss": 2.0}, metrics_max={"loss": 1.0}, progress_calls=2
+            )
+        ),
+        "heartbeat.metrics_min",
+        "'loss' is above its maximum",
+    ),
+    (
+        _event(Heartbeat(1, 0.5, {}, metrics_max={"loss": float("inf")}, progress_calls=2)),
+        "heartbeat.metrics_max",
+        "must be finite",
+    ),
     (_event(AttemptFailed("cosmic-ray", "")), "failed.tag", "must be one of oom, timeout"),
     (
         _event(dataclasses.replace(PLAN, expected_outputs=("a", "a")), attempt_id=""),
@@ -99,3 +123,14 @@ def test_defaults_and_normal_forms_are_applied_in_a_new_event() -> None:
     assert valid.event.payload.params_json == '{"a":2,"b":1}'
     assert valid.canonical == valid.event.content_json()
     assert event.namespace == ""  # the submitted event is left as it was
+
+
+def test_a_plain_heartbeat_keeps_its_canonical_json_and_a_coalesced_one_adds_its_interval() -> None:
+    plain = validate(_event(BEAT)).canonical
+    assert '"payload":{"metrics":{},"progress":0.5,"step":1}' in plain
+    beat = Heartbeat(9, 0.5, {"loss": 0.2}, (), 3, {"loss": 0.1}, {"loss": 0.4}, 7)
+    coalesced = validate(_event(beat)).canonical
+    assert (
+        '"payload":{"first_step":3,"metrics":{"loss":0.2},"metrics_max":{"loss":0.4},'
+        '"metrics_min":{"loss":0.1},"progress":0.5,"progress_calls":7,"step":9}'
+    ) in coalesced

@@ -184,8 +184,22 @@ class SchedulerIdentity(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., job_id: _Optional[str] = ..., array_job_id: _Optional[str] = ..., array_task_id: _Optional[str] = ..., cluster: _Optional[str] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "progress", "metrics", "nonfinite_metrics", "rank", "rank_finished")
+    __slots__ = ("step", "progress", "metrics", "nonfinite_metrics", "rank", "rank_finished", "first_step", "metrics_min", "metrics_max", "progress_calls")
     class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsMinEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsMaxEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -198,13 +212,21 @@ class Heartbeat(_message.Message):
     NONFINITE_METRICS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_MIN_FIELD_NUMBER: _ClassVar[int]
+    METRICS_MAX_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_CALLS_FIELD_NUMBER: _ClassVar[int]
     step: int
     progress: float
     metrics: _containers.ScalarMap[str, float]
     nonfinite_metrics: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     rank_finished: bool
-    def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., nonfinite_metrics: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., rank_finished: _Optional[bool] = ...) -> None: ...
+    first_step: int
+    metrics_min: _containers.ScalarMap[str, float]
+    metrics_max: _containers.ScalarMap[str, float]
+    progress_calls: int
+    def __init__(self, step: _Optional[int] = ..., progress: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., nonfinite_metrics: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., rank_finished: _Optional[bool] = ..., first_step: _Optional[int] = ..., metrics_min: _Optional[_Mapping[str, float]] = ..., metrics_max: _Optional[_Mapping[str, float]] = ..., progress_calls: _Optional[int] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
     __slots__ = ("step", "path", "size_bytes", "blake3_hex", "write_duration", "rank", "world_size")

@@ -1,0 +1,371 @@
+"""A fleet on one ledger: thousands of open channels at the SDK's cadence, plus readers.
+
+    python -m tools.bench fleet [--seconds S] [--connections 1000,5000,10000]
+
+For each level a fresh server (``shardledger serve``, its own process, so its
+CPU and RSS are its own) takes N simulated jobs from a few client processes,
+each job on its own channel and TCP connection, as real jobs are: ``started``,
+then a heartbeat every interval (the SDK's default 15 s, compressed by
+--speedup), a checkpoint every fourth beat, and the artifact commit at the end
+of its life (--seconds). Meanwhile a reader asks for ``status``, the resume list
+and ``/metrics`` once a second. Reported per level: commit and heartbeat
+acknowledgement p50/p99, events/s, the server's CPU (cores) and RSS, its open
+file descriptors, and the readers' latencies. The same-run baseline is the
+smallest level: how the figures move as connections grow.
+
+Each client process raises its soft RLIMIT_NOFILE to the hard limit (a
+connection is a descriptor on each side); the server raises its own at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ledger_server.server import raise_fd_limit
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+
+DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
+CLIENT_PROCS = 4
+APPEND = "/shardledger.v1.LedgerService/AppendEvents"
+RUN = "fleet"
+# What the SDK's sender keeps (spools) and sends again rather than giving up on.
+_RETRIED = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+def _pct(samples: list[float], q: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+def _request(shard: str, seq: int, **payload: Any) -> bytes:
+    event = pb.ShardEvent(event_id=f"{shard}-{seq}", run_id=RUN, shard_id=shard, **payload)
+    if "planned" not in payload:
+        event.attempt_id = "a"
+    event.client_time.GetCurrentTime()
+    return pb.AppendEventsRequest(events=[event]).SerializeToString()
+
+
+def _body(kind: str, shard: str, seq: int, k: int) -> bytes:
+    """Returns the request of a job's k-th event of this kind."""
+    if kind == "started":
+        started = pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 60})
+        return _request(shard, seq, started=started)
+    if kind == "commit":
+        committed = pb.ArtifactCommitted(
+            name="out", path=f"/out/{shard}", size_bytes=1, blake3_hex="ab" * 32
+        )
+        return _request(shard, seq, artifact_committed=committed)
+    if kind == "checkpoint":
+        saved = pb.CheckpointSaved(step=k, path=f"/ck/{shard}", size_bytes=1, blake3_hex="cd" * 32)
+        return _request(shard, seq, checkpoint=saved)
+    beat = pb.Heartbeat(step=k, progress=0.5, metrics={"loss": 0.1})
+    return _request(shard, seq, heartbeat=beat)
+
+
+class _Job:
+    """One simulated job's channel and where it is in its life."""
+
+    __slots__ = ("busy", "call", "channel", "k", "seq", "shard")
+
+    def __init__(self, target: str, shard: str) -> None:
+        # A local subchannel pool gives every channel its own TCP connection, as separate
+        # job processes have; by default channels to one target share one in a process.
+        self.channel = grpc.insecure_channel(
+            target, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        self.call = self.channel.unary_unary(APPEND, None, None)
+        self.shard, self.k, self.seq = shard, 0, 0
+        self.busy = False  # an event of this job is in flight or waiting to be resent
+
+
+def _client(target: str, shards: list[str], interval: float, seconds: float, out: Any) -> None:
+    """One client process: a channel per job, each job's events at their times.
+
+    An overloaded or unreachable ledger (RESOURCE_EXHAUSTED, UNAVAILABLE) is
+    retried with the same event after a capped, jittered backoff, as the SDK's
+    sender does from its spool; the latency of an event runs from its first send
+    to its acknowledgement.
+    """
+    raise_fd_limit()
+    jobs = [_Job(target, s) for s in shards]
+    lat: dict[str, list[float]] = {"started": [], "heartbeat": [], "checkpoint": [], "commit": []}
+    errors: list[str] = []
+    retries = [0]
+    lock = threading.Lock()
+    inflight = [0]
+    again: queue.SimpleQueue[tuple[float, int, str, bytes, float, float]] = queue.SimpleQueue()
+    begin = time.monotonic()
+    order = itertools.count()
+    # (due, tiebreak, job, kind, body, first sent, backoff): kind "" is the job's next event.
+    heap: list[tuple[float, int, int, str, bytes, float, float]] = [
+        (begin + interval * j / len(jobs), next(order), j, "", b"", 0.0, 0.0)
+        for j in range(len(jobs))
+    ]
+
+    def done(j: int, kind: str, body: bytes, first: float, delay: float, future: Any) -> None:
+        code = future.code()
+        with lock:
+            inflight[0] -= 1
+            jobs[j].busy = code in _RETRIED  # still owed to the ledger
+            if code == grpc.StatusCode.OK:
+                lat[kind].append(1000 * (time.monotonic() - first))
+            elif code in _RETRIED:
+                retries[0] += 1
+                inflight[0] += 1  # still owed an answer
+                wait = min(max(2 * delay, 0.1), 5.0) * random.uniform(0.5, 1.0)
+                again.put((time.monotonic() + wait, j, kind, body, first, wait))
+            else:
+                errors.append(str(code))
+
+    while True:
+        while not again.empty():
+            due, j, kind, body, first, delay = again.get()
+            heapq.heappush(heap, (due, next(order), j, kind, body, first, delay))
+        with lock:
+            idle = not heap and inflight[0] == 0
+        if idle:
+            break
+        if not heap or heap[0][0] > time.monotonic():
+            time.sleep(0.005 if not heap else min(0.05, max(0.0, heap[0][0] - time.monotonic())))
+            continue
+        due, _, j, kind, body, first, delay = heapq.heappop(heap)
+        job = jobs[j]
+        if not kind and job.busy:
+            # The SDK delivers a job's events in order: the next waits for the last's answer.
+            heapq.heappush(heap, (due + 0.1, next(order), j, "", b"", 0.0, 0.0))
+            continue
+        if not kind:  # the job's next event, on its schedule
+            job.seq += 1
+            kind = (
+                "started"
+                if job.k == 0
+                else "commit"
+                if due - begin >= seconds
+                else "checkpoint"
+                if job.k % 4 == 0
+                else "heartbeat"
+            )
+            body, first = _body(kind, job.shard, job.seq, job.k), time.monotonic()
+            if kind != "commit":
+                job.k += 1
+                heapq.heappush(heap, (due + interval, next(order), j, "", b"", 0.0, 0.0))
+        with lock:
+            inflight[0] += 1 if delay == 0.0 else 0
+        job.busy = True
+        future = job.call.future(body, timeout=60)
+        future.add_done_callback(functools.partial(done, j, kind, body, first, delay))
+    for job in jobs:
+        job.channel.close()
+    out.put((lat, errors, retries[0], begin, time.monotonic()))
+
+
+def _proc_stat(pid: int) -> tuple[float, int, int, int]:
+    """Returns (CPU seconds, RSS KiB, peak RSS KiB, open descriptors) of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return cpu, int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0]), fds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _reader(
+    target: str, metrics_url: str, stop: threading.Event, out: dict[str, list[float]]
+) -> None:
+    client = LedgerClient(target)
+    while not stop.wait(1.0):
+        for name, call in (
+            ("status", lambda: client.summary(RUN)),
+            ("resume", lambda: sum(1 for _ in client.resume(RUN))),
+            ("metrics", lambda: urllib.request.urlopen(metrics_url, timeout=30).read()),
+        ):
+            start = time.monotonic()
+            try:
+                call()
+            except Exception:  # a reader's failure is a figure, not the benchmark's end
+                out.setdefault(f"{name}_errors", []).append(1.0)
+                continue
+            out.setdefault(name, []).append(1000 * (time.monotonic() - start))
+    client.close()
+
+
+def _level(
+    connections: int, seconds: float, interval: float, max_workers: int | None
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file, metrics_port = Path(tmp) / "port", _free_port()
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shardledger_cli",
+                "serve",
+                *("--db", f"{tmp}/l.db", "--listen", "127.0.0.1:0"),
+                *("--port-file", str(port_file), "--log-level", "warning"),
+                *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
+                *(() if max_workers is None else ("--max-workers", str(max_workers))),
+                # Overload is measured by latency and retries, not by refusals at the door.
+                *(() if max_workers is None else ("--max-concurrent-rpcs", str(8 * max_workers))),
+            ],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            while not port_file.exists() or not port_file.read_text():
+                if server.poll() is not None:
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.05)
+            target = f"127.0.0.1:{port_file.read_text().strip()}"
+            shards = [f"j{i}" for i in range(connections)]
+            client = LedgerClient(target)
+            for base in range(0, connections, 1000):
+                client.append(
+                    [
+                        pb.ShardEvent(
+                            event_id=f"plan-{s}",
+                            run_id=RUN,
+                            shard_id=s,
+                            planned=pb.ShardPlanned(input_ref=f"/in/{s}", plan_index=i),
+                        )
+                        for i, s in enumerate(shards[base : base + 1000], base)
+                    ]
+                )
+            stop = threading.Event()
+            reads: dict[str, list[float]] = {}
+            reader = threading.Thread(
+                target=_reader,
+                args=(target, f"http://127.0.0.1:{metrics_port}/metrics", stop, reads),
+            )
+            ctx = mp.get_context("spawn")
+            queue: Any = ctx.Queue()
+            procs = [
+                ctx.Process(
+                    target=_client,
+                    args=(target, shards[p::CLIENT_PROCS], interval, seconds, queue),
+                )
+                for p in range(CLIENT_PROCS)
+            ]
+            cpu0, *_ = _proc_stat(server.pid)
+            wall0 = time.monotonic()
+            for p in procs:
+                p.start()
+            reader.start()
+            peak_fds = 0
+            results: list[Any] = []
+            while len(results) < len(procs):
+                try:
+                    results.append(queue.get(timeout=1.0))
+                except Exception:
+                    peak_fds = max(peak_fds, _proc_stat(server.pid)[3])
+            wall = time.monotonic() - wall0
+            cpu1, rss, peak_rss, fds = _proc_stat(server.pid)
+            stop.set()
+            reader.join()
+            for p in procs:
+                p.join()
+            client.close()
+        finally:
+            server.terminate()
+            server.wait(60)
+    lat: dict[str, list[float]] = {}
+    errors: list[str] = []
+    retried = 0
+    # CLOCK_MONOTONIC is one clock for every process: the drive runs from the first
+    # client's first send to the last client's last answer (no spawn, no connect).
+    drive = max(r[4] for r in results) - min(r[3] for r in results)
+    for part, errs, tries, _, _ in results:
+        for kind, samples in part.items():
+            lat.setdefault(kind, []).extend(samples)
+        errors.extend(errs)
+        retried += tries
+    events = sum(len(v) for v in lat.values())
+    return {
+        "connections": connections,
+        "events": events,
+        "events_per_s": round(events / drive),
+        "errors": len(errors),
+        "retried_overloaded": retried,
+        "error_codes": sorted(set(errors))[:5],
+        "commit_ack_ms": {"p50": _pct(lat["commit"], 0.5), "p99": _pct(lat["commit"], 0.99)},
+        "heartbeat_ack_ms": {
+            "p50": _pct(lat["heartbeat"], 0.5),
+            "p99": _pct(lat["heartbeat"], 0.99),
+        },
+        "server_cpu_cores": round((cpu1 - cpu0) / wall, 2),
+        "server_cpu_us_per_event": round(1e6 * (cpu1 - cpu0) / max(events, 1)),
+        "server_rss_mb": round(rss / 1024),
+        "server_peak_rss_mb": round(peak_rss / 1024),
+        "server_open_fds_peak": max(peak_fds, fds),
+        "status_ms_p50": _pct(reads.get("status", []), 0.5),
+        "resume_ms_p50": _pct(reads.get("resume", []), 0.5),
+        "metrics_ms_p50": _pct(reads.get("metrics", []), 0.5),
+        "reader_errors": sum(len(v) for k, v in reads.items() if k.endswith("_errors")),
+        "drive_s": round(drive, 1),
+    }
+
+
+def bench_fleet(
+    seconds: float = 30.0,
+    connections: tuple[int, ...] = (1000, 5000, 10000),
+    speedup: float = 2.0,
+    max_workers: int | None = None,
+) -> dict[str, Any]:
+    """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed."""
+    raise_fd_limit()
+    interval = DEFAULT_INTERVAL_S / speedup
+    out: dict[str, Any] = {
+        "workload": f"{CLIENT_PROCS} client processes, one channel per job; a heartbeat every"
+        f" {interval:g} s (the SDK's 15 s / {speedup:g}), a checkpoint every 4th beat, the commit"
+        f" after {seconds:g} s; status, resume and /metrics once a second",
+        "server_max_workers": max_workers or "default (32)",
+        "levels": [],
+        "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
+    }
+    for n in connections:
+        level = _level(n, seconds, interval, max_workers)
+        print(level, flush=True)
+        out["levels"].append(level)
+    base = out["levels"][0]
+    for level in out["levels"]:
+        level["commit_p99_vs_smallest"] = round(
+            level["commit_ack_ms"]["p99"] / max(base["commit_ack_ms"]["p99"], 0.01), 2
+        )
+        level["cpu_per_event_vs_smallest"] = round(
+            (level["server_cpu_cores"] / max(level["events_per_s"], 1))
+            / max(base["server_cpu_cores"] / max(base["events_per_s"], 1), 1e-12),
+            2,
+        )
+    return out
