@@ -128,7 +128,15 @@ def test_defaults_and_normal_forms_are_applied_in_a_new_event() -> None:
 def test_a_plain_heartbeat_keeps_its_canonical_json_and_a_coalesced_one_adds_its_interval() -> None:
     plain = validate(_event(BEAT)).canonical
     assert '"payload":{"metrics":{},"progress":0.5,"step":1}' in plain
-    beat = Heartbeat(9, 0.5, {"loss": 0.2}, (), 3, {"loss": 0.1}, {"loss": 0.4}, 7)
+    beat = Heartbeat(
+        9,
+        0.5,
+        {"loss": 0.2},
+        first_step=3,
+        metrics_min={"loss": 0.1},
+        metrics_max={"loss": 0.4},
+        progress_calls=7,
+    )
     coalesced = validate(_event(beat)).canonical
     assert (
         '"payload":{"first_step":3,"metrics":{"loss":0.2},"metrics_max":{"loss":0.4},'
