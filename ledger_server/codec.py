@@ -69,6 +69,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             expected_outputs=tuple(p.expected_outputs),
             plan_line=p.plan_line,
             plan_index=p.plan_index,
+            input_version_id=p.input_version_id,
+            input_etag=p.input_etag,
         )
     if case == "started":
         s = msg.started
@@ -105,6 +107,9 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             size_bytes=a.size_bytes,
             blake3_hex=a.blake3_hex,
             media_type=a.media_type,
+            version_id=a.version_id,
+            etag=a.etag,
+            read_back=a.read_back,
         )
     if case == "verified":
         v = msg.verified
@@ -117,6 +122,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             result=_RESULTS[v.result],
             reason=v.reason,
             detail=v.detail,
+            version_id=v.version_id,
         )
     if case == "failed":
         f = msg.failed
@@ -171,6 +177,8 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 expected_outputs=list(p.expected_outputs),
                 plan_line=p.plan_line,
                 plan_index=p.plan_index,
+                input_version_id=p.input_version_id,
+                input_etag=p.input_etag,
             )
         )
     elif isinstance(p, AttemptStarted):
@@ -212,6 +220,9 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 size_bytes=p.size_bytes,
                 blake3_hex=p.blake3_hex,
                 media_type=p.media_type,
+                version_id=p.version_id,
+                etag=p.etag,
+                read_back=p.read_back,
             )
         )
     elif isinstance(p, ArtifactVerified):
@@ -223,6 +234,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 result=_RESULT_VALUES[p.result],
                 reason=p.reason,
                 detail=p.detail,
+                version_id=p.version_id,
             )
         )
     elif isinstance(p, AttemptFailed):

@@ -13,6 +13,8 @@ from shard_client.canonical import canonical_json
 
 DEFAULT_NAMESPACE: Final = "default"
 VERIFY_RESULTS: Final = ("passed", "failed")
+# What an object-storage commit read back before it was recorded ("" for a local file).
+READ_BACKS: Final = ("", "size_etag", "digest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,10 @@ class ShardPlanned:
     expected_outputs: tuple[str, ...]
     plan_line: str
     plan_index: int
+    # Object-storage inputs only: evidence of which object was planned, not part of the
+    # definition (a re-plan after the store re-reported an ETag is the same plan).
+    input_version_id: str = ""
+    input_etag: str = ""
 
     def definition(self) -> dict[str, Any]:
         """Returns what makes two plans of one shard the same plan."""
@@ -88,6 +94,10 @@ class ArtifactCommitted:
     size_bytes: int
     blake3_hex: str
     media_type: str
+    # Object-storage artifacts only (path is a URL): what the store said of the upload.
+    version_id: str = ""
+    etag: str = ""
+    read_back: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +111,7 @@ class ArtifactVerified:
     result: str
     reason: str
     detail: str
+    version_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +154,9 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     AttemptStarted: ("scheduler", "process_start_ticks"),
     Heartbeat: ("nonfinite_metrics",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex"),
+    ShardPlanned: ("input_version_id", "input_etag"),
+    ArtifactCommitted: ("version_id", "etag", "read_back"),
+    ArtifactVerified: ("version_id",),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()

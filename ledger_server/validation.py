@@ -15,6 +15,7 @@ from typing import Final, NamedTuple
 from ledger_server.errors import InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
+    READ_BACKS,
     VERIFY_RESULTS,
     ArtifactCommitted,
     ArtifactVerified,
@@ -134,6 +135,8 @@ def normalize_plan(p: ShardPlanned) -> ShardPlanned:
     if len(set(p.expected_outputs)) != len(p.expected_outputs):
         raise InvalidEvent("planned.expected_outputs", "names must be unique")
     _check_text("planned.plan_line", p.plan_line, MAX_PAYLOAD_BYTES)
+    _check_text("planned.input_version_id", p.input_version_id, 1024)
+    _check_text("planned.input_etag", p.input_etag, 1024)
     return ShardPlanned(
         input_ref=p.input_ref,
         input_bytes=p.input_bytes,
@@ -142,6 +145,8 @@ def normalize_plan(p: ShardPlanned) -> ShardPlanned:
         expected_outputs=tuple(p.expected_outputs),
         plan_line=_check_json_object("planned.plan_line", p.plan_line) if p.plan_line else "",
         plan_index=p.plan_index,
+        input_version_id=p.input_version_id,
+        input_etag=p.input_etag,
     )
 
 
@@ -201,6 +206,10 @@ def _check_payload(event: Event) -> Payload:
         _check_size("artifact_committed.size_bytes", p.size_bytes)
         check_digest("artifact_committed.blake3_hex", p.blake3_hex)
         _check_text("artifact_committed.media_type", p.media_type, 255)
+        _check_text("artifact_committed.version_id", p.version_id, 1024)
+        _check_text("artifact_committed.etag", p.etag, 1024)
+        if p.read_back not in READ_BACKS:
+            raise InvalidEvent("artifact_committed.read_back", "must be empty, size_etag or digest")
     elif isinstance(p, ArtifactVerified):
         check_id("verified.name", p.name)
         _check_text("verified.path", p.path, MAX_PATH_CHARS, required=True)
@@ -209,6 +218,7 @@ def _check_payload(event: Event) -> Payload:
             raise InvalidEvent("verified.result", "must be PASSED or FAILED")
         _check_text("verified.reason", p.reason, 255, required=p.result == "failed")
         _check_text("verified.detail", p.detail, MAX_TEXT_CHARS)
+        _check_text("verified.version_id", p.version_id, 1024)
     elif isinstance(p, AttemptFailed):
         if p.tag not in FAILURE_TAGS:
             raise InvalidEvent("failed.tag", "must be one of " + ", ".join(FAILURE_TAGS))

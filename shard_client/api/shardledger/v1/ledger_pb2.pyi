@@ -91,7 +91,7 @@ class ShardEvent(_message.Message):
     def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
-    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index")
+    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "input_version_id", "input_etag")
     INPUT_REF_FIELD_NUMBER: _ClassVar[int]
     INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_BLAKE3_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class ShardPlanned(_message.Message):
     EXPECTED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PLAN_LINE_FIELD_NUMBER: _ClassVar[int]
     PLAN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    INPUT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ETAG_FIELD_NUMBER: _ClassVar[int]
     input_ref: str
     input_bytes: int
     input_blake3: str
@@ -106,7 +108,9 @@ class ShardPlanned(_message.Message):
     expected_outputs: _containers.RepeatedScalarFieldContainer[str]
     plan_line: str
     plan_index: int
-    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ...) -> None: ...
+    input_version_id: str
+    input_etag: str
+    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., input_version_id: _Optional[str] = ..., input_etag: _Optional[str] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
     __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks")
@@ -183,34 +187,42 @@ class CheckpointSaved(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ...) -> None: ...
 
 class ArtifactCommitted(_message.Message):
-    __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type")
+    __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type", "version_id", "etag", "read_back")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    READ_BACK_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     size_bytes: int
     blake3_hex: str
     media_type: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., media_type: _Optional[str] = ...) -> None: ...
+    version_id: str
+    etag: str
+    read_back: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., media_type: _Optional[str] = ..., version_id: _Optional[str] = ..., etag: _Optional[str] = ..., read_back: _Optional[str] = ...) -> None: ...
 
 class ArtifactVerified(_message.Message):
-    __slots__ = ("name", "path", "blake3_hex", "result", "reason", "detail")
+    __slots__ = ("name", "path", "blake3_hex", "result", "reason", "detail", "version_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     blake3_hex: str
     result: VerificationResult
     reason: str
     detail: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., blake3_hex: _Optional[str] = ..., result: _Optional[_Union[VerificationResult, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    version_id: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., blake3_hex: _Optional[str] = ..., result: _Optional[_Union[VerificationResult, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., version_id: _Optional[str] = ...) -> None: ...
 
 class AttemptFailed(_message.Message):
     __slots__ = ("tag", "message", "diagnostics_path", "diagnostics_blake3_hex")
