@@ -83,6 +83,9 @@ class PlanEntry:
     expected_outputs: tuple[str, ...] = ()
     plan_line: str = ""
     plan_index: int = 0
+    # Object-storage inputs only: which object was planned (evidence, not definition).
+    input_version_id: str = ""
+    input_etag: str = ""
 
     def check(self) -> None:
         """Raises ValueError when the server would refuse this entry."""
@@ -154,6 +157,8 @@ def plan_events(
                     expected_outputs=list(entry.expected_outputs),
                     plan_line=entry.plan_line,
                     plan_index=entry.plan_index,
+                    input_version_id=entry.input_version_id,
+                    input_etag=entry.input_etag,
                 ),
             )
         )

@@ -64,7 +64,9 @@ class NotConfirmed(RuntimeError):
     """
 
     def __init__(self, url: str, message: str, *, staged_path: str) -> None:
-        super().__init__(f"{url}: {message}; nothing was committed (staged bytes kept at {staged_path})")
+        super().__init__(
+            f"{url}: {message}; nothing was committed (staged bytes kept at {staged_path})"
+        )
         self.url = url
         self.staged_path = staged_path
 
@@ -113,9 +115,13 @@ def confirm(
             continue
         if (size, digest) == (sent.size_bytes, blake3_hex):
             return READ_BACK_DIGEST
-        why = f"the read-back served {size} bytes with blake3 {digest}, not the {blake3_hex} uploaded"
+        why = (
+            f"the read-back served {size} bytes with blake3 {digest}, not the {blake3_hex} uploaded"
+        )
     raise NotConfirmed(
-        sent.url, f"not confirmed after {policy.attempts} read-backs: {why}", staged_path=staged_path
+        sent.url,
+        f"not confirmed after {policy.attempts} read-backs: {why}",
+        staged_path=staged_path,
     )
 
 
@@ -138,16 +144,27 @@ def upload_and_confirm(
     """
     policy = policy or UploadPolicy()
     store = store or store_for(url)
-    full = read_back_digest if read_back_digest is not None else size_bytes < policy.digest_under_bytes
+    full = (
+        read_back_digest if read_back_digest is not None else size_bytes < policy.digest_under_bytes
+    )
     try:
         sent = store.upload(source, url, if_absent=True, part_size=policy.part_size)
     except ObjectExists:
         there = store.info(url)
-        if there is None or there.size_bytes != size_bytes or store.digest(url) != (size_bytes, blake3_hex):
+        if (
+            there is None
+            or there.size_bytes != size_bytes
+            or store.digest(url) != (size_bytes, blake3_hex)
+        ):
             raise
         sent, full = Uploaded(url, size_bytes, there.etag, there.version_id, True), True
     how = confirm(
-        store, sent, blake3_hex=blake3_hex, full_digest=full, policy=policy, staged_path=source,
+        store,
+        sent,
+        blake3_hex=blake3_hex,
+        full_digest=full,
+        policy=policy,
+        staged_path=source,
         sleep=sleep,
     )
     return atomic.CommitInfo(
@@ -168,7 +185,9 @@ def commit_object(url: str, *, store: ObjectStore | None = None) -> atomic.Commi
         raise FileNotFoundError(f"{url}: no such object; nothing was committed")
     size, digest = store.digest(url, version_id=before.version_id)
     if size != before.size_bytes:
-        raise NotConfirmed(url, f"read {size} bytes, the store reported {before.size_bytes}", staged_path="")
+        raise NotConfirmed(
+            url, f"read {size} bytes, the store reported {before.size_bytes}", staged_path=""
+        )
     return atomic.CommitInfo(
         path=url,
         size_bytes=size,

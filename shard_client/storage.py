@@ -118,7 +118,9 @@ class ObjectStore:
             self._split(url)
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        return self.fs.call_s3(method, **kwargs)
+        # Through _call_s3 itself (s3fs's call_s3 wraps the base class's function), so a
+        # subclass registered for s3:// (a proxy, a test's fault injector) sees every call.
+        return _run(self.fs, self.fs._call_s3(method, **kwargs))
 
     # --- metadata ---------------------------------------------------------------
 

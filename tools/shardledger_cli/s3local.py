@@ -88,9 +88,7 @@ def _make_bucket(env: dict[str, str], bucket: str, *, versioned: bool) -> None:
     )
     client.create_bucket(Bucket=bucket)
     if versioned:
-        client.put_bucket_versioning(
-            Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
-        )
+        client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
 
 
 if __name__ == "__main__":
