@@ -337,7 +337,7 @@ def test_plan_reads_object_inputs_from_a_manifest_and_a_prefix(
         capsys, "plan", "from-manifest", "--manifest", str(manifest), "--server", target
     )
     assert code == 5
-    assert "absent.bin: no such object" in err
+    assert "line 2: input s3://night/inputs/absent.bin: no such object" in err
     with pytest.raises(NotFound):  # nothing was sent: the run does not even exist
         events(client, "planned", "from-manifest")
 

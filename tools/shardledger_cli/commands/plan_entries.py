@@ -138,15 +138,20 @@ def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
         if not is_remote(obj["input"]) and os.path.isfile(obj["input"])
     ]
     digests = _hash_all(local, workers=workers)
-    objects, remote_digests = _read_objects(
-        [obj["input"] for _, obj in parsed if is_remote(obj["input"])],
-        hashed={obj["input"] for _, obj in parsed if not obj.get("input_blake3")},
-        workers=workers,
-        errors=errors,
+    # An object whose line gives input_blake3 is taken at its word, as before: the
+    # store is read only for the objects the plan must hash.
+    unhashed = [
+        obj["input"] for _, obj in parsed if is_remote(obj["input"]) and not obj.get("input_blake3")
+    ]
+    objects, remote_digests, problems = _read_objects(
+        unhashed, hashed=set(unhashed), workers=workers
     )
     digests.update(remote_digests)
     entries: list[PlanEntry] = []
     for index, (number, obj) in enumerate(parsed):
+        if obj["input"] in problems:
+            errors.append(f"line {number}: input {obj['input']}: {problems[obj['input']]}")
+            continue
         try:
             entries.append(_entry(obj, index, digests.get(obj["input"]), objects.get(obj["input"])))
         except (ValueError, TypeError) as exc:
@@ -160,16 +165,17 @@ def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
 
 
 def _read_objects(
-    urls: Sequence[str], *, hashed: set[str], workers: int, errors: list[str]
-) -> tuple[dict[str, ObjectInfo], dict[str, tuple[int, str]]]:
-    """Returns what the store says of each object input, and (size, blake3) of those to hash.
+    urls: Sequence[str], *, hashed: set[str], workers: int
+) -> tuple[dict[str, ObjectInfo], dict[str, tuple[int, str]], dict[str, str]]:
+    """Returns what the store says of each object input, (size, blake3) of those in ``hashed``,
+    and why each object that could not be read was not.
 
-    An object is read (streamed, never held in memory) only when its line gives
-    no input_blake3; a missing object or an unreachable store is an error of the
-    plan, so nothing is sent.
+    Objects are streamed, never held in memory. Any error of the store (no backend,
+    no credentials, unreachable, no such object) makes the input bad: nothing is sent.
     """
     infos: dict[str, ObjectInfo] = {}
     digests: dict[str, tuple[int, str]] = {}
+    problems: dict[str, str] = {}
 
     def read(url: str) -> tuple[ObjectInfo | None, tuple[int, str] | None]:
         store = store_for(url)
@@ -186,18 +192,18 @@ def _read_objects(
         for url, future in [(u, pool.submit(read, u)) for u in unique]:
             try:
                 info, digest = future.result()
-            except (ImportError, OSError, ValueError) as exc:
-                errors.append(f"input {url}: cannot be read: {exc}")
+            except Exception as exc:  # botocore's errors are no OSError; each is reported
+                problems[url] = f"cannot be read: {exc}"
                 continue
             finally:
                 advance(1)
             if info is None:
-                errors.append(f"input {url}: no such object")
+                problems[url] = "no such object"
                 continue
             infos[url] = info
             if digest is not None:
                 digests[url] = digest
-    return infos, digests
+    return infos, digests, problems
 
 
 def _entries_from_prefix(
@@ -207,11 +213,11 @@ def _entries_from_prefix(
     _glob_pattern(args.glob)
     try:
         listed = store_for(args.inputs).list(args.inputs, args.glob.replace("**/", "*"))
-    except (ImportError, OSError, ValueError) as exc:
+    except Exception as exc:  # botocore's errors are no OSError
         raise CommandError(f"--inputs {args.inputs} cannot be listed: {exc}") from None
-    errors: list[str] = []
     urls = [info.url for info in listed]
-    objects, digests = _read_objects(urls, hashed=set(urls), workers=args.workers, errors=errors)
+    objects, digests, problems = _read_objects(urls, hashed=set(urls), workers=args.workers)
+    errors = [f"{url}: {why}" for url, why in problems.items()]
     entries = []
     for index, url in enumerate(u for u in urls if u in objects):
         obj = {"input": url, "params": params, "expected_outputs": outputs}
