@@ -41,7 +41,7 @@ __all__ = [
 READ_CHUNK: Final = 1024 * 1024
 # S3's minimum part size is 5 MiB; 16 MiB parts keep a 256 MiB upload at 16 requests.
 PART_SIZE: Final = 16 * 1024 * 1024
-MAX_PARTS_IN_FLIGHT: Final = 8
+MAX_PARTS_IN_FLIGHT: Final = 4
 # S3 object keys are at most 1024 bytes; a URL longer than that is refused early.
 _GS_SCHEMES: Final = ("gs", "gcs")
 
@@ -97,6 +97,13 @@ def _etag(raw: Any) -> str:
     return str(raw or "").strip('"')
 
 
+def _version(raw: Any) -> str:
+    # S3 names the version of an object in an unversioned bucket "null" (some answers
+    # say so, others leave it out): both mean no version id.
+    text = str(raw or "")
+    return "" if text == "null" else text
+
+
 class ObjectStore:
     """One fsspec filesystem and the few operations the ledger needs of it."""
 
@@ -140,7 +147,10 @@ class ObjectStore:
         except FileNotFoundError:
             return None
         return ObjectInfo(
-            url, int(head["ContentLength"]), _etag(head.get("ETag")), head.get("VersionId") or ""
+            url,
+            int(head["ContentLength"]),
+            _etag(head.get("ETag")),
+            _version(head.get("VersionId")),
         )
 
     def list(self, prefix: str, pattern: str) -> list[ObjectInfo]:
@@ -218,7 +228,7 @@ class ObjectStore:
         except FileExistsError:
             raise ObjectExists(url) from None
         return Uploaded(
-            url, size, _etag(answer.get("ETag")), answer.get("VersionId") or "", bool(match)
+            url, size, _etag(answer.get("ETag")), _version(answer.get("VersionId")), bool(match)
         )
 
     async def _multipart(
