@@ -149,13 +149,12 @@ def upload_and_confirm(
     )
     try:
         sent = store.upload(source, url, if_absent=True, part_size=policy.part_size)
-    except ObjectExists:
-        there = store.info(url)
-        if (
-            there is None
-            or there.size_bytes != size_bytes
-            or store.digest(url) != (size_bytes, blake3_hex)
-        ):
+    except Exception:
+        # A refused conditional write, or an upload whose answer was lost (a retried
+        # CompleteMultipartUpload that had landed): the object at the key is this
+        # upload only if it holds exactly these bytes, which a full read decides.
+        there = _identical(store, url, size_bytes=size_bytes, blake3_hex=blake3_hex)
+        if there is None:
             raise
         sent, full = Uploaded(url, size_bytes, there.etag, there.version_id, True), True
     how = confirm(
@@ -175,6 +174,20 @@ def upload_and_confirm(
         etag=sent.etag,
         read_back=how,
     )
+
+
+def _identical(
+    store: ObjectStore, url: str, *, size_bytes: int, blake3_hex: str
+) -> ObjectInfo | None:
+    """Returns the object at url when it holds exactly these bytes, else None."""
+    try:
+        there = store.info(url)
+        if there is None or there.size_bytes != size_bytes:
+            return None
+        same = store.digest(url, version_id=there.version_id) == (size_bytes, blake3_hex)
+    except Exception:  # the store is still failing: the upload's own error is raised instead
+        return None
+    return there if same else None
 
 
 def commit_object(url: str, *, store: ObjectStore | None = None) -> atomic.CommitInfo:

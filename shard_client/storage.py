@@ -18,6 +18,7 @@ conditional write (see docs/storage.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import os
 from collections.abc import Iterator
@@ -270,8 +271,11 @@ class ObjectStore:
             )
         except BaseException:
             # An aborted upload leaves nothing at the key; a killed process leaves an
-            # invisible incomplete upload for the bucket's lifecycle rule to reclaim.
-            await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            # invisible incomplete upload for the bucket's lifecycle rule to reclaim. The
+            # abort's own failure (say, a completion that did land, its answer lost) must
+            # not hide the error that matters, which propagates.
+            with contextlib.suppress(Exception):
+                await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
 
     def delete(self, url: str) -> None:

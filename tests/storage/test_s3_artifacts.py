@@ -356,3 +356,36 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("fsspec", "s3fs", "bo
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+class LostAnswerS3(s3fs.S3FileSystem):  # type: ignore[misc]
+    """s3fs whose PutObject lands at the store but whose answer never reaches the job."""
+
+    async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        answer = await super()._call_s3(method, *args, **kwargs)
+        if method == "put_object":
+            raise OSError("connection reset while reading the answer")
+        return answer
+
+
+def test_an_upload_whose_answer_was_lost_commits_only_because_the_bytes_are_there(
+    ledger: Ledger, client: LedgerClient, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan(client, "lost", "other")
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "s3", LostAnswerS3)
+    with (
+        ledger.shard(RUN, "lost", fingerprint=False) as shard,
+        shard.atomic_write(url_of("lost"), name="weights", read_back_digest=False) as f,
+    ):
+        f.write(b"bytes that did land")
+    a = events(client, "artifact_committed")[0].artifact_committed
+    assert (a.read_back, a.size_bytes) == ("digest", len(b"bytes that did land"))
+    # Other bytes at the key are no such excuse: the refused write is what the job sees.
+    s3.put_object(Bucket=BUCKET, Key=key_of(url_of("other")), Body=b"older bytes")
+    with (
+        pytest.raises(ObjectExists),
+        ledger.shard(RUN, "other", fingerprint=False) as shard,
+        shard.atomic_write(url_of("other"), name="weights") as f,
+    ):
+        f.write(b"new bytes")
+    assert len(events(client, "artifact_committed")) == 1
