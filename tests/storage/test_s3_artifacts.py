@@ -389,3 +389,31 @@ def test_an_upload_whose_answer_was_lost_commits_only_because_the_bytes_are_ther
     ):
         f.write(b"new bytes")
     assert len(events(client, "artifact_committed")) == 1
+
+
+class UnreachableS3(s3fs.S3FileSystem):  # type: ignore[misc]
+    """s3fs for a store that cannot be reached."""
+
+    async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("could not connect to the endpoint URL")
+
+
+def test_verify_records_nothing_for_objects_it_cannot_reach_and_exits_5(
+    ledger: Ledger,
+    client: LedgerClient,
+    s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    target: str,
+) -> None:
+    plan(client, "far")
+    with (
+        ledger.shard(RUN, "far", fingerprint=False) as shard,
+        shard.atomic_write(url_of("far"), name="weights") as f,
+    ):
+        f.write(b"good bytes")
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "s3", UnreachableS3)
+    code, out, err = run_cli(capsys, "verify", RUN, "--server", target)
+    assert code == 5, out
+    assert "storage_unreachable" in err and "nothing was" in err
+    assert events(client, "verified") == []
