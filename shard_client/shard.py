@@ -387,7 +387,8 @@ class Shard:
         For an object-store URL: without ``source`` the object the job uploaded
         itself is re-read in full and recorded; with ``source`` (a local file, such
         as ``NotConfirmed.staged_path``) that file is uploaded conditionally and
-        read back first, like ``atomic_write`` does.
+        read back first, like ``atomic_write`` does; a staged file (the SDK's
+        temp name) is removed once committed, any other ``source`` is left alone.
         """
         self._check_active()
         artifact = self._artifact_name(path, name)
@@ -401,9 +402,12 @@ class Shard:
                     info = remote.upload_and_confirm(
                         os.fspath(source), url, size_bytes=size, blake3_hex=digest, policy=upload
                     )
+                self._record_commit(artifact, info, media_type)
+                if source is not None and os.path.basename(source).startswith(atomic.TEMP_PREFIX):
+                    # A staged file kept by NotConfirmed has served its purpose once the
+                    # commit is on record; a file of the job's own stays where it is.
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(source)
-                self._record_commit(artifact, info, media_type)
                 return info
             return atomic.commit_file(
                 storage.local_path(path),

@@ -279,6 +279,7 @@ def test_read_back_that_never_matches_gives_up_commits_nothing_and_keeps_the_sta
     with ledger.shard(RUN, "never", fingerprint=False) as retry:
         info = retry.commit(url_of("never"), name="weights", source=staged, upload=policy)
     assert info.blake3_hex == blake3.blake3(b"bytes the store will not show").hexdigest()
+    assert not Path(staged).exists()  # committed: the staged copy is no longer needed
     assert len(events(client, "artifact_committed")) == 1
 
 
