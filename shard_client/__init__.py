@@ -33,9 +33,11 @@ from shard_client.failures import DataError, IncompleteShard, Preempted
 from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
 from shard_client.ledger import Ledger
+from shard_client.remote import NotConfirmed, UploadPolicy
 from shard_client.sender import Sender
 from shard_client.shard import Shard
 from shard_client.spooldir import drain_spool_dirs
+from shard_client.storage import ObjectExists
 
 __all__ = [
     "Ack",
@@ -51,13 +53,16 @@ __all__ = [
     "LedgerRejected",
     "LedgerUnavailable",
     "LifecycleError",
+    "NotConfirmed",
     "NotFound",
+    "ObjectExists",
     "Overloaded",
     "PermissionDenied",
     "PlanEntry",
     "Preempted",
     "Sender",
     "Shard",
+    "UploadPolicy",
     "atomic_write",
     "commit_file",
     "determinism",
