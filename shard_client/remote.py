@@ -103,15 +103,18 @@ def confirm(
         if attempt:
             sleep(delay)
             delay = min(delay * 2, policy.max_delay_s)
-        why = _mismatch(store.info(sent.url), sent)
-        if why:
-            continue
-        if not full_digest:
-            return READ_BACK_SIZE_ETAG
         try:
+            why = _mismatch(store.info(sent.url), sent)
+            if why:
+                continue
+            if not full_digest:
+                return READ_BACK_SIZE_ETAG
             size, digest = store.digest(sent.url)
         except FileNotFoundError:
             why = "the read-back found no object"
+            continue
+        except OSError as exc:  # a store that blinked is asked again, like a stale one
+            why = f"the read-back failed: {exc}"
             continue
         if (size, digest) == (sent.size_bytes, blake3_hex):
             return READ_BACK_DIGEST
