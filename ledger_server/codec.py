@@ -99,6 +99,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             plan_line=p.plan_line,
             plan_index=p.plan_index,
             labels=dict(sorted(p.labels.items())),
+            input_version_id=p.input_version_id,
+            input_etag=p.input_etag,
         )
     if case == "started":
         s = msg.started
@@ -154,6 +156,9 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             blake3_hex=a.blake3_hex,
             media_type=a.media_type,
             rank=a.rank,
+            version_id=a.version_id,
+            etag=a.etag,
+            read_back=a.read_back,
         )
     if case == "verified":
         v = msg.verified
@@ -166,6 +171,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             result=_RESULTS[v.result],
             reason=v.reason,
             detail=v.detail,
+            version_id=v.version_id,
         )
     if case == "failed":
         f = msg.failed
@@ -228,6 +234,8 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 plan_line=p.plan_line,
                 plan_index=p.plan_index,
                 labels=p.labels,
+                input_version_id=p.input_version_id,
+                input_etag=p.input_etag,
             )
         )
     elif isinstance(p, AttemptStarted):
@@ -288,6 +296,9 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 blake3_hex=p.blake3_hex,
                 media_type=p.media_type,
                 rank=p.rank,
+                version_id=p.version_id,
+                etag=p.etag,
+                read_back=p.read_back,
             )
         )
     elif isinstance(p, ArtifactVerified):
@@ -299,6 +310,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 result=_RESULT_VALUES[p.result],
                 reason=p.reason,
                 detail=p.detail,
+                version_id=p.version_id,
             )
         )
     elif isinstance(p, AttemptFailed):

@@ -13,6 +13,8 @@ from shard_client.canonical import MAX_SAFE_INTEGER, canonical_json, legacy_json
 
 DEFAULT_NAMESPACE: Final = "default"
 VERIFY_RESULTS: Final = ("passed", "failed")
+# What an object-storage commit read back before it was recorded ("" for a local file).
+READ_BACKS: Final = ("", "size_etag", "digest")
 
 # The row formats (docs/contract.md): 1 is Python's json (rows written before RFC 8785 was
 # adopted, which keep their bytes), 2 is RFC 8785 with a "v":2 key in the row. New rows
@@ -37,6 +39,10 @@ class ShardPlanned:
     # The run's labels (provider, pool, region, image, ...): where its shards were meant
     # to run. Not part of the definition: they describe the run, not what a shard computes.
     labels: dict[str, str] = field(default_factory=dict)
+    # Object-storage inputs only: evidence of which object was planned, not part of the
+    # definition (a re-plan after the store re-reported an ETag is the same plan).
+    input_version_id: str = ""
+    input_etag: str = ""
 
     def definition(self) -> dict[str, Any]:
         """Returns what makes two plans of one shard the same plan."""
@@ -122,6 +128,10 @@ class ArtifactCommitted:
     blake3_hex: str
     media_type: str
     rank: int = 0
+    # Object-storage artifacts only (path is a URL): what the store said of the upload.
+    version_id: str = ""
+    etag: str = ""
+    read_back: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +145,7 @@ class ArtifactVerified:
     result: str
     reason: str
     detail: str
+    version_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +200,7 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
 # Fields added after the first contract version: left out of the canonical JSON when
 # unset (empty or zero), so older rows and events keep their bytes.
 _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
-    ShardPlanned: ("labels",),
+    ShardPlanned: ("labels", "input_version_id", "input_etag"),
     AttemptStarted: (
         "scheduler",
         "process_start_ticks",
@@ -210,7 +221,8 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
         "progress_calls",
     ),
     CheckpointSaved: ("write_us", "rank", "world_size"),
-    ArtifactCommitted: ("rank",),
+    ArtifactCommitted: ("rank", "version_id", "etag", "read_back"),
+    ArtifactVerified: ("version_id",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex", "rank"),
     SubmissionClosed: ("reason", "expected_shards", "submitted_until_us"),
 }

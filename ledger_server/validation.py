@@ -16,6 +16,7 @@ from typing import Final, NamedTuple
 from ledger_server.errors import FingerprintDigestMismatch, InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
+    READ_BACKS,
     ROW_FORMAT,
     ROW_FORMAT_LEGACY,
     VERIFY_RESULTS,
@@ -169,6 +170,8 @@ def normalize_plan(p: ShardPlanned, row_format: int = ROW_FORMAT) -> ShardPlanne
         raise InvalidEvent("planned.expected_outputs", "names must be unique")
     _check_text("planned.plan_line", p.plan_line, MAX_PAYLOAD_BYTES)
     _check_labels("planned.labels", p.labels)
+    _check_text("planned.input_version_id", p.input_version_id, 1024)
+    _check_text("planned.input_etag", p.input_etag, 1024)
     return ShardPlanned(
         input_ref=p.input_ref,
         input_bytes=p.input_bytes,
@@ -180,6 +183,8 @@ def normalize_plan(p: ShardPlanned, row_format: int = ROW_FORMAT) -> ShardPlanne
         ),
         plan_index=p.plan_index,
         labels=p.labels,
+        input_version_id=p.input_version_id,
+        input_etag=p.input_etag,
     )
 
 
@@ -271,6 +276,10 @@ def _check_payload(event: Event, row_format: int) -> Payload:
         check_digest("artifact_committed.blake3_hex", p.blake3_hex)
         _check_text("artifact_committed.media_type", p.media_type, 255)
         _check_rank("artifact_committed.rank", p.rank)
+        _check_text("artifact_committed.version_id", p.version_id, 1024)
+        _check_text("artifact_committed.etag", p.etag, 1024)
+        if p.read_back not in READ_BACKS:
+            raise InvalidEvent("artifact_committed.read_back", "must be empty, size_etag or digest")
     elif isinstance(p, ArtifactVerified):
         check_id("verified.name", p.name)
         _check_text("verified.path", p.path, MAX_PATH_CHARS, required=True)
@@ -279,6 +288,7 @@ def _check_payload(event: Event, row_format: int) -> Payload:
             raise InvalidEvent("verified.result", "must be PASSED or FAILED")
         _check_text("verified.reason", p.reason, 255, required=p.result == "failed")
         _check_text("verified.detail", p.detail, MAX_TEXT_CHARS)
+        _check_text("verified.version_id", p.version_id, 1024)
     elif isinstance(p, AttemptFailed):
         if p.tag not in FAILURE_TAGS:
             raise InvalidEvent("failed.tag", "must be one of " + ", ".join(FAILURE_TAGS))

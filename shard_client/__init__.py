@@ -35,9 +35,11 @@ from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
 from shard_client.ledger import Ledger
 from shard_client.ranks import RankInfo
+from shard_client.remote import NotConfirmed, UploadPolicy
 from shard_client.sender import Sender
 from shard_client.shard import Shard
 from shard_client.spooldir import drain_spool_dirs
+from shard_client.storage import ObjectExists
 
 __all__ = [
     "Ack",
@@ -54,7 +56,9 @@ __all__ = [
     "LedgerRejected",
     "LedgerUnavailable",
     "LifecycleError",
+    "NotConfirmed",
     "NotFound",
+    "ObjectExists",
     "Overloaded",
     "PermissionDenied",
     "PlanEntry",
@@ -62,6 +66,7 @@ __all__ = [
     "RankInfo",
     "Sender",
     "Shard",
+    "UploadPolicy",
     "atomic_write",
     "checkpoint_advice",
     "commit_file",

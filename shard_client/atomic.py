@@ -76,11 +76,18 @@ FAILPOINTS = ("after_write", "after_fsync", "after_rename", "after_dir_fsync")
 
 @dataclass(frozen=True, slots=True)
 class CommitInfo:
-    """Describes a durably committed file: absolute path, size and BLAKE3 digest."""
+    """Describes a durably committed file: absolute path (or URL), size and BLAKE3 digest.
+
+    For an object in object storage (see shard_client.remote) it also carries the
+    store's version id and ETag and what was read back before the commit.
+    """
 
     path: str
     size_bytes: int
     blake3_hex: str
+    version_id: str = ""
+    etag: str = ""
+    read_back: str = ""
 
 
 OnCommit = Callable[[CommitInfo], None]

@@ -87,6 +87,9 @@ class PlanEntry:
     expected_outputs: tuple[str, ...] = ()
     plan_line: str = ""
     plan_index: int = 0
+    # Object-storage inputs only: which object was planned (evidence, not definition).
+    input_version_id: str = ""
+    input_etag: str = ""
 
     def check(self) -> None:
         """Raises ValueError when the server would refuse this entry."""
@@ -171,6 +174,8 @@ def plan_events(
                     plan_line=entry.plan_line,
                     plan_index=entry.plan_index,
                     labels=dict(labels or {}),
+                    input_version_id=entry.input_version_id,
+                    input_etag=entry.input_etag,
                 ),
             )
         )

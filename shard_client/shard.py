@@ -24,13 +24,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shard_client import atomic, checkpoint, checkpoint_records
+from shard_client import atomic, checkpoint, checkpoint_records, remote, storage
 from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
@@ -46,6 +47,7 @@ from shard_client.labels import labels_from_env, merged_labels
 from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
 from shard_client.ranks import attempt_id_for, own_outputs
+from shard_client.remote import UploadPolicy
 from shard_client.scheduler import detect as detect_scheduler
 from shard_client.scheduler import process_start_ticks
 from shard_client.sender import new_event_id
@@ -415,7 +417,7 @@ class Shard:
     # --- artifacts --------------------------------------------------------------
 
     def _artifact_name(self, path: str | os.PathLike[str], name: str | None) -> str:
-        chosen = name or os.path.basename(os.fspath(path))
+        chosen = name or os.path.basename(os.fspath(path).rstrip("/"))
         check_id("artifact name (pass name=...)", chosen)
         return chosen
 
@@ -427,6 +429,9 @@ class Shard:
             size_bytes=info.size_bytes,
             blake3_hex=info.blake3_hex,
             media_type=media_type,
+            version_id=info.version_id,
+            etag=info.etag,
+            read_back=info.read_back,
         )
         # A commit not recorded durably anywhere must not be reported as done.
         self._emit(artifact_committed=event).result(self.ledger.ack_timeout_s)
@@ -442,26 +447,75 @@ class Shard:
         name: str | None = None,
         mode: str = "wb",
         media_type: str = "",
+        read_back_digest: bool | None = None,
+        upload: UploadPolicy | None = None,
     ) -> Iterator[Any]:  # Any: an AtomicFile for "wb", an AtomicTextFile for "w"
-        """Writes a file atomically and records it as the artifact ``name`` (default: its file name)."""
+        """Writes a file atomically and records it as the artifact ``name`` (default: its file name).
+
+        ``path`` may be an object-store URL (``s3://bucket/key``): the bytes are
+        staged locally, uploaded conditionally and read back before the commit is
+        recorded (see shard_client.remote; ``read_back_digest`` forces or skips the
+        full re-read, ``upload`` tunes sizes and retries).
+        """
         self._check_active()
         artifact = self._artifact_name(path, name)
 
         def on_commit(info: atomic.CommitInfo) -> None:
             self._record_commit(artifact, info, media_type)
 
-        with self._clock.paused(), atomic.atomic_write(path, mode=mode, on_commit=on_commit) as f:
+        writer: AbstractContextManager[Any]
+        if storage.is_remote(path):
+            writer = remote.remote_write(
+                os.fspath(path),
+                mode=mode,
+                on_commit=on_commit,
+                read_back_digest=read_back_digest,
+                policy=upload,
+            )
+        else:
+            writer = atomic.atomic_write(storage.local_path(path), mode=mode, on_commit=on_commit)
+        with self._clock.paused(), writer as f:
             yield f
 
     def commit(
-        self, path: str | os.PathLike[str], *, name: str | None = None, media_type: str = ""
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        media_type: str = "",
+        source: str | os.PathLike[str] | None = None,
+        upload: UploadPolicy | None = None,
     ) -> atomic.CommitInfo:
-        """Makes a file another library wrote durable and records it as an artifact."""
+        """Makes a file another library wrote durable and records it as an artifact.
+
+        For an object-store URL: without ``source`` the object the job uploaded
+        itself is re-read in full and recorded; with ``source`` (a local file, such
+        as ``NotConfirmed.staged_path``) that file is uploaded conditionally and
+        read back first, like ``atomic_write`` does; a staged file (the SDK's
+        temp name) is removed once committed, any other ``source`` is left alone.
+        """
         self._check_active()
         artifact = self._artifact_name(path, name)
         with self._clock.paused():
+            if storage.is_remote(path):
+                url = os.fspath(path)
+                if source is None:
+                    info = remote.commit_object(url)
+                else:
+                    size, digest = atomic.hash_file(source)
+                    info = remote.upload_and_confirm(
+                        os.fspath(source), url, size_bytes=size, blake3_hex=digest, policy=upload
+                    )
+                self._record_commit(artifact, info, media_type)
+                if source is not None and os.path.basename(source).startswith(atomic.TEMP_PREFIX):
+                    # A staged file kept by NotConfirmed has served its purpose once the
+                    # commit is on record; a file of the job's own stays where it is.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(source)
+                return info
             return atomic.commit_file(
-                path, on_commit=lambda info: self._record_commit(artifact, info, media_type)
+                storage.local_path(path),
+                on_commit=lambda info: self._record_commit(artifact, info, media_type),
             )
 
     # --- checkpoints ------------------------------------------------------------

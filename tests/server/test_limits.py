@@ -226,6 +226,27 @@ FIELD_LIMITS: list[tuple[str, int, Callable[[str], list[pb.ShardEvent]]]] = [
         ),
     ),
     (
+        "artifact_committed.version_id",
+        1024,
+        lambda v: _attempt(
+            "run-1",
+            artifact_committed=pb.ArtifactCommitted(
+                name="out", path="s3://b/k", size_bytes=1, blake3_hex=DIGEST_A, version_id=v
+            ),
+        ),
+    ),
+    (
+        "artifact_committed.etag",
+        1024,
+        lambda v: _attempt(
+            "run-1",
+            artifact_committed=pb.ArtifactCommitted(
+                name="out", path="s3://b/k", size_bytes=1, blake3_hex=DIGEST_A, etag=v
+            ),
+        ),
+    ),
+    ("planned.input_version_id", 1024, lambda v: [_with_planned(input_version_id=v)]),
+    (
         "failed.message",
         8192,
         lambda v: _attempt("run-1", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM, message=v)),
@@ -242,6 +263,13 @@ FIELD_LIMITS: list[tuple[str, int, Callable[[str], list[pb.ShardEvent]]]] = [
         ],
     ),
 ]
+
+
+def _with_planned(**fields: str) -> pb.ShardEvent:
+    ev = planned()
+    for name, value in fields.items():
+        setattr(ev.planned, name, value)
+    return ev
 
 
 def _input_ref(value: str) -> pb.ShardEvent:

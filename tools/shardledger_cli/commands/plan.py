@@ -53,6 +53,13 @@ JSON with "shard_id" filled in, as the plan line that `resume` hands back.
 From a directory (--inputs DIR --glob '*.bin'), one shard per matching file in
 sorted order, all with the same --params and --expected-outputs.
 
+Inputs in object storage (s3://bucket/key, gs://...; needs shardledger[s3] or
+[gcs], credentials from the store's standard chain) are read through fsspec: a
+manifest line's object is streamed and hashed unless the line gives
+input_blake3 (then only its size is read), and its version id and ETag are
+recorded with the plan; --inputs s3://bucket/prefix/ --glob '*.bin' plans one
+shard per object under the prefix whose key (relative to it) matches.
+
 Every line is checked before anything is sent: a bad line is reported with its
 number and nothing is registered. Planning again is idempotent: an identical
 shard (same input, params and expected outputs) is counted as already planned
@@ -113,7 +120,9 @@ def register(
     p.add_argument("run", help="run id")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--manifest", metavar="FILE", help="JSON-lines manifest, or - for stdin")
-    source.add_argument("--inputs", metavar="DIR", help="plan one shard per file in DIR")
+    source.add_argument(
+        "--inputs", metavar="DIR", help="plan one shard per file in DIR (or under an s3:// prefix)"
+    )
     p.add_argument(
         "--glob", default="*", help="with --inputs: file pattern, ** recurses (default *)"
     )

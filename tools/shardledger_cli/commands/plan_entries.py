@@ -20,6 +20,7 @@ from shard_client.ids import (
     plan_events,
     shard_id_for,
 )
+from shard_client.storage import ObjectInfo, is_remote, store_for
 from shardledger_cli.cli import EXIT_USAGE, CommandError
 from shardledger_cli.output import progress
 
@@ -52,8 +53,13 @@ def _parse_line(text: str) -> dict[str, Any]:
     return obj
 
 
-def _entry(obj: dict[str, Any], index: int, digest: tuple[int, str] | None) -> PlanEntry:
-    """Returns the entry for a parsed line; digest is (size, blake3) when the input was hashed."""
+def _entry(
+    obj: dict[str, Any], index: int, digest: tuple[int, str] | None, found: ObjectInfo | None = None
+) -> PlanEntry:
+    """Returns the entry for a parsed line; digest is (size, blake3) when the input was hashed.
+
+    ``found`` is what the object store said of an object-storage input.
+    """
     given = obj.get("input_blake3", "")
     if digest is not None:
         if given and given != digest[1]:
@@ -61,7 +67,7 @@ def _entry(obj: dict[str, Any], index: int, digest: tuple[int, str] | None) -> P
         size, blake = digest
     elif given:
         check_digest("input_blake3", given)
-        size, blake = obj.get("input_bytes", 0), given
+        size, blake = (found.size_bytes if found else obj.get("input_bytes", 0)), given
     elif os.path.isdir(obj["input"]):
         raise ValueError(f"input {obj['input']!r} is a directory: a shard's input is one file")
     else:
@@ -79,6 +85,8 @@ def _entry(obj: dict[str, Any], index: int, digest: tuple[int, str] | None) -> P
         expected_outputs=tuple(obj.get("expected_outputs", [])),
         plan_line=canonical_json({**obj, "shard_id": shard_id}),
         plan_index=index,
+        input_version_id=found.version_id if found else "",
+        input_etag=found.etag if found else "",
     )
     entry.check()
     if len(entry.plan_line) + len(canonical_json(entry.definition())) > MAX_ENTRY_CHARS:
@@ -124,12 +132,28 @@ def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
             parsed.append((number, _parse_line(text)))
         except ValueError as exc:
             errors.append(f"line {number}: {exc}")
-    local = [obj["input"] for _, obj in parsed if os.path.isfile(obj["input"])]
+    local = [
+        obj["input"]
+        for _, obj in parsed
+        if not is_remote(obj["input"]) and os.path.isfile(obj["input"])
+    ]
     digests = _hash_all(local, workers=workers)
+    # An object whose line gives input_blake3 is taken at its word, as before: the
+    # store is read only for the objects the plan must hash.
+    unhashed = [
+        obj["input"] for _, obj in parsed if is_remote(obj["input"]) and not obj.get("input_blake3")
+    ]
+    objects, remote_digests, problems = _read_objects(
+        unhashed, hashed=set(unhashed), workers=workers
+    )
+    digests.update(remote_digests)
     entries: list[PlanEntry] = []
     for index, (number, obj) in enumerate(parsed):
+        if obj["input"] in problems:
+            errors.append(f"line {number}: input {obj['input']}: {problems[obj['input']]}")
+            continue
         try:
-            entries.append(_entry(obj, index, digests.get(obj["input"])))
+            entries.append(_entry(obj, index, digests.get(obj["input"]), objects.get(obj["input"])))
         except (ValueError, TypeError) as exc:
             errors.append(f"line {number}: {exc}")
     numbers = [number for number, _ in parsed]
@@ -140,11 +164,77 @@ def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
     return entries
 
 
+def _read_objects(
+    urls: Sequence[str], *, hashed: set[str], workers: int
+) -> tuple[dict[str, ObjectInfo], dict[str, tuple[int, str]], dict[str, str]]:
+    """Returns what the store says of each object input, (size, blake3) of those in ``hashed``,
+    and why each object that could not be read was not.
+
+    Objects are streamed, never held in memory. Any error of the store (no backend,
+    no credentials, unreachable, no such object) makes the input bad: nothing is sent.
+    """
+    infos: dict[str, ObjectInfo] = {}
+    digests: dict[str, tuple[int, str]] = {}
+    problems: dict[str, str] = {}
+
+    def read(url: str) -> tuple[ObjectInfo | None, tuple[int, str] | None]:
+        store = store_for(url)
+        info = store.info(url)
+        if info is None or url not in hashed:
+            return info, None
+        return info, store.digest(url, version_id=info.version_id)
+
+    unique = sorted(set(urls))
+    with (
+        progress("reading object inputs", len(unique)) as advance,
+        ThreadPoolExecutor(max(1, workers)) as pool,
+    ):
+        for url, future in [(u, pool.submit(read, u)) for u in unique]:
+            try:
+                info, digest = future.result()
+            except Exception as exc:  # botocore's errors are no OSError; each is reported
+                problems[url] = f"cannot be read: {exc}"
+                continue
+            finally:
+                advance(1)
+            if info is None:
+                problems[url] = "no such object"
+                continue
+            infos[url] = info
+            if digest is not None:
+                digests[url] = digest
+    return infos, digests, problems
+
+
+def _entries_from_prefix(
+    args: argparse.Namespace, params: dict[str, Any], outputs: list[str]
+) -> list[PlanEntry]:
+    """Plans one shard per object under the --inputs prefix whose key matches --glob."""
+    _glob_pattern(args.glob)
+    try:
+        listed = store_for(args.inputs).list(args.inputs, args.glob.replace("**/", "*"))
+    except Exception as exc:  # botocore's errors are no OSError
+        raise CommandError(f"--inputs {args.inputs} cannot be listed: {exc}") from None
+    urls = [info.url for info in listed]
+    objects, digests, problems = _read_objects(urls, hashed=set(urls), workers=args.workers)
+    errors = [f"{url}: {why}" for url, why in problems.items()]
+    entries = []
+    for index, url in enumerate(u for u in urls if u in objects):
+        obj = {"input": url, "params": params, "expected_outputs": outputs}
+        try:
+            entries.append(_entry(obj, index, digests[url], objects[url]))
+        except ValueError as exc:
+            errors.append(f"{url}: {exc}")
+    for shard_id, indexes in duplicate_ids(entries).items():
+        same = ", ".join(urls[i] for i in indexes)
+        errors.append(f"{same}: identical content and params give one shard id {shard_id}")
+    _raise_errors(args.inputs, errors)
+    return entries
+
+
 def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
-    """Plans one shard per file under --inputs matching --glob, in sorted order."""
+    """Plans one shard per file under --inputs (a directory or an object-store prefix) matching --glob."""
     root = Path(args.inputs)
-    if not root.is_dir():
-        raise CommandError(f"--inputs {args.inputs} is not a directory")
     try:
         params = json.loads(args.params) if args.params else {}
     except json.JSONDecodeError as exc:
@@ -152,6 +242,10 @@ def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
     if not isinstance(params, dict):
         raise CommandError("--params must be a JSON object", EXIT_USAGE)
     outputs = [n.strip() for n in (args.expected_outputs or "").split(",") if n.strip()]
+    if is_remote(args.inputs):
+        return _entries_from_prefix(args, params, outputs)
+    if not root.is_dir():
+        raise CommandError(f"--inputs {args.inputs} is not a directory")
     files = sorted(str(p.resolve()) for p in _glob(root, args.glob) if p.is_file())
     digests = _hash_all(files, workers=args.workers)
     entries, errors = [], []
@@ -170,12 +264,16 @@ def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
 
 def _glob(root: Path, pattern: str) -> list[Path]:
     """Returns the files under root that pattern (relative, inside root) matches."""
+    _glob_pattern(pattern)
+    return list(root.glob(pattern))
+
+
+def _glob_pattern(pattern: str) -> None:
     if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
         raise CommandError(
             f"--glob {pattern!r} must be a non-empty pattern relative to --inputs, without '..'",
             EXIT_USAGE,
         )
-    return list(root.glob(pattern))
 
 
 def _raise_errors(source: str, errors: Sequence[str]) -> None:

@@ -21,6 +21,8 @@ from shard_client.checks import (
     verify_artifact,
 )
 from shard_client.errors import LedgerRejected
+from shard_client.remote_checks import verify_object
+from shard_client.storage import is_remote
 from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
@@ -50,13 +52,17 @@ MAX_DETAIL_CHARS: Final = 2000
 
 DESCRIPTION: Final = """\
 Re-read every artifact the run committed (the latest commit of each name in each
-attempt): it must exist under --root, have the committed size and blake3 digest,
+attempt): it must exist under --root (or, for a URL such as s3://bucket/key, in
+its object store: read through fsspec with the store's standard credential
+chain, never a flag), have the committed size and blake3 digest,
 and pass the content checks for its type and any validators installed under the
 `shardledger.validators` entry-point group. Each outcome is appended as a
 `verified` event about that one commit (PASSED, or FAILED with a reason about
 the artifact: missing, not_a_file, size_mismatch, digest_mismatch, empty,
 truncated, nan_or_inf, json_invalid, tensor_unreadable, image_undecodable,
-image_degenerate, id_set_mismatch, validator:NAME, ...). Each distinct file is read once.
+image_degenerate, id_set_mismatch, validator:NAME, ...; for objects also
+version_mismatch: the version id differs from the one committed). Each distinct
+file is read once; objects are streamed, at most --workers at a time.
 An output the plan's params declare keyed ({"keyed_outputs": {"out": "id"},
 "input_ids": [...]} or "input_ids_file") must hold exactly the shard's input
 ids, each once (report 2, §4.4; docs/analysis.md).
@@ -75,7 +81,8 @@ its failure does not fail verify: the output's latest commit decides.
 The verifier's own mistakes record nothing. --root must be a readable
 directory. An artifact whose path lies outside it (an absolute path elsewhere,
 or `..` or a symlink leading out), or that the verifier may not read, is never
-judged: it is listed as NOT CHECKED (outside_root, permission_denied), nothing
+judged: it is listed as NOT CHECKED (outside_root, permission_denied,
+storage_unreachable), nothing
 is recorded for it, and verify exits 5. When --root holds none of the run's
 committed artifacts, verify refuses before reading any (exit 5): a wrong
 directory must not condemn a good run.
@@ -83,6 +90,7 @@ directory must not condemn a good run.
 examples:
   shardledger verify night-01 --root /scratch/night-01/out
   shardledger verify night-01 --root out/ --recheck --workers 16 --json
+  AWS_PROFILE=batch shardledger verify night-01     # artifacts committed to s3://
 
 exit codes: 0 every current commit (the latest commit of each output, not
 superseded) has a PASSED verdict of its own; 1 some current commit failed, now
@@ -158,6 +166,7 @@ def verdict_event(
             result=status,
             reason=reason,
             detail=detail,
+            version_id=commit.version_id,
         ),
     )
 
@@ -173,6 +182,15 @@ def check_all(
     """Yields each commit with its check result as the pool finishes them (bounded in flight)."""
 
     def check(commit: Commit) -> CheckResult:
+        if is_remote(commit.path):
+            return verify_object(
+                url=commit.path,
+                expected_size=commit.size_bytes,
+                expected_blake3=commit.blake3_hex,
+                version_id=commit.version_id,
+                media_type=commit.media_type,
+                validators=validators,
+            )
         return verify_artifact(
             root=root,
             path=commit.path,
@@ -269,8 +287,9 @@ def run_verify(args: argparse.Namespace) -> int:
     reads: dict[tuple[str, str, int, str], list[CommitState]] = {}
     for state in todo.todo:
         reads.setdefault(state.commit.read_key, []).append(state)
-    held = [s.commit.path for s in (*todo.todo, *todo.skipped)]
-    if reads and not any_present(root, unique(held)):
+    # Objects in a store are read through its URL; only local paths must lie under --root.
+    held = [s.commit.path for s in (*todo.todo, *todo.skipped) if not is_remote(s.commit.path)]
+    if held and not any(is_remote(k[0]) for k in reads) and not any_present(root, unique(held)):
         # Every file missing (or outside the root) means the wrong directory far more often
         # than a wiped disk; recording `missing` for all of them would condemn a good run.
         paths = list(unique(held))

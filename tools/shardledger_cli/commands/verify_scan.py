@@ -39,6 +39,8 @@ class Commit:
     # The commit event's id: a verdict's event id names it, so a re-commit of the same
     # bytes by the same attempt gets a verdict of its own instead of a duplicate.
     event_id: str = ""
+    # Object storage only: the version id the store gave the committed upload.
+    version_id: str = ""
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -103,6 +105,7 @@ def scan_events(events: Iterable[Any]) -> Scan:
                 a.blake3_hex,
                 a.media_type,
                 event.event_id,
+                a.version_id,
             )
             commits[commit.key] = CommitState(commit, position)
             attempts.setdefault((event.shard_id, a.name), {})[event.attempt_id] = None

@@ -31,9 +31,12 @@ from shardledger_cli.demo.faults import (
 )
 from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
 from shardledger_cli.output import print_json
+from shardledger_cli.s3local import S3_ENV_KEYS
 
 if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch] extra
     from shardledger_cli.demo.run import Demo, Outage
+
+DEMO_BUCKET: Final = "project-x"
 
 DESCRIPTION: Final = """\
 Run "Project X" from the field report on this machine, end to end:
@@ -49,6 +52,20 @@ Run "Project X" from the field report on this machine, end to end:
   4. let the watchdog settle silent attempts, verify every artifact, print the
      ledger, write the resume list and compare it with the injected ground truth
   5. re-run exactly the resume list, verify again, and show 100 % verified
+
+With --storage s3 the demo also starts a local S3 endpoint (moto in server mode,
+on 127.0.0.1; needs moto[server] and shardledger[s3]) with a versioned bucket,
+the workers commit weights.pt and metrics.json to s3://BUCKET/RUN/SHARD/ATTEMPT/
+(staged, uploaded conditionally, read back), and three object-storage forms are
+injected as well: a worker SIGKILLed mid-upload (torn upload), and after the
+batch an object replaced and an object deleted in the bucket; verify finds them
+as failed(timeout), version_mismatch and missing.
+
+examples:
+  shardledger demo                           # 200 shards, 4 workers, local files
+  shardledger demo --shards 40 --workers 2 --keep /tmp/night
+  shardledger demo --storage s3 --shards 40  # artifacts in a local S3 endpoint
+  shardledger demo --json > report.json
 
 exit codes: 0 the ledger found exactly the injected faults and the rerun reached
 100 %; 1 any mismatch; 2 bad arguments; 3 the --server ledger is unreachable
@@ -71,6 +88,13 @@ def register(
     p.add_argument("--steps", type=at_least(2), default=30, help="training steps per shard")
     p.add_argument("--seed", type=at_least(0), default=7, help="seed of data and faults")
     p.add_argument("--keep", metavar="DIR", help="keep db, artifacts, resume list, diagnostics")
+    p.add_argument(
+        "--storage",
+        choices=("local", "s3"),
+        default="local",
+        help="where artifacts go: local files, or s3 (a local S3 endpoint the demo starts; "
+        "adds torn upload, replaced and deleted objects)",
+    )
     p.set_defaults(func=run_demo)
 
 
@@ -85,6 +109,35 @@ def _work_dir(keep: str | None) -> Iterator[Path]:
         raise CommandError(f"--keep {keep} must be a new or empty directory", EXIT_USAGE)
     path.mkdir(parents=True, exist_ok=True)
     yield path
+
+
+@contextlib.contextmanager
+def _storage(kind: str) -> Iterator[str]:
+    """Yields the artifacts' bucket URL for --storage s3 (a local endpoint, started here), else ""."""
+    if kind != "s3":
+        yield ""
+        return
+    missing = [m for m in ("moto", "s3fs") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CommandError(
+            f"--storage s3 runs a local S3 endpoint: pip install 'moto[server]' 'shardledger[s3]'"
+            f" ({missing})"
+        )
+    from shardledger_cli.s3local import local_s3
+
+    saved = {k: os.environ.get(k) for k in S3_ENV_KEYS}
+    with local_s3(DEMO_BUCKET, versioned=True) as env:
+        # The workers (forked later) and verify reach the endpoint through botocore's
+        # standard variables; dummy credentials, never real ones.
+        os.environ.update(env)
+        try:
+            yield f"s3://{DEMO_BUCKET}"
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -112,9 +165,11 @@ def run_demo(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         server=args.server,
         progress=not args.json and sys.stderr.isatty(),
+        storage=args.storage,
     )
     began = time.monotonic()
-    with _work_dir(args.keep) as work:
+    with _work_dir(args.keep) as work, _storage(args.storage) as bucket_url:
+        settings.bucket_url = bucket_url
         demo = Demo(settings, work, Ui(enabled=settings.progress))
         try:
             report = _run(demo)
@@ -139,6 +194,7 @@ def _run(demo: Demo) -> dict[str, Any]:
     demo.start()
     results, outage = demo.run_batch()
     demo.settle("batch")
+    demo.tamper_objects()
     verify_before = demo.verify("batch")
     summary, views = demo.summary(), demo.views()
     entries = demo.resume_list(demo.work / "resume.jsonl")
@@ -215,7 +271,7 @@ def _run(demo: Demo) -> dict[str, Any]:
 def _fault_rows(
     plan: FaultPlan, ids: Sequence[str], found: dict[str, str], views: dict[str, dict[str, Any]]
 ) -> dict[str, list[dict[str, Any]]]:
-    rows: dict[str, list[dict[str, Any]]] = {form: [] for form in FORMS}
+    rows: dict[str, list[dict[str, Any]]] = {form: [] for form in (*FORMS, *plan.extra_forms)}
     for index, form in plan.by_index.items():
         shard_id = ids[index]
         state = views[shard_id]["state"]

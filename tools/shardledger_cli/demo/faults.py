@@ -29,8 +29,14 @@ FORMS: Final = (
     DUPLICATE_RETRY,
     ENV_DRIFT,
 )
+# Object-storage forms (`demo --storage s3`): the job SIGKILLed mid-upload, and an
+# object replaced or deleted in the bucket after its commit.
+TORN_UPLOAD: Final = "torn_upload"
+REPLACED_OBJECT: Final = "replaced_object"
+DELETED_OBJECT: Final = "deleted_object"
+STORAGE_FORMS: Final = (TORN_UPLOAD, REPLACED_OBJECT, DELETED_OBJECT)
 # Forms that kill their worker process: never started while the ledger is down.
-LETHAL: Final = frozenset({TRUNCATION, HANG})
+LETHAL: Final = frozenset({TRUNCATION, HANG, TORN_UPLOAD})
 
 # The resume reason the ledger must give each failing form (docs/projections.md).
 EXPECTED_REASON: Final[Mapping[str, str]] = {
@@ -39,6 +45,9 @@ EXPECTED_REASON: Final[Mapping[str, str]] = {
     HANG: "failed:timeout",
     EMPTY_OUTPUT: "verify-failed:empty",
     NAN_WEIGHTS: "verify-failed:nan_or_inf",
+    TORN_UPLOAD: "failed:timeout",
+    REPLACED_OBJECT: "verify-failed:version_mismatch",
+    DELETED_OBJECT: "verify-failed:missing",
 }
 MIN_SHARDS: Final = 20
 
@@ -48,23 +57,28 @@ class FaultPlan:
     """Plan index -> failure form for the shards that get one; the rest run clean."""
 
     by_index: dict[int, str]
+    extra_forms: tuple[str, ...] = ()
 
     @classmethod
-    def choose(cls, shards: int, seed: int) -> FaultPlan:
-        """Returns disjoint, seeded fault shards: about 2-4 % of the run in total."""
+    def choose(cls, shards: int, seed: int, *, extra: Sequence[str] = ()) -> FaultPlan:
+        """Returns disjoint, seeded fault shards: about 2-4 % of the run in total.
+
+        ``extra`` forms (the object-storage ones) are injected as well, as many as each
+        local form.
+        """
         if shards < MIN_SHARDS:
             raise ValueError(f"the demo needs at least {MIN_SHARDS} shards")
         each = max(1, round(shards / 200))
-        counts = {form: each for form in FORMS}
+        counts = {form: each for form in (*FORMS, *extra)}
         # One drifted shard would be a group of one; a few make the split visible.
         counts[ENV_DRIFT] = max(2, round(shards / 100))
         rng = random.Random(f"shardledger-demo-faults/{seed}")
         chosen = rng.sample(range(shards), sum(counts.values()))
         by_index: dict[int, str] = {}
-        for form in FORMS:
+        for form in (*FORMS, *extra):
             for _ in range(counts[form]):
                 by_index[chosen.pop()] = form
-        return cls(dict(sorted(by_index.items())))
+        return cls(dict(sorted(by_index.items())), tuple(extra))
 
     def form_of(self, index: int) -> str | None:
         """Returns the failure form injected at a plan index, or None."""
@@ -154,6 +168,8 @@ def check_summary(summary: Mapping[str, Any], *, shards: int, plan: FaultPlan) -
     failing = sum(1 for form in plan.by_index.values() if form in EXPECTED_REASON)
     silent = len(plan.indexes(SILENT_MISSING) + plan.indexes(EMPTY_OUTPUT))
     silent += len(plan.indexes(NAN_WEIGHTS))
+    # Committed, then changed in the bucket: reported success that verify refutes.
+    silent += len(plan.indexes(REPLACED_OBJECT) + plan.indexes(DELETED_OBJECT))
     want = {
         "submitted": shards,
         "verified": shards - failing,

@@ -8,13 +8,17 @@ from typing import Any, Final
 
 from shardledger_cli.commands.report import render_summary
 from shardledger_cli.demo.faults import (
+    DELETED_OBJECT,
     DUPLICATE_RETRY,
     EMPTY_OUTPUT,
     ENV_DRIFT,
     FORMS,
     HANG,
     NAN_WEIGHTS,
+    REPLACED_OBJECT,
     SILENT_MISSING,
+    STORAGE_FORMS,
+    TORN_UPLOAD,
     TRUNCATION,
 )
 from shardledger_cli.output import equation
@@ -27,9 +31,28 @@ LABELS: Final = {
     HANG: "hang holding the GIL",
     DUPLICATE_RETRY: "duplicate retry",
     ENV_DRIFT: "environment drift",
+    TORN_UPLOAD: "torn upload (S3)",
+    REPLACED_OBJECT: "object replaced (S3)",
+    DELETED_OBJECT: "object deleted (S3)",
 }
 
 # What each form did, and how the ledger caught it: the closing "what just happened".
+# The object-storage forms, explained only in a `--storage s3` night.
+STORAGE_EXPLAINED: Final = {
+    TORN_UPLOAD: (
+        "the worker SIGKILLed itself in the middle of a multipart upload of weights.pt",
+        "an incomplete multipart upload is invisible at the key and nothing was committed; "
+        "the attempt went stale and the watchdog recorded failed(timeout)",
+    ),
+    REPLACED_OBJECT: (
+        "after the commit, someone overwrote weights.pt in the bucket",
+        "`shardledger verify` found another version id than the one committed: version_mismatch",
+    ),
+    DELETED_OBJECT: (
+        "after the commit, someone deleted weights.pt from the bucket",
+        "`shardledger verify` found no object at the committed URL: missing",
+    ),
+}
 EXPLAINED: Final = {
     SILENT_MISSING: (
         "the job swallowed an exception and returned 0 without writing anything",
@@ -158,7 +181,7 @@ def _faults_table(console: Any, report: Mapping[str, Any]) -> None:
     from rich.table import Table
 
     table = Table("injected failure", "plan index", "shard", "expected", "the ledger says", "")
-    for form in FORMS:
+    for form in (*FORMS, *STORAGE_FORMS):
         for f in report["faults"].get(form, []):
             mark = "ok" if f["expected"] == f["found"] else "MISMATCH"
             shard = f"{f['shard_id'][:14]}…"
@@ -273,6 +296,11 @@ def _explain(console: Any, report: Mapping[str, Any]) -> None:
     limits = {"timeout": cfg["heartbeat_timeout_s"], "grace": cfg["watchdog_grace_s"]}
     rows = [
         (LABELS[form], did, caught.format(**limits)) for form, (did, caught) in EXPLAINED.items()
+    ]
+    rows += [
+        (LABELS[form], did, caught)
+        for form, (did, caught) in STORAGE_EXPLAINED.items()
+        if report["faults"].get(form)
     ]
     kill = report["server_kill"]
     if kill["happened"]:

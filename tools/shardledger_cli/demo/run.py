@@ -22,7 +22,15 @@ from shardledger_cli.cli import CommandError
 from shardledger_cli.cli import main as cli_main
 from shardledger_cli.commands.plan import send_plan
 from shardledger_cli.commands.plan_entries import entries_from_manifest
-from shardledger_cli.demo.faults import DUPLICATE_RETRY, ENV_DRIFT, LETHAL, FaultPlan
+from shardledger_cli.demo.faults import (
+    DELETED_OBJECT,
+    DUPLICATE_RETRY,
+    ENV_DRIFT,
+    LETHAL,
+    REPLACED_OBJECT,
+    STORAGE_FORMS,
+    FaultPlan,
+)
 from shardledger_cli.demo.infra import LedgerProcess, Watchdog
 from shardledger_cli.demo.pool import PoolHooks, WorkerPool
 from shardledger_cli.demo.report import Ui
@@ -51,6 +59,8 @@ class Settings:
     namespace: str
     server: str | None
     progress: bool
+    storage: str = "local"  # "s3": artifacts go to bucket_url (a local endpoint)
+    bucket_url: str = ""
 
 
 @dataclass(slots=True)
@@ -146,7 +156,8 @@ class Demo:
         with self._timed("plan"):
             self.ui.phase("making inputs and planning")
             self._plan()
-        self.faults = FaultPlan.choose(s.shards, s.seed)
+        extra = STORAGE_FORMS if s.storage == "s3" else ()
+        self.faults = FaultPlan.choose(s.shards, s.seed, extra=extra)
         self.watchdog.start()
 
     def _new_pool(self) -> WorkerPool:
@@ -199,6 +210,12 @@ class Demo:
             "params": line["params"],
             "fault": fault,
             "out_dir": str(self.work / "out" / shard_id),
+            # With --storage s3 the artifacts go to PREFIX/ATTEMPT/NAME (see worker._commit).
+            "artifact_prefix": (
+                f"{self.settings.bucket_url}/{self.run_id}/{shard_id}"
+                if self.settings.bucket_url
+                else ""
+            ),
             "ckpt_dir": str(self.work / "ckpt" / shard_id),
             "image_digest": DRIFTED_IMAGE if fault == ENV_DRIFT else BASE_IMAGE,
             "heartbeat_timeout": HEARTBEAT_TIMEOUT_S,
@@ -283,6 +300,28 @@ class Demo:
                 if summary["running"] + summary["stale"] == 0 or time.monotonic() > deadline:
                     return summary
                 time.sleep(0.5)
+
+    def tamper_objects(self) -> None:
+        """Replaces or deletes, in the bucket, the committed weights of the shards chosen for it."""
+        if not self.settings.bucket_url or self.faults is None:
+            return
+        from shard_client.storage import store_for
+
+        forms = {self.shard_ids[i]: f for i, f in self.faults.by_index.items()}
+        for event in self.events():
+            if event.WhichOneof("payload") != "artifact_committed":
+                continue
+            url, form = event.artifact_committed.path, forms.get(event.shard_id)
+            if event.artifact_committed.name != "weights" or form not in (
+                REPLACED_OBJECT,
+                DELETED_OBJECT,
+            ):
+                continue
+            store = store_for(url)
+            if form == DELETED_OBJECT:
+                store.delete(url)
+            else:
+                store.fs.pipe_file(url, b"someone else's weights")
 
     def verify(self, phase: str) -> dict[str, Any]:
         """Runs `shardledger verify RUN --root OUT --json` in-process and returns its report."""

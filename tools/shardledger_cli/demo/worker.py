@@ -34,6 +34,7 @@ from shardledger_cli.demo.faults import (
     LETHAL,
     NAN_WEIGHTS,
     SILENT_MISSING,
+    TORN_UPLOAD,
     TRUNCATION,
 )
 
@@ -161,12 +162,14 @@ def _job(shard: Shard, task: dict[str, Any], report: dict[str, Any]) -> None:
 def _commit(
     shard: Shard, task: dict[str, Any], model: torch.nn.Module, loss: float, report: dict[str, Any]
 ) -> None:
-    fault, out = task.get("fault"), Path(task["out_dir"])
+    fault, out = task.get("fault"), _artifact_home(shard, task)
     state = model.state_dict()
     if fault == NAN_WEIGHTS:
         state["0.weight"][0, 0] = float("nan")  # one poisoned value is enough to ruin the model
+    if fault == TORN_UPLOAD:
+        _die_mid_upload(f"{out}/weights.pt", state)
     with shard.atomic_write(
-        out / "weights.pt", name="weights", media_type="application/x-torch"
+        f"{out}/weights.pt", name="weights", media_type="application/x-torch"
     ) as f:
         if fault == TRUNCATION:
             _die_mid_write(f, state)
@@ -174,11 +177,41 @@ def _commit(
     report["emitted"]["artifact_committed"] += 1
     metrics = {"shard_id": task["shard_id"], "steps": int(task["params"]["steps"]), "loss": loss}
     with shard.atomic_write(
-        out / "metrics.json", name="metrics", media_type="application/json"
+        f"{out}/metrics.json", name="metrics", media_type="application/json"
     ) as f:
         if fault != EMPTY_OUTPUT:  # the writer that "forgot to flush": zero bytes, committed
             f.write(json.dumps(metrics, sort_keys=True).encode())
     report["emitted"]["artifact_committed"] += 1
+
+
+def _artifact_home(shard: Shard, task: dict[str, Any]) -> str:
+    """Returns where the shard's artifacts go: its output directory, or its S3 prefix.
+
+    In object storage each attempt writes under its own id: the conditional write
+    then never refuses a rerun because an earlier attempt's object is still there.
+    """
+    prefix = task.get("artifact_prefix")
+    return f"{prefix}/{shard.attempt_id}" if prefix else str(Path(task["out_dir"]))
+
+
+def _die_mid_upload(url: str, state: dict[str, torch.Tensor]) -> None:
+    """Starts a multipart upload of the weights, sends one part and SIGKILLs this process."""
+    from shard_client.storage import store_for
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    store = store_for(url)
+    bucket, key = url.removeprefix("s3://").split("/", 1)
+    upload = store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    store.fs.call_s3(
+        "upload_part",
+        Bucket=bucket,
+        Key=key,
+        UploadId=upload["UploadId"],
+        PartNumber=1,
+        Body=buffer.getvalue()[: len(buffer.getvalue()) // 2],
+    )
+    os.kill(os.getpid(), signal.SIGKILL)  # never completed: nothing appears at the key
 
 
 def _die_mid_write(f: Any, state: dict[str, torch.Tensor]) -> None:

@@ -95,7 +95,7 @@ class ShardEvent(_message.Message):
     def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., submission_closed: _Optional[_Union[RunSubmissionClosed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ..., row_format: _Optional[int] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
-    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels")
+    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels", "input_version_id", "input_etag")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class ShardPlanned(_message.Message):
     PLAN_LINE_FIELD_NUMBER: _ClassVar[int]
     PLAN_INDEX_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ETAG_FIELD_NUMBER: _ClassVar[int]
     input_ref: str
     input_bytes: int
     input_blake3: str
@@ -119,7 +121,9 @@ class ShardPlanned(_message.Message):
     plan_line: str
     plan_index: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    input_version_id: str
+    input_etag: str
+    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., input_version_id: _Optional[str] = ..., input_etag: _Optional[str] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
     __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels", "rank", "world_size", "local_rank", "launch_id", "restart_count")
@@ -247,36 +251,44 @@ class CheckpointSaved(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., write_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ArtifactCommitted(_message.Message):
-    __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type", "rank")
+    __slots__ = ("name", "path", "size_bytes", "blake3_hex", "media_type", "rank", "version_id", "etag", "read_back")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    READ_BACK_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     size_bytes: int
     blake3_hex: str
     media_type: str
     rank: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., media_type: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    version_id: str
+    etag: str
+    read_back: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., blake3_hex: _Optional[str] = ..., media_type: _Optional[str] = ..., rank: _Optional[int] = ..., version_id: _Optional[str] = ..., etag: _Optional[str] = ..., read_back: _Optional[str] = ...) -> None: ...
 
 class ArtifactVerified(_message.Message):
-    __slots__ = ("name", "path", "blake3_hex", "result", "reason", "detail")
+    __slots__ = ("name", "path", "blake3_hex", "result", "reason", "detail", "version_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     blake3_hex: str
     result: VerificationResult
     reason: str
     detail: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., blake3_hex: _Optional[str] = ..., result: _Optional[_Union[VerificationResult, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    version_id: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., blake3_hex: _Optional[str] = ..., result: _Optional[_Union[VerificationResult, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., version_id: _Optional[str] = ...) -> None: ...
 
 class AttemptFailed(_message.Message):
     __slots__ = ("tag", "message", "diagnostics_path", "diagnostics_blake3_hex", "rank")
