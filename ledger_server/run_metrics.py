@@ -29,8 +29,20 @@ __all__ = ["RUN_FAMILIES", "SHARD_STATES", "VERIFY_FAILED_TAG", "RunCollector", 
 # The same logger as the server counters: one name for everything /metrics logs.
 log = structlog.get_logger("shardledger.metrics")
 
-# The run_shards states; "planned" counts every planned shard, the others partition it.
-SHARD_STATES: Final = ("planned", "verified", "failed", "missing", "running", "stale", "unverified")
+# The run_shards states, named as the run summary names them: "submitted" counts every
+# planned shard, the others partition it. "planned" is the old name of "submitted",
+# exported beside it for one release so dashboards can move (docs/concepts.md).
+SHARD_STATES: Final = (
+    "submitted",
+    "verified",
+    "failed",
+    "missing",
+    "running",
+    "stale",
+    "unverified",
+    "planned",
+)
+_TOTALS: Final = frozenset({"submitted", "planned"})
 # verify_failed shards are exported under one tag, because verify reasons are free text.
 VERIFY_FAILED_TAG: Final = "verify_failed"
 _US: Final = 1_000_000
@@ -53,8 +65,8 @@ class RunExport:
 # The per-run gauges: shardledger_run_<key>{namespace, run_id[, extra label]}.
 RUN_FAMILIES: Final[dict[str, tuple[str, str | None]]] = {
     "shards": (
-        "Shards by state; planned counts every planned shard and the other states"
-        " partition it (failed includes verify_failed, unverified is committed).",
+        "Shards by state; submitted counts every planned shard and the other states"
+        " partition it (failed includes verify_failed; planned: the old name of submitted).",
         "state",
     ),
     "failed_by_tag": (
@@ -177,7 +189,7 @@ class RunCollector(Collector):
         key = [run.namespace, run.run_id]
         for state in SHARD_STATES:
             # Each state is the summary key of the same name, except the total.
-            value = s["submitted"] if state == "planned" else s[state]
+            value = s["submitted"] if state in _TOTALS else s[state]
             f["shards"].add_metric([*key, state], float(value))
         tags: dict[str, int] = s["failure_tags"]
         for tag in FAILURE_TAGS:

@@ -241,7 +241,7 @@ def test_resume_jsonl_is_the_original_plan_lines_byte_for_byte(cli: Any) -> None
     assert code == 1
     assert out.encode() == "".join(plan_line(s) + "\n" for s in UNCONFIRMED).encode()
     assert err.startswith("9 shards to re-run")
-    assert "never-started 4" in err and "failed:oom 1" in err and "stale 1" in err
+    assert "missing 4" in err and "failed:oom 1" in err and "stale 1" in err
 
 
 def test_resume_reasons_adds_a_key_and_keeps_the_rest_of_the_line(cli: Any) -> None:
@@ -250,14 +250,14 @@ def test_resume_reasons_adds_a_key_and_keeps_the_rest_of_the_line(cli: Any) -> N
     reasons = [json.loads(line)["_resume_reason"] for line in lines]
     assert reasons == [
         "failed:oom",
-        "never-started",
+        "missing",
         "running",
         "stale",
         "unverified",
-        "verify-failed:digest_mismatch",
-        "never-started",
-        "never-started",
-        "never-started",
+        "verify_failed:digest_mismatch",
+        "missing",
+        "missing",
+        "missing",
     ]
     for shard, line in zip(UNCONFIRMED, lines, strict=True):
         assert line.startswith(plan_line(shard)[:-1] + ',"_resume_reason":')

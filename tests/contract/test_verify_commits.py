@@ -429,4 +429,4 @@ def test_a_committed_zero_element_npy_is_verify_failed_empty(
     assert (failure["reason"], failure["detail"]) == ("empty", "0-element array float32 (0, 3)")
     assert states(client)["s0"] == "verify_failed"
     _, stdout, _ = run_cli(capsys, "resume", RUN, "--json", "--server", target)
-    assert json.loads(stdout)["reason"] == "verify-failed:empty"
+    assert json.loads(stdout)["reason"] == "verify_failed:empty"

@@ -22,6 +22,7 @@ from ledger_server.chain import GENESIS_HASH
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.events import RecordedEvent
 from ledger_server.replay import RunReplay
+from ledger_server.states import shown_state
 from ledger_server.summary import matches, run_summary, shard_view
 from shardledger_cli.audit_checks import open_database
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
@@ -207,7 +208,11 @@ def states_at(
 ) -> dict[str, tuple[int, str, str]]:
     """Returns shard id -> (plan index, state, detail) at the point."""
     at = point.clock_us(last)
-    return {r.shard_id: (r.plan_index, *proj.live_state(r, at)) for r in replay.records.values()}
+    out = {}
+    for r in replay.records.values():
+        state, detail = proj.live_state(r, at)
+        out[r.shard_id] = (r.plan_index, shown_state(state), detail)
+    return out
 
 
 # --- commands ---------------------------------------------------------------

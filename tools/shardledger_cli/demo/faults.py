@@ -37,8 +37,8 @@ EXPECTED_REASON: Final[Mapping[str, str]] = {
     SILENT_MISSING: "failed:incomplete",
     TRUNCATION: "failed:timeout",
     HANG: "failed:timeout",
-    EMPTY_OUTPUT: "verify-failed:empty",
-    NAN_WEIGHTS: "verify-failed:nan_or_inf",
+    EMPTY_OUTPUT: "verify_failed:empty",
+    NAN_WEIGHTS: "verify_failed:nan_or_inf",
 }
 MIN_SHARDS: Final = 20
 
