@@ -7,6 +7,7 @@ append, and a replay sums the same way. See docs/projections.md for every figure
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any, Final
 
@@ -277,6 +278,7 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
         "plan_index": record.plan_index,
         "state": shown_state(state),
         "detail": detail,
+        "input": json.loads(record.definition_json).get("input_ref", ""),
         "attempts": len(record.attempts),
         "latest_attempt": record.latest_attempt,
         "host": latest.host if latest else "",

@@ -27,6 +27,7 @@ from ledger_server.summary import matches, run_summary, shard_view
 from shardledger_cli.audit_checks import open_database
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
 from shardledger_cli.output import equation, iso_us, print_json
+from shardledger_cli.parsing import add_db_option
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
 LIST_QUERIES: Final = ("missing", "stale", "failed", "verify_failed", "duplicate")
@@ -91,7 +92,7 @@ def register_replay(
     )
     p.add_argument("run", help="run id")
     p.add_argument("--until", required=True, type=parse_point, metavar="SEQ|TIME", help=when)
-    p.add_argument("--db", metavar="PATH|URL", help="read this database instead of a server")
+    add_db_option(p, required=False, env=False, help="read this database instead of a server")
     p.set_defaults(func=run_replay)
 
     p = cmds.add_parser(
@@ -104,7 +105,7 @@ def register_replay(
     p.add_argument("run", help="run id")
     p.add_argument("--from", dest="start", required=True, type=parse_point, metavar="SEQ|TIME")
     p.add_argument("--to", dest="end", required=True, type=parse_point, metavar="SEQ|TIME")
-    p.add_argument("--db", metavar="PATH|URL", help="read this database instead of a server")
+    add_db_option(p, required=False, env=False, help="read this database instead of a server")
     p.set_defaults(func=run_diff)
 
 

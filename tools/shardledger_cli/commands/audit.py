@@ -44,6 +44,7 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.output import atomic_output, print_json
+from shardledger_cli.parsing import add_db_option
 
 CHECKPOINT_FORMAT: Final = "shardledger-checkpoint-v1"
 
@@ -87,7 +88,7 @@ def register(
         formatter_class=raw,
     )
     p.add_argument("run", nargs="?", help="run id (required unless --db)")
-    p.add_argument("--db", metavar="PATH|URL", help="read this database instead of a server")
+    add_db_option(p, required=False, env=False, help="read this database instead of a server")
     p.add_argument("--against", metavar="HEAD.json", help="a saved checkpoint the log must extend")
     p.add_argument(
         "--public-key", metavar="PEM", help="pin this key instead of trusting the server"

@@ -42,6 +42,7 @@ from shardledger_cli.cli import (
     open_ledger,
 )
 from shardledger_cli.output import atomic_output, print_json
+from shardledger_cli.parsing import add_db_option
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
 
@@ -74,7 +75,7 @@ def register(
         formatter_class=raw,
     )
     p.add_argument("file", help="a file written by `shardledger export`")
-    p.add_argument("--db", required=True, metavar="PATH|URL", help="the database to import into")
+    add_db_option(p, help="the database to import into: a SQLite path or a postgresql:// URL")
     p.add_argument(
         "--namespace",
         default="",

@@ -30,7 +30,7 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.plan_entries import entries_from_dir, entries_from_manifest
-from shardledger_cli.output import print_json, progress
+from shardledger_cli.output import count_shards, print_json, print_json_lines, progress
 
 __all__ = ["Outcome", "keep_stored_indexes", "register", "send_plan"]
 
@@ -154,11 +154,14 @@ def keep_stored_indexes(
             index, following = following, following + 1
         renumbered.append(dataclasses.replace(entry, plan_index=index))
     moved = sum(a.plan_index != b.plan_index for a, b in zip(entries, renumbered, strict=True))
+    new = sum(entry.shard_id not in stored for entry in entries)
     if moved:
+        # Only a plan that adds shards has new ones to number; a re-plan of shards the
+        # run already has only keeps their stored indexes.
+        after = f" (new shards: {new}, numbered from {max(stored.values()) + 1})"
         print(
-            f"shardledger: run {run_id} already has {len(stored)} shards: {moved} of this"
-            " plan's indexes follow the stored ones (new shards are numbered from"
-            f" {max(stored.values()) + 1})",
+            f"shardledger: run {run_id} already has {count_shards(len(stored))}: {moved} of this"
+            " plan's indexes follow the stored ones" + (after if new else ", no new shards"),
             file=sys.stderr,
         )
     return renumbered
@@ -215,7 +218,7 @@ def _count(outcome: Outcome, entry: PlanEntry, result: pb.AppendResult | LedgerR
 
 def _print_dry_run(entries: Sequence[PlanEntry], *, as_json: bool) -> int:
     if as_json:
-        print_json([{**json.loads(e.plan_line), "plan_index": e.plan_index} for e in entries])
+        print_json_lines({**json.loads(e.plan_line), "plan_index": e.plan_index} for e in entries)
     else:
         sys.stdout.writelines(e.plan_line + "\n" for e in entries)
     return EXIT_OK

@@ -17,7 +17,7 @@ from shard_client.spooldir import (
     spool_status,
 )
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_REJECTED, EXIT_UNAVAILABLE, client_from
-from shardledger_cli.output import print_json
+from shardledger_cli.output import print_json_lines
 
 DESCRIPTION: Final = f"""\
 When a job cannot reach the ledger it keeps its events in a durable spool on the
@@ -72,7 +72,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Prints one line (or JSON object) per spool directory."""
     rows = [spool_status(d) for d in find_spool_dirs(_root(args))]
     if args.json:
-        print_json([dataclasses.asdict(r) for r in rows])
+        print_json_lines(dataclasses.asdict(r) for r in rows)
         return EXIT_OK
     if not rows:
         print(f"no spools under {_root(args)}")
@@ -103,7 +103,7 @@ def run_drain(args: argparse.Namespace) -> int:
         _root(args), target=args.server, client_factory=client_for, connect_timeout_s=args.timeout
     )
     if args.json:
-        print_json([dataclasses.asdict(r) for r in results])
+        print_json_lines(dataclasses.asdict(r) for r in results)
     else:
         for r in results:
             if r.status == "locked":

@@ -13,7 +13,8 @@ from ledger_server.config import DEFAULT_DB
 from ledger_server.errors import InvalidEvent
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger
-from shardledger_cli.output import print_json
+from shardledger_cli.output import print_json, print_json_lines
+from shardledger_cli.parsing import add_db_option
 
 _DURATION = re.compile(r"(\d+)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -33,7 +34,7 @@ def register(
     tsub = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     db_help = "ledger database: a SQLite path or a postgresql:// URL"
     create = tsub.add_parser("create", help="create a token and print it once")
-    create.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    add_db_option(create, default=DEFAULT_DB, help=db_help)
     create.add_argument(
         "--role", required=True, choices=ROLES, help="admin, auditor, writer or reader"
     )
@@ -48,12 +49,12 @@ def register(
     create.add_argument("--json", action="store_true", help="print JSON")
     create.set_defaults(func=run_create)
     lst = tsub.add_parser("list", help="list tokens (never their secrets)")
-    lst.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    add_db_option(lst, default=DEFAULT_DB, help=db_help)
     lst.add_argument("--json", action="store_true", help="print JSON")
     lst.set_defaults(func=run_list)
     revoke = tsub.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("token_id", help="the id shown by `token list` (the part after slt_)")
-    revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    add_db_option(revoke, default=DEFAULT_DB, help=db_help)
     revoke.set_defaults(func=run_revoke)
 
 
@@ -156,7 +157,7 @@ def run_list(args: argparse.Namespace) -> int:
         for r in rows
     ]
     if args.json:
-        print_json(items)
+        print_json_lines(items)
         return EXIT_OK
     for item in items:
         print(

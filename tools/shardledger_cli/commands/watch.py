@@ -60,7 +60,6 @@ from shardledger_cli.commands import watch_stop
 from shardledger_cli.commands.watch_diag import DIAG_ENV, LOG_FIELDS, default_diag_dir, log_path
 from shardledger_cli.commands.watch_handle import Action, handle_stale, stale_checker
 from shardledger_cli.commands.watch_stop import StartedIndex, Target
-from shardledger_cli.output import print_json
 
 __all__ = ["Action", "StartedIndex", "Target", "default_diag_dir", "handle_stale", "stale_checker"]
 
@@ -92,8 +91,8 @@ def register(
         "--interval",
         type=float,
         default=0.0,
-        help="keep watching, polling every N seconds; with --json, print JSON Lines: one compact "
-        "object per stale attempt as it is handled (a single pass prints one JSON array)",
+        help="keep watching, polling every N seconds (--json prints one compact object per"
+        " stale attempt as it is handled, in a loop as in a single pass)",
     )
     p.add_argument(
         "--once", action="store_true", help="one pass, then exit (the default without --interval)"
@@ -249,11 +248,8 @@ class _Watch:
                     f"attempt {action.attempt_id} of shard {action.shard_id}: {action.stop_error}"
                 )
             self.failed_locally |= bool(action.diagnostics_errors or action.stop_error)
-            if json_lines or not self.args.json:
-                _print_action(action, json_lines=json_lines)
-        if self.args.json and not json_lines:
-            print_json([a.to_json() for a in actions])
-        elif not actions and not self.args.json:
+            _print_action(action, json_lines=self.args.json)
+        if not actions and not self.args.json:
             print(f"no stale attempts in {self.args.run_id}", file=sys.stderr)
         sys.stdout.flush()
 
@@ -263,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
     diag_dir = Path(args.diag_dir) if args.diag_dir else default_diag_dir()
     _check_options(args, diag_dir)
     loop = args.interval > 0
-    # A poll loop never ends, so it cannot print one JSON document: it streams JSON Lines.
-    json_lines = args.json and loop
+    # --json is JSON Lines, one pass or a loop that never ends: one action per line.
+    json_lines = args.json
     client = client_from(args)
     if loop:
         # The loop's own backoff, which logs, takes over from the client's silent retries.
