@@ -27,7 +27,7 @@ from ledger_server.summary import matches, run_summary, shard_view
 from shardledger_cli.audit_checks import open_database
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
 from shardledger_cli.output import equation, iso_us, print_json
-from shardledger_cli.parsing import add_db_option
+from shardledger_cli.parsing import add_db_option, examples, json_help
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
 LIST_QUERIES: Final = ("missing", "stale", "failed", "verify_failed", "duplicate")
@@ -85,6 +85,10 @@ def register_replay(
     when = "a global sequence (e.g. 1200) or an ISO-8601 time (UTC when no offset is given)"
     p = cmds.add_parser(
         "replay",
+        epilog=examples(
+            "shardledger audit replay night-01 --until 1200",
+            "shardledger audit replay night-01 --until 2026-12-01T06:00:00Z --json",
+        ),
         parents=[common],
         help="every projection as it stood at a past point",
         description=__doc__,
@@ -93,10 +97,15 @@ def register_replay(
     p.add_argument("run", help="run id")
     p.add_argument("--until", required=True, type=parse_point, metavar="SEQ|TIME", help=when)
     add_db_option(p, required=False, env=False, help="read this database instead of a server")
+    json_help(p, single="every projection at that point")
     p.set_defaults(func=run_replay)
 
     p = cmds.add_parser(
         "diff",
+        epilog=examples(
+            "shardledger audit diff night-01 --from 1200 --to 1500",
+            "shardledger audit diff night-01 --from 2026-12-01T02:00:00Z --to 2026-12-01T06:00:00Z --json",
+        ),
         parents=[common],
         help="the shards whose state changed between two points",
         description=__doc__,
@@ -106,6 +115,7 @@ def register_replay(
     p.add_argument("--from", dest="start", required=True, type=parse_point, metavar="SEQ|TIME")
     p.add_argument("--to", dest="end", required=True, type=parse_point, metavar="SEQ|TIME")
     add_db_option(p, required=False, env=False, help="read this database instead of a server")
+    json_help(p, single="the shards that changed state")
     p.set_defaults(func=run_diff)
 
 

@@ -22,7 +22,7 @@ from ledger_server.upgrade import upgrade_projections
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError
 from shardledger_cli.commands import rebuild as rebuild_command
 from shardledger_cli.output import print_json, progress
-from shardledger_cli.parsing import add_db_option
+from shardledger_cli.parsing import add_db_option, add_json_option, examples
 
 if TYPE_CHECKING:
     from ledger_server.store.postgres import PostgresStore
@@ -53,21 +53,33 @@ def register(
     """Adds the db command group."""
     p = sub.add_parser(
         "db",
+        epilog=examples(
+            "shardledger db migrate --db postgresql://ledger@db/ledger",
+            "shardledger db rebuild --check",
+        ),
         help="database maintenance: migrate, copy SQLite to PostgreSQL, grants, rebuild projections",
         description="Database maintenance for either backend.",
     )
     dbsub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True)
     m = dbsub.add_parser(
         "migrate",
+        epilog=examples(
+            "shardledger db migrate                             # ./ledger.db, or $SHARDLEDGER_DATABASE_URL",
+            "shardledger db migrate --db postgresql://ledger@db/ledger --json",
+        ),
         help="apply pending schema migrations and print the applied versions",
         description="Apply every pending numbered migration (each in one transaction with its "
         "record; concurrent replicas wait on an advisory lock) and print the applied versions.",
     )
     add_db_option(m, default=DEFAULT_DB)
-    m.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(m, single="the applied migrations")
     m.set_defaults(func=run_migrate)
     c = dbsub.add_parser(
         "copy",
+        epilog=examples(
+            "shardledger db copy --from sqlite:///ledger.db --to postgresql://ledger@db/ledger",
+            "shardledger db copy --from sqlite:///ledger.db --to postgresql://ledger@db/ledger --resume",
+        ),
         help="copy a whole ledger (rows verbatim) into PostgreSQL and verify every chain",
         description=COPY_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,10 +89,13 @@ def register(
     c.add_argument(
         "--resume", action="store_true", help="continue an interrupted copy: skip runs copied whole"
     )
-    c.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(c, single="what was copied and verified")
     c.set_defaults(func=run_copy)
     g = dbsub.add_parser(
         "grants",
+        epilog=examples(
+            "shardledger db grants --role ledger_server | psql postgresql://owner@db/ledger"
+        ),
         help="print the GRANT/REVOKE statements for a least-privilege server role",
         description="Print SQL that lets ROLE append and read but never UPDATE, DELETE or "
         "TRUNCATE events. Run it as the tables' owner (the migration role), after `db migrate`.",

@@ -42,7 +42,7 @@ from shardledger_cli.cli import (
     open_ledger,
 )
 from shardledger_cli.output import atomic_output, print_json
-from shardledger_cli.parsing import add_db_option
+from shardledger_cli.parsing import add_db_option, add_json_option, examples, json_help
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
 
@@ -54,6 +54,10 @@ def register(
     raw = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser(
         "export",
+        epilog=examples(
+            "shardledger export night-01 -o night-01.jsonl",
+            "shardledger export night-01 | gzip > night-01.jsonl.gz",
+        ),
         parents=[common],
         help="write a run as a self-verifying JSONL file",
         description=__doc__ + "\nexit codes: 0 written; 1 the run's chain or signed head"
@@ -62,10 +66,15 @@ def register(
     )
     p.add_argument("run", help="run id")
     p.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
+    json_help(p, single="the export's summary (the events go to -o or stdout)")
     p.set_defaults(func=run_export)
 
     p = sub.add_parser(
         "import",
+        epilog=examples(
+            "shardledger import night-01.jsonl --db archive.db",
+            "shardledger import night-01.jsonl --db postgresql://ledger@db/ledger --public-key ledger.pub.pem",
+        ),
         help="check an exported run and write it into a database",
         description=__doc__ + "\nThe whole file is checked before anything is written; then"
         " its rows are\nwritten verbatim in one transaction with the projections rebuilt.\n\n"
@@ -82,7 +91,7 @@ def register(
         help="refuse unless the file's run is in this namespace (rows commit to theirs)",
     )
     p.add_argument("--public-key", metavar="PEM", help="require the head be signed by this key")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json_option(p, single="what was imported")
     p.set_defaults(func=run_import)
 
 

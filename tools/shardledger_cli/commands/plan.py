@@ -31,6 +31,7 @@ from shardledger_cli.cli import (
 )
 from shardledger_cli.commands.plan_entries import entries_from_dir, entries_from_manifest
 from shardledger_cli.output import count_shards, print_json, print_json_lines, progress
+from shardledger_cli.parsing import examples, json_help
 
 __all__ = ["Outcome", "keep_stored_indexes", "register", "send_plan"]
 
@@ -80,6 +81,12 @@ def register(
     """Adds the plan command."""
     p = sub.add_parser(
         "plan",
+        epilog=examples(
+            "shardledger plan night-01 --manifest jobs.jsonl",
+            "shardledger plan night-01 --inputs /data/in --glob '*.bin' --params '{\"lr\": 0.1}' --expected-outputs weights,metrics",
+            "shardledger plan night-01 --manifest jobs.jsonl --dry-run > plan-lines.jsonl   # nothing sent",
+            "shardledger plan night-01 --manifest jobs.jsonl --json | jq .new",
+        ),
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="register a run's shards from a manifest or a directory of inputs",
@@ -100,6 +107,7 @@ def register(
     p.add_argument(
         "--workers", type=int, default=min(8, os.cpu_count() or 4), help="parallel input hashing"
     )
+    json_help(p, single="the plan's counts (with --dry-run: JSON Lines, one plan line per shard)")
     p.set_defaults(func=run_plan)
 
 

@@ -14,7 +14,7 @@ from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
 from shardledger_cli.output import print_json, progress
-from shardledger_cli.parsing import add_db_option
+from shardledger_cli.parsing import add_db_option, add_json_option
 
 DESCRIPTION: Final = """\
 Replay each run's events and compare the result with its stored projections
@@ -29,9 +29,9 @@ database first: a rebuild refuses a run that moves while it is replayed, and a
 running server keeps shard records in memory that would not see the rewrite (on
 SQLite a rewrite beside a live server is refused; --check only reads).
 
-examples:
-  shardledger db rebuild --database-url sqlite:///ledger.db --check
-  shardledger db rebuild --database-url sqlite:///ledger.db --run night-42 --json
+Examples:
+  shardledger db rebuild --check                     # ./ledger.db, or $SHARDLEDGER_DATABASE_URL
+  shardledger db rebuild --db postgresql://ledger@db/ledger --run night-42 --json
 
 exit codes: 0 consistent (or rewritten), 1 --check found projections that differ,
 2 a bad argument, 5 refused: a broken chain or a run that moved (that run is named
@@ -54,7 +54,7 @@ def register(dbsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument(
         "--check", action="store_true", help="compare only; exit 1 if any run's projections differ"
     )
-    r.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(r, single="every run's verdict")
     r.set_defaults(func=run_rebuild)
 
 

@@ -12,7 +12,7 @@ from ledger_server.server import configure_logging, serve
 from ledger_server.startup import StartupError
 from ledger_server.store import redact_url
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
-from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option
+from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option, examples
 
 
 def positive_int(text: str) -> int:
@@ -43,6 +43,12 @@ def register(
     """Adds the serve command."""
     p = sub.add_parser(
         "serve",
+        epilog=examples(
+            "shardledger serve                                  # ./ledger.db on 127.0.0.1:50551",
+            "shardledger serve --db /srv/ledger/ledger.db --listen 0.0.0.0:50551 --tls-cert server.pem --tls-key server.key",
+            "shardledger serve --db postgresql://ledger@db/ledger --metrics-listen 0.0.0.0:9464",
+            "shardledger serve --listen 127.0.0.1:0 --port-file port.txt &   # a free port, written to port.txt",
+        ),
         help="run the ledger server (embedded SQLite by default)",
         description="Run the gRPC ledger server. With no flags it stores events in ./ledger.db "
         "and listens on 127.0.0.1:50551. SIGTERM flips health to NOT_SERVING, drains in-flight "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import examples, json_help
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
@@ -50,6 +51,9 @@ def register(
     """Adds the trend command."""
     p = sub.add_parser(
         "trend",
+        epilog=examples(
+            "shardledger trend", "shardledger trend --last 30 --ruler-prefix ruler- --json"
+        ),
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="completion, silent errors and failure tags over recent runs; ruler drift",
@@ -75,6 +79,7 @@ def register(
         metavar="P",
         help=f"run ids of ruler runs start with this (default {DEFAULT_RULER_PREFIX!r})",
     )
+    json_help(p, single="the trend report")
     p.set_defaults(func=run_trend)
 
 

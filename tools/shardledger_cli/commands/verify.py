@@ -40,6 +40,7 @@ from shardledger_cli.commands.verify_scan import (
     scan_events,
     unique,
 )
+from shardledger_cli.parsing import json_help
 
 __all__ = ["Commit", "Recorder", "register", "verdict_event"]
 
@@ -76,7 +77,7 @@ is recorded for it, and verify exits 5. When --root holds none of the run's
 committed artifacts, verify refuses before reading any (exit 5): a wrong
 directory must not condemn a good run.
 
-examples:
+Examples:
   shardledger verify night-01 --root /scratch/night-01/out
   shardledger verify night-01 --root out/ --recheck --workers 16 --json
 
@@ -109,6 +110,7 @@ def register(
         action="store_true",
         help="read again commits that already have a verdict (a scrub for bit rot)",
     )
+    json_help(p, single="the verification report")
     p.set_defaults(func=run_verify)
 
 

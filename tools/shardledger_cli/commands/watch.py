@@ -24,7 +24,7 @@ kill-command placeholders: {job_id} {array_job_id} {array_task_id} {cluster}
 {node} {namespace} {pod} {host} {pid} {start_ticks} {run_id} {shard_id}
 {attempt_id} {grace}
 
-examples:
+Examples:
   shardledger watch night-01                         # list stale attempts (exit 1 if any)
   shardledger watch night-01 --kill-stale --once     # one pass: stop them, record timeout
   shardledger watch night-01 --kill-stale --interval 30 --grace 30 --log-file 'logs/{shard_id}.log'
@@ -60,6 +60,7 @@ from shardledger_cli.commands import watch_stop
 from shardledger_cli.commands.watch_diag import DIAG_ENV, LOG_FIELDS, default_diag_dir, log_path
 from shardledger_cli.commands.watch_handle import Action, handle_stale, stale_checker
 from shardledger_cli.commands.watch_stop import StartedIndex, Target
+from shardledger_cli.parsing import json_help
 
 __all__ = ["Action", "StartedIndex", "Target", "default_diag_dir", "handle_stale", "stale_checker"]
 
@@ -130,6 +131,7 @@ def register(
         help="also mark failed(timeout) the stale attempts the watchdog cannot stop (another "
         "host and no scheduler identity, no recorded start time, a failed stop)",
     )
+    json_help(p, lines="one stale attempt and what was done to it")
     p.set_defaults(func=run)
 
 

@@ -31,6 +31,7 @@ from shardledger_cli.demo.faults import (
 )
 from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import examples, json_help
 
 if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch] extra
     from shardledger_cli.demo.run import Demo, Outage
@@ -61,6 +62,9 @@ def register(
     """Adds the demo command."""
     p = sub.add_parser(
         "demo",
+        epilog=examples(
+            "shardledger demo", "shardledger demo --shards 40 --workers 2 --keep /tmp/demo"
+        ),
         parents=[common],
         help="run 'Project X' end to end: inject every failure form, find each in the ledger, resume",
         description=DESCRIPTION,
@@ -71,6 +75,7 @@ def register(
     p.add_argument("--steps", type=at_least(2), default=30, help="training steps per shard")
     p.add_argument("--seed", type=at_least(0), default=7, help="seed of data and faults")
     p.add_argument("--keep", metavar="DIR", help="keep db, artifacts, resume list, diagnostics")
+    json_help(p, single="the demo's report")
     p.set_defaults(func=run_demo)
 
 
