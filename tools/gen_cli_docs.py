@@ -42,8 +42,14 @@ def render() -> str:
     """Returns the whole reference page."""
     # A fixed width keeps the text identical on every terminal and in CI.
     os.environ["COLUMNS"] = "100"
+    # Defaults shown are the code's: a SHARDLEDGER_* variable set here would show instead.
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SHARDLEDGER_")}
+    try:
+        parser = build_parser()
+    finally:
+        os.environ.update(saved)
     parts = [HEADER]
-    for path, text in _walk(build_parser(), ["shardledger"]):
+    for path, text in _walk(parser, ["shardledger"]):
         parts.append(f"\n## `{' '.join(path)}`\n\n```text\n{text}\n```\n")
     return "".join(parts)
 

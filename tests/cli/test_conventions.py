@@ -261,7 +261,7 @@ def test_a_db_command_without_a_ledger_here_says_so_and_creates_nothing(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SHARDLEDGER_DATABASE_URL", raising=False)
-    for argv in (("db", "rebuild", "--check"), ("db", "migrate")):
+    for argv in (("db", "rebuild", "--check"), ("db", "migrate"), ("token", "list")):
         code, _, err = run_cli(capsys, *argv)
         assert code == 5 and "no ledger at ledger.db" in err, err
     assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from shardledger_cli.cli import COMMAND_MODULES, build_parser
-from tools import gen_cli_docs
+from tools import gen_cli_docs, gen_config_docs
 
 
 def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
@@ -37,3 +37,18 @@ def test_console_script_help_lists_commands_and_exit_codes() -> None:
     assert "exit codes: 0 ok, 1 problems found" in out.stdout
     for name in ("serve", "plan", "status", "resume", "verify", "audit", "demo", "watch", "token"):
         assert name in out.stdout
+
+
+def test_configuration_page_is_generated_from_the_parser_and_the_sources() -> None:
+    assert gen_config_docs.problems() == [], "describe each variable in tools/gen_config_docs.py"
+    assert gen_config_docs.DOC.read_text() == gen_config_docs.render(), (
+        "run: python -m tools.gen_config_docs"
+    )
+
+
+def test_configuration_page_names_every_variable_the_code_reads_and_every_flag() -> None:
+    text = gen_config_docs.DOC.read_text()
+    for name in gen_config_docs.variables_in_code():
+        assert f"| `{name}` |" in text
+    for flag in ("`--db`, `--database-url`", "`--format`", "`--shard`", "`--tls-cert`"):
+        assert flag in text

@@ -141,8 +141,9 @@ def _open(url: str) -> Store:
 def run_migrate(args: argparse.Namespace) -> int:
     """Applies pending migrations, rebuilds records of an older format, prints the versions."""
     path = sqlite_path(args.db)
-    if path is not None and not os.path.lexists(path):
-        # Opening would create an empty ledger: a typo (or the wrong directory) must not.
+    if args.db == DEFAULT_DB and path is not None and not os.path.lexists(path):
+        # A named new SQLite file is created and migrated; the default one is not: run
+        # in the wrong directory, `db migrate` must not leave an empty ledger behind.
         raise CommandError(
             f"no ledger at {args.db}: no such file (check --db; `shardledger serve --db PATH`"
             " creates a new ledger)"
