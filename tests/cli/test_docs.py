@@ -52,3 +52,46 @@ def test_configuration_page_names_every_variable_the_code_reads_and_every_flag()
         assert f"| `{name}` |" in text
     for flag in ("`--db`, `--database-url`", "`--format`", "`--shard`", "`--tls-cert`"):
         assert flag in text
+
+
+DOCS = gen_config_docs.ROOT / "docs"
+
+
+def test_concepts_page_shows_the_flow_diagram_as_well_formed_svg() -> None:
+    import xml.etree.ElementTree as ET
+
+    text = (DOCS / "concepts.md").read_text()
+    assert "](img/flow.svg)" in text
+    root = ET.parse(DOCS / "img" / "flow.svg").getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    shown = " ".join("".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    for stage in ("plan", "run", "commit", "verify", "resume"):
+        assert stage in shown
+    for call in (
+        "shardledger plan RUN",
+        "ledger.shard(",
+        "shard.atomic_write(",
+        "shardledger verify",
+    ):
+        assert call in shown
+    for where in ("README.md", "docs/design.md"):
+        assert "concepts.md" in (gen_config_docs.ROOT / where).read_text(), where
+
+
+def test_concepts_page_defines_every_state_reason_alias_and_summary_field() -> None:
+    from collections import Counter
+
+    from ledger_server.projections import RESUME_DETAIL_PREFIXES, RESUME_REASONS
+    from ledger_server.states import QUERY_ALIASES, QUERY_STATES
+    from ledger_server.summary import run_summary
+
+    text = (DOCS / "concepts.md").read_text()
+    summary = run_summary(Counter(), stale=0, run_id="r", namespace="n")
+    # The server adds these three to what the projections compute (service.summary).
+    fields = [*summary, "event_count", "head_hash", "as_of_us"]
+    names = [*QUERY_STATES, *RESUME_REASONS.values(), *QUERY_ALIASES]
+    names += [
+        p + "TAG" if p == "failed:" else p + "REASON" for p in RESUME_DETAIL_PREFIXES.values()
+    ]
+    undefined = [n for n in [*fields, *names] if f"`{n}`" not in text]
+    assert not undefined, f"docs/concepts.md does not define {undefined}"

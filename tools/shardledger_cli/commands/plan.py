@@ -166,10 +166,11 @@ def keep_stored_indexes(
     if moved:
         # Only a plan that adds shards has new ones to number; a re-plan of shards the
         # run already has only keeps their stored indexes.
-        after = f" (new shards: {new}, numbered from {max(stored.values()) + 1})"
+        after = f" (new shards are numbered from {max(stored.values()) + 1})"
         print(
             f"shardledger: run {run_id} already has {count_shards(len(stored))}: {moved} of this"
-            " plan's indexes follow the stored ones" + (after if new else ", no new shards"),
+            " plan's indexes follow the stored ones"
+            + (after if new else "; there are no new shards"),
             file=sys.stderr,
         )
     return renumbered
