@@ -73,10 +73,11 @@ class Parser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         # A subcommand's leftovers are its own mistakes: argparse would hand them up and
         # the top level would print its usage, not the subcommand's (`status RUN --jsn`).
-        namespace, extras = super().parse_known_args(args, namespace)
+        parsed, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(self.unrecognized(extras))
-        return namespace, extras
+        assert parsed is not None
+        return parsed, extras
 
     def unrecognized(self, extras: Sequence[str]) -> str:
         """Returns "unrecognized arguments: ..." with the closest flag for a misspelt one."""

@@ -234,8 +234,8 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
         counts: dict[str, int] = s.get(key) or {}
         ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         if ordered:
-            rows = [(k, str(n)) for k, n in ordered]
-            print_table(console, title, (head, "shards"), rows, plain=plain)
+            pairs = [(k, str(n)) for k, n in ordered]
+            print_table(console, title, (head, "shards"), pairs, plain=plain)
 
 
 def _first_pass(console: Any, s: dict[str, Any]) -> None:
