@@ -144,8 +144,13 @@ def common_parent() -> argparse.ArgumentParser:
     return parent
 
 
-def client_from(args: argparse.Namespace) -> Any:
-    """Returns a LedgerClient for the common options."""
+def client_from(args: argparse.Namespace, *, probe: bool = True) -> Any:
+    """Returns a LedgerClient for the common options.
+
+    With probe (the default), an address where nothing listens raises LedgerUnavailable
+    at once; a command that outlives ledger restarts (watch --interval, spool drain)
+    passes probe=False and keeps its own retries.
+    """
     from shard_client.client import LedgerClient
 
     token = None
@@ -170,7 +175,8 @@ def client_from(args: argparse.Namespace) -> Any:
         )
     except (OSError, ValueError) as exc:
         raise CommandError(f"bad TLS options: {exc}") from None
-    refuse_fast(client.target)
+    if probe:
+        refuse_fast(client.target)
     return client
 
 

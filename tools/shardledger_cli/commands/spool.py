@@ -113,7 +113,9 @@ def run_drain(args: argparse.Namespace) -> int:
     """Drains every spool no live process owns; exit 3 when a ledger was unreachable."""
 
     def client_for(target: str) -> LedgerClient:
-        client: LedgerClient = client_from(argparse.Namespace(**{**vars(args), "server": target}))
+        client: LedgerClient = client_from(
+            argparse.Namespace(**{**vars(args), "server": target}), probe=False
+        )
         return client
 
     results = drain_spool_dirs(

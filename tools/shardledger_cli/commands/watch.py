@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     loop = args.interval > 0
     # --json is JSON Lines, one pass or a loop that never ends: one action per line.
     json_lines = args.json
-    client = client_from(args)
+    # A loop waits out an absent ledger (its own backoff below); one pass fails fast.
+    client = client_from(args, probe=not loop)
     if loop:
         # The loop's own backoff, which logs, takes over from the client's silent retries.
         client.retry_deadline_s = min(client.retry_deadline_s, args.timeout)
