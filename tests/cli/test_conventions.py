@@ -17,6 +17,7 @@ import pytest
 from ledger_server.server import RunningServer
 from shard_client import LedgerClient
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.errors import LedgerRejected
 from shardledger_cli.cli import build_parser
 from shardledger_cli.parsing import EXAMPLES_HEADING, subcommand_parsers
 from tests.builders import DIGEST_A, committed, event, planned, run_cli, started
@@ -287,3 +288,16 @@ def test_a_re_plan_in_another_order_keeps_indexes_and_says_there_are_no_new_shar
     assert "already has 2 shards: 2 of this plan's indexes follow the stored ones" in err
     assert "no new shards" in err and "numbered from" not in err
     assert "2 shards: 0 new, 2 already planned identically" in out
+
+
+def test_the_server_still_answers_the_old_state_names_for_one_release(
+    night: str, client: LedgerClient
+) -> None:
+    # Old clients send ListShards(state="planned"/"committed"): same shards as the new names.
+    for old, new in (("planned", "missing"), ("committed", "unverified")):
+        assert [v.shard_id for v in client.shards(RUN, state=old)] == [
+            v.shard_id for v in client.shards(RUN, state=new)
+        ]
+        assert {v.state for v in client.shards(RUN, state=old)} == {new}
+    with pytest.raises(LedgerRejected, match="missing, running, stale, unverified"):
+        list(client.shards(RUN, state="bogus"))
