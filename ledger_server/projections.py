@@ -428,7 +428,7 @@ def live_state(record: ShardRecord, now_us: int) -> tuple[str, str]:
 
 
 RESUME_REASONS: Final[dict[str, str]] = {
-    ShardState.PLANNED: "never-started",
+    ShardState.PLANNED: "missing",
     ShardState.RUNNING: "running",
     QueryState.STALE: "stale",
     ShardState.COMMITTED: "unverified",
@@ -436,7 +436,7 @@ RESUME_REASONS: Final[dict[str, str]] = {
 # These two carry the shard's detail (the failure tag, the verification reason) after them.
 RESUME_DETAIL_PREFIXES: Final[dict[str, str]] = {
     ShardState.FAILED: "failed:",
-    ShardState.VERIFY_FAILED: "verify-failed:",
+    ShardState.VERIFY_FAILED: "verify_failed:",
 }
 
 

@@ -20,7 +20,7 @@ from ledger_server.errors import (
 )
 from ledger_server.events import Event, RecordedEvent
 from ledger_server.record import record_from_row
-from ledger_server.states import QUERY_STATES, stored_states
+from ledger_server.states import QUERY_STATES, canonical_query, stored_states
 from ledger_server.store.base import RunRow, ShardRow, Store
 from ledger_server.summary import matches, run_summary, shard_view
 from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
@@ -164,8 +164,10 @@ class LedgerService:
     ) -> Iterator[tuple[tuple[int, str], dict[str, Any]]]:
         """Yields (cursor, view) of the run's shards (optionally one state) in plan order."""
         # Checked eagerly, so a bad state or run fails before the caller reads anything.
-        if state and state not in QUERY_STATES:
-            raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES))
+        try:
+            state = canonical_query(state)  # old names ("planned") are accepted for one release
+        except ValueError:
+            raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES)) from None
         run = self.run(namespace, run_id)
         at = self.clock() if now is None else now
         rows = self.store.read().iter_shards(

@@ -1,7 +1,13 @@
-"""The names of shard states: those a shard row stores and those a query may ask for.
+"""The names of shard states: those a shard row stores, those every output shows, and queries.
 
 A `StrEnum` member compares and encodes as its string, so rows, counters and the
 wire keep the same text; SQL that names a state is built from these values.
+
+One concept, one name (docs/concepts.md is the glossary): outputs (`status`,
+`shards`, `resume`, `--json`, metrics) use the run summary's names. Two stored
+states read differently there: a shard planned and never started is shown as
+``missing`` and a committed, not yet verified one as ``unverified``. The stored
+names stay as they are, so no ledger needs a migration; they never reach a user.
 """
 
 from __future__ import annotations
@@ -22,17 +28,16 @@ class ShardState(StrEnum):
 
 
 class QueryState(StrEnum):
-    """A state `shards --state` may filter on; stale and missing depend on the clock."""
+    """A state `shards --state` may filter on (the shown names); stale depends on the clock."""
 
-    PLANNED = "planned"
+    MISSING = "missing"
     RUNNING = "running"
-    COMMITTED = "committed"
+    STALE = "stale"
+    UNVERIFIED = "unverified"
     VERIFIED = "verified"
     VERIFY_FAILED = "verify_failed"
     FAILED = "failed"
-    STALE = "stale"
     LIVE = "live"
-    MISSING = "missing"
     DUPLICATE = "duplicate"
     UNCONFIRMED = "unconfirmed"
 
@@ -44,15 +49,46 @@ QUERY_STATES: Final[tuple[str, ...]] = tuple(s.value for s in QueryState)
 # The stored states of a shard that must run again: every one but verified.
 RESUME_STATES: Final[tuple[str, ...]] = tuple(s for s in BASE_STATES if s != ShardState.VERIFIED)
 
+# The stored names that outputs show under another name (see the module docstring).
+SHOWN_NAMES: Final[dict[str, str]] = {
+    ShardState.PLANNED: QueryState.MISSING,
+    ShardState.COMMITTED: QueryState.UNVERIFIED,
+}
+# Names earlier releases printed or accepted; accepted on input for one release
+# (`shards --state planned`), never printed. docs/concepts.md lists them.
+QUERY_ALIASES: Final[dict[str, str]] = {
+    "planned": QueryState.MISSING,
+    "never-started": QueryState.MISSING,
+    "committed": QueryState.UNVERIFIED,
+}
+_STORED_NAMES: Final[dict[str, str]] = {shown: stored for stored, shown in SHOWN_NAMES.items()}
+
+
+def shown_state(state: str) -> str:
+    """Returns the name outputs use for a stored or live state ("planned" -> "missing")."""
+    return SHOWN_NAMES.get(state, state)
+
+
+def canonical_query(query: str) -> str:
+    """Returns the query state an input names, old names mapped ("" stays "": any state).
+
+    Raises ValueError for a name that is neither a query state nor an alias.
+    """
+    if not query or query in QUERY_STATES:
+        return query
+    if query in QUERY_ALIASES:
+        return QUERY_ALIASES[query]
+    raise ValueError(query)
+
 
 def stored_states(query: str) -> list[str] | None:
     """Returns the stored states a query's shards are among, or None for any state."""
+    query = canonical_query(query)
     if query in (QueryState.STALE, QueryState.LIVE):
         return [ShardState.RUNNING.value]
-    if query == QueryState.MISSING:
-        return [ShardState.PLANNED.value]
     if query == QueryState.UNCONFIRMED:
         return list(RESUME_STATES)
-    if query in BASE_STATES:
-        return [query]
+    stored = _STORED_NAMES.get(query, query)
+    if stored in BASE_STATES:
+        return [stored]
     return None

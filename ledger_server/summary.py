@@ -7,6 +7,7 @@ append, and a replay sums the same way. See docs/projections.md for every figure
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -23,7 +24,13 @@ from ledger_server.projections import (
     verdicts_of,
 )
 from ledger_server.record import Attempt, ShardRecord
-from ledger_server.states import BASE_STATES, QueryState, ShardState
+from ledger_server.states import (
+    BASE_STATES,
+    QueryState,
+    ShardState,
+    canonical_query,
+    shown_state,
+)
 from shard_client.vocabulary import FailureTag
 
 DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
@@ -354,17 +361,16 @@ def run_summary(
 
 
 def matches(record: ShardRecord, query: str, now_us: int) -> bool:
-    """Returns whether the shard belongs to a ``shards --state`` query."""
+    """Returns whether the shard belongs to a ``shards --state`` query (a shown name or alias)."""
+    query = canonical_query(query)
     state, _ = live_state(record, now_us)
-    if query == QueryState.MISSING:
-        return state == ShardState.PLANNED
     if query == QueryState.LIVE:
         return state == ShardState.RUNNING
     if query == QueryState.DUPLICATE:
         return bool(duplicate_kinds(record))
     if query == QueryState.UNCONFIRMED:
         return state != ShardState.VERIFIED
-    return state == query
+    return shown_state(state) == query
 
 
 def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
@@ -374,8 +380,9 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
     return {
         "shard_id": record.shard_id,
         "plan_index": record.plan_index,
-        "state": state,
+        "state": shown_state(state),
         "detail": detail,
+        "input": json.loads(record.definition_json).get("input_ref", ""),
         "attempts": len(record.attempts),
         "latest_attempt": record.latest_attempt,
         "host": latest.host if latest else "",

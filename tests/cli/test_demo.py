@@ -101,8 +101,8 @@ def test_resume_list_is_exactly_the_injected_failures_with_their_reasons(
     assert sorted(Counter(truth["found"].values()).items()) == [
         ("failed:incomplete", 1),
         ("failed:timeout", 2),
-        ("verify-failed:empty", 1),
-        ("verify-failed:nan_or_inf", 1),
+        ("verify_failed:empty", 1),
+        ("verify_failed:nan_or_inf", 1),
     ]
     for form in FORMS:
         for row in report["faults"][form]:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from shardledger_cli.cli import COMMAND_MODULES, build_parser
-from tools import gen_cli_docs
+from tools import gen_cli_docs, gen_config_docs
 
 
 def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
@@ -37,3 +37,61 @@ def test_console_script_help_lists_commands_and_exit_codes() -> None:
     assert "exit codes: 0 ok, 1 problems found" in out.stdout
     for name in ("serve", "plan", "status", "resume", "verify", "audit", "demo", "watch", "token"):
         assert name in out.stdout
+
+
+def test_configuration_page_is_generated_from_the_parser_and_the_sources() -> None:
+    assert gen_config_docs.problems() == [], "describe each variable in tools/gen_config_docs.py"
+    assert gen_config_docs.DOC.read_text() == gen_config_docs.render(), (
+        "run: python -m tools.gen_config_docs"
+    )
+
+
+def test_configuration_page_names_every_variable_the_code_reads_and_every_flag() -> None:
+    text = gen_config_docs.DOC.read_text()
+    for name in gen_config_docs.variables_in_code():
+        assert f"| `{name}` |" in text
+    for flag in ("`--db`, `--database-url`", "`--format`", "`--shard`", "`--tls-cert`"):
+        assert flag in text
+
+
+DOCS = gen_config_docs.ROOT / "docs"
+
+
+def test_concepts_page_shows_the_flow_diagram_as_well_formed_svg() -> None:
+    import xml.etree.ElementTree as ET
+
+    text = (DOCS / "concepts.md").read_text()
+    assert "](img/flow.svg)" in text
+    root = ET.parse(DOCS / "img" / "flow.svg").getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    shown = " ".join("".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    for stage in ("plan", "run", "commit", "verify", "resume"):
+        assert stage in shown
+    for call in (
+        "shardledger plan RUN",
+        "ledger.shard(",
+        "shard.atomic_write(",
+        "shardledger verify",
+    ):
+        assert call in shown
+    for where in ("README.md", "docs/design.md"):
+        assert "concepts.md" in (gen_config_docs.ROOT / where).read_text(), where
+
+
+def test_concepts_page_defines_every_state_reason_alias_and_summary_field() -> None:
+    from collections import Counter
+
+    from ledger_server.projections import RESUME_DETAIL_PREFIXES, RESUME_REASONS
+    from ledger_server.states import QUERY_ALIASES, QUERY_STATES
+    from ledger_server.summary import run_summary
+
+    text = (DOCS / "concepts.md").read_text()
+    summary = run_summary(Counter(), stale=0, run_id="r", namespace="n")
+    # The server adds these three to what the projections compute (service.summary).
+    fields = [*summary, "event_count", "head_hash", "as_of_us"]
+    names = [*QUERY_STATES, *RESUME_REASONS.values(), *QUERY_ALIASES]
+    names += [
+        p + "TAG" if p == "failed:" else p + "REASON" for p in RESUME_DETAIL_PREFIXES.values()
+    ]
+    undefined = [n for n in [*fields, *names] if f"`{n}`" not in text]
+    assert not undefined, f"docs/concepts.md does not define {undefined}"

@@ -98,7 +98,7 @@ def test_plain_job_commits_its_output_and_verify_confirms_it(ledger: str, tmp_pa
     assert cli(["verify", "ex-plain", "--root", str(out), "--server", ledger]) == 0
     views = {v.shard_id: json.loads(v.view_json) for v in LedgerClient(ledger).shards("ex-plain")}
     assert views[shard_id]["state"] == "verified"
-    assert sorted(v["state"] for v in views.values()) == ["planned"] * 3 + ["verified"]
+    assert sorted(v["state"] for v in views.values()) == ["missing"] * 3 + ["verified"]
 
 
 def test_launch_pool_runs_exactly_the_resume_list_to_full_completion(

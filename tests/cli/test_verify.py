@@ -273,7 +273,7 @@ def test_verify_help_documents_outside_root_and_exit_codes(
         main(["verify", "--help"])
     out = capsys.readouterr().out
     assert "outside_root" in out and "exit codes:" in out and "--recheck" in out
-    assert "record nothing" in out and "example" in out
+    assert "record nothing" in out and "Examples:" in out
 
 
 def test_a_refused_verdict_does_not_cost_the_rest_of_its_batch(

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
@@ -109,7 +110,7 @@ def test_watch_kill_stale_dumps_stack_kills_and_records_timeout(
             time.sleep(0.2)
         code = kill_stale(client, diag, "1")
         assert code == 0
-        actions = json.loads(capsys.readouterr().out)
+        actions = json_lines(capsys.readouterr().out)
         # The watchdog reaps its own children, so the exit status may already be collected.
         proc.wait(timeout=10)
     finally:
@@ -126,7 +127,7 @@ def test_watch_kill_stale_dumps_stack_kills_and_records_timeout(
     ]
     # A second pass finds nothing left to do.
     assert main(["watch", "run-1", "--server", client.target, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == []
+    assert json_lines(capsys.readouterr().out) == []
 
 
 def test_watch_kill_stale_leaves_alone_a_shard_that_heartbeats_again_while_another_is_handled(
@@ -166,7 +167,7 @@ def test_watch_kill_stale_leaves_alone_a_shard_that_heartbeats_again_while_anoth
         done.set()
         helper.join()
     assert code == 0
-    actions = json.loads(capsys.readouterr().out)
+    actions = json_lines(capsys.readouterr().out)
     assert [(a["shard_id"], a["recorded_failed_timeout"], a["recovered"]) for a in actions] == [
         ("shard-0", True, False),
         ("shard-1", False, True),
@@ -225,7 +226,7 @@ def test_watch_kill_stale_still_stops_and_records_when_diagnostics_cannot_be_wri
     assert code == 5
     assert "diagnostics of attempt att-hung of shard shard-0" in err
     assert "Is a directory" in err
-    [action] = json.loads(out)
+    [action] = json_lines(out)
     assert action["steps"][-2:] == ["SIGTERM", "SIGKILL"]
     assert action["recorded_failed_timeout"] is True
     assert len(action["diagnostics_errors"]) == 1
@@ -287,7 +288,7 @@ def test_watch_kill_stale_handles_twenty_hung_attempts_in_about_one_grace_period
     code = kill_stale(client, tmp_path / "diag", "2")
     took = time.monotonic() - began
     assert code == 0
-    actions = json.loads(capsys.readouterr().out)
+    actions = json_lines(capsys.readouterr().out)
     assert all(a["steps"][-2:] == ["SIGTERM", "SIGKILL"] for a in actions)
     assert {a["shard_id"] for a in actions if a["recorded_failed_timeout"]} == shard_ids
     assert all(p.poll() is not None for p in procs)
@@ -318,7 +319,7 @@ def test_watch_never_signals_a_reused_pid_whose_start_time_differs(
         unrelated.kill()
         unrelated.wait()
     assert code == 0
-    reused, unknown = json.loads(capsys.readouterr().out)
+    reused, unknown = json_lines(capsys.readouterr().out)
     assert reused["steps"] == [
         f"pid {pid} is now another process (its start time differs): not signalled"
     ]
@@ -378,7 +379,7 @@ def test_watch_treats_an_attempt_that_recorded_its_own_end_meanwhile_as_done(
             proc.kill()
     out, err = capsys.readouterr()
     assert code == 0, err
-    [action] = json.loads(out)
+    [action] = json_lines(out)
     assert action["ended_meanwhile"] is True
     assert action["recorded_failed_timeout"] is False
     assert action["steps"][-1].startswith("ended meanwhile")
@@ -415,7 +416,7 @@ def test_watch_deletes_a_hung_kubernetes_pod_with_its_grace_period(
     record_started(client, "shard-0", "att-pod", host="train-7", pid=1, scheduler=pod)
     wait_stale(client, {"shard-0"})
     assert kill_stale(client, tmp_path / "diag", "30") == 0
-    [action] = json.loads(capsys.readouterr().out)
+    [action] = json_lines(capsys.readouterr().out)
     assert _calls(calls) == [["delete", "pod", "train-7", "--namespace", "ml", "--grace-period=30"]]
     assert (action["method"], action["recorded_failed_timeout"]) == ("kubernetes", True)
     assert action["scheduler"] == {
@@ -543,3 +544,8 @@ def test_started_event_from_the_sdk_carries_slurm_identity_and_start_time(
     assert started_event.started.process_start_ticks == process_start_ticks()
     assert main(["events", "run-1", "--server", client.target]) == 0
     assert "job=slurm:40_1" in capsys.readouterr().out
+
+
+def json_lines(out: str) -> list[Any]:
+    """Returns the objects of `watch --json`: one JSON object per line."""
+    return [json.loads(line) for line in out.splitlines()]

@@ -117,7 +117,7 @@ def test_hung_array_tasks_are_stopped_through_scancel_and_the_rerun_completes_th
 
     argv = ["watch", RUN, "--kill-stale", "--once", "--grace", "1", "--server", target]
     assert main([*argv, "--diag-dir", str(out / "diag"), "--json"]) == 0
-    actions = {a["shard_id"]: a for a in json.loads(capsys.readouterr().out)}
+    actions = {a["shard_id"]: a for a in map(json.loads, capsys.readouterr().out.splitlines())}
     assert set(actions) == HUNG
     for action in actions.values():
         task = f"{array_id}_{action['scheduler']['array_task_id']}"

@@ -274,7 +274,7 @@ def test_a_wrong_root_records_nothing_and_the_right_root_then_verifies_everythin
     }
     assert said[wrong] in stderr
     assert status(capsys, target)["verified"] == 0
-    assert set(states(client).values()) == {"committed"}
+    assert set(states(client).values()) == {"unverified"}
     assert resume(capsys, target) == ["s0", "s1", "s2"]  # unverified, never verify-failed
 
     code, report, _ = verify(capsys, target, out)
@@ -333,7 +333,7 @@ def test_an_artifact_outside_the_root_is_not_checked_and_gets_no_verdict(
     assert (unchecked["shard_id"], unchecked["reason"]) == ("s1", "outside_root")
     assert [e.shard_id for e in verdicts(client)] == ["s0"]
     assert f"they lie under {fifo.parent}" in stderr and "nothing was recorded" in stderr
-    assert states(client)["s1"] == "committed"
+    assert states(client)["s1"] == "unverified"
     _, text, _ = run_cli(capsys, "verify", RUN, "--root", str(out), "--server", target)
     assert f"NOT CHECKED s1 a1 weights {fifo} outside_root" in text
 
@@ -429,4 +429,4 @@ def test_a_committed_zero_element_npy_is_verify_failed_empty(
     assert (failure["reason"], failure["detail"]) == ("empty", "0-element array float32 (0, 3)")
     assert states(client)["s0"] == "verify_failed"
     _, stdout, _ = run_cli(capsys, "resume", RUN, "--json", "--server", target)
-    assert json.loads(stdout)["reason"] == "verify-failed:empty"
+    assert json.loads(stdout)["reason"] == "verify_failed:empty"

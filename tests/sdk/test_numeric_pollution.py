@@ -44,7 +44,7 @@ def test_a_job_whose_loss_turns_nan_mid_run_finishes_and_commits(
     job = run_job(NAN_JOB, target, tmp_path)
     assert job.returncode == 0, job.stderr
     assert job.stdout.strip() == "job done"
-    assert state(client, "nan") == "committed"
+    assert state(client, "nan") == "unverified"
     beats = heartbeats(client, "nan")
     explicit = [b for b in beats if b.metrics.get("lr") == 1e-3]
     # Coalesced: the first call and the step the loss turned NaN go at once (news), the
@@ -81,7 +81,7 @@ def test_values_that_are_no_number_never_raise_into_the_job(
         assert ack.wait_acknowledged(10) and ack.error is None
         with shard.atomic_write(tmp_path / "odd.out") as f:
             f.write(b"ok")
-    assert state(client, "odd") == "committed"
+    assert state(client, "odd") == "unverified"
     [beat] = [b for b in heartbeats(client, "odd") if b.step == 3]
     assert list(beat.nonfinite_metrics) == ["loss"]
     assert beat.metrics["acc"] == 0.75 and len(beat.metrics) == 256

@@ -113,7 +113,7 @@ def test_shard_records_started_heartbeats_and_artifact_then_run_is_committed(
     assert started.fingerprint and len(started.fingerprint_digest) == 64
     [artifact] = [e.artifact_committed for e in events if e.HasField("artifact_committed")]
     assert (artifact.path, artifact.size_bytes) == (str(tmp_path / "a.out"), 6)
-    assert state(client, "a") == "committed"
+    assert state(client, "a") == "unverified"
     summary = json.loads(client.summary(RUN))
     assert summary["unverified"] == 1 and summary["failed"] == 0
 
@@ -132,7 +132,7 @@ def test_commit_records_a_file_that_another_library_wrote(
         for e in client.list_events(RUN)
         if e.HasField("artifact_committed")
     ] == [info.blake3_hex]
-    assert state(client, "b") == "committed"
+    assert state(client, "b") == "unverified"
 
 
 @pytest.mark.parametrize(
@@ -350,7 +350,7 @@ def test_with_progress_timeout_a_job_hung_with_its_process_alive_goes_stale_then
         shard.progress(2)  # it moves again: beats resume
         assert state_becomes("running")
         shard.commit(_touch(tmp_path / "hang.bin"))
-    assert state(client, "hang") == "committed"
+    assert state(client, "hang") == "unverified"
 
 
 def test_heartbeat_thread_uses_almost_no_cpu(
@@ -465,7 +465,7 @@ def test_ledger_works_in_parent_and_in_a_forked_child(
     )
     assert done.returncode == 0, done.stderr
     for shard_id in ("parent", "busy-parent", "child"):
-        assert state(client, shard_id) == "committed"
+        assert state(client, shard_id) == "unverified"
         steps = [
             e.heartbeat.step
             for e in client.list_events(RUN)

@@ -86,11 +86,11 @@ def test_the_next_job_drains_what_a_job_left_during_an_outage_without_being_aske
     assert find_spool_dirs(str(tmp_path / "node-spool")) == [spool_dir]
 
     servers.start()
-    assert states(target) == {"first": "planned", "second": "planned"}  # what status showed
+    assert states(target) == {"first": "missing", "second": "missing"}  # what status showed
     second, _ = run_job("second", target, tmp_path, exit_wait="10")
     assert second.returncode == 0, second.stderr
     # Nobody ran `shardledger spool drain`: the second job's SDK sent the first one's spool.
-    assert states(target) == {"first": "committed", "second": "committed"}
+    assert states(target) == {"first": "unverified", "second": "unverified"}
     assert not os.path.exists(spool_dir)
     assert "events_spooled" not in second.stderr
 

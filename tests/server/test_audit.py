@@ -457,10 +457,10 @@ def test_diff_names_each_shard_whose_state_changed_between_two_points(
     }
     assert code == 0
     assert changed == {
-        "s0": ("committed", "verified"),
+        "s0": ("unverified", "verified"),
         "s1": ("running", "verify_failed"),
         "s2": ("failed", "stale"),
-        "s3": ("planned", "stale"),
+        "s3": ("missing", "stale"),
     }
 
 

@@ -475,7 +475,7 @@ def test_token_revoked_with_the_cli_is_refused_at_the_next_call(world: World) ->
 def test_token_list_shows_ids_but_never_secrets(world: World) -> None:
     code, out = _cli("token", "list", "--db", str(world.db), "--json")
     assert code == 0
-    listed = {item["token_id"]: item["status"] for item in json.loads(out)}
+    listed = {item["token_id"]: item["status"] for item in map(json.loads, out.splitlines())}
     for caller in ("reader", "writer", "admin", "expired", "revoked"):
         token = str(world.tokens[caller])
         assert _token_id(token) in listed

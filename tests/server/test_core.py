@@ -269,7 +269,7 @@ def test_a_verified_file_another_attempt_overwrote_is_no_longer_confirmed(
     client.append([committed(attempt_id="att-0", path="/out/x", digest=DIGEST_B)])
     assert _resume(client) == [("shard-0", "unverified")]  # the bytes now there are not
     client.append([_verdict_on("out", "/out/x", DIGEST_B, False, "json_invalid")])
-    assert _resume(client) == [("shard-0", "verify-failed:json_invalid")]
+    assert _resume(client) == [("shard-0", "verify_failed:json_invalid")]
 
 
 def test_a_finished_set_whose_file_was_replaced_is_verify_failed_overwritten(
@@ -285,7 +285,7 @@ def test_a_finished_set_whose_file_was_replaced_is_verify_failed_overwritten(
     )
     # The zombie replaces one file of the set and never finishes its own.
     client.append([committed(attempt_id="att-0", name="a", path="/out/a", digest=DIGEST_B)])
-    assert _resume(client) == [("shard-0", "verify-failed:overwritten")]
+    assert _resume(client) == [("shard-0", "verify_failed:overwritten")]
 
 
 def _details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:

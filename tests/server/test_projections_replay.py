@@ -219,7 +219,8 @@ class MShard:
         return {
             "shard_id": self.shard_id,
             "plan_index": self.index,
-            "state": state,
+            # Outputs name the stored states as the run summary does (docs/concepts.md).
+            "state": {"planned": "missing", "committed": "unverified"}.get(state, state),
             "detail": detail,
             "attempts": len(self.attempts),
             "latest_attempt": latest_id,
@@ -385,12 +386,12 @@ class Model:
         for s in self.ordered():
             state, detail = s.live(now)
             reason = {
-                "planned": "never-started",
+                "planned": "missing",
                 "running": "running",
                 "stale": "stale",
                 "committed": "unverified",
                 "failed": f"failed:{detail}",
-                "verify_failed": f"verify-failed:{detail}",
+                "verify_failed": f"verify_failed:{detail}",
             }.get(state)
             if reason:
                 out.append((s.shard_id, s.index, s.line, reason))
@@ -501,6 +502,7 @@ class Model:
             live = s.live(now)[0]
             return {
                 "missing": live == "planned",
+                "unverified": live == "committed",
                 "live": live == "running",
                 "duplicate": bool(s.duplicates()),
                 "unconfirmed": live != "verified",

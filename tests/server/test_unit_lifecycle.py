@@ -147,7 +147,7 @@ def test_a_failed_verdict_makes_the_shard_verify_failed_and_a_resume_reason() ->
     shard.feed(_event(ArtifactVerified("model", "/out/m", DIGEST, "failed", "digest", ""), ""))
     assert shard.state == (ShardState.VERIFY_FAILED, "digest")
     assert shard.record is not None
-    assert proj.resume_reason(shard.record, 2_000) == "verify-failed:digest"
+    assert proj.resume_reason(shard.record, 2_000) == "verify_failed:digest"
 
 
 def test_a_silent_running_shard_turns_stale_after_its_heartbeat_timeout() -> None:

@@ -56,10 +56,10 @@ def test_a_server_start_rebuilds_old_records_and_the_night_reads_by_the_new_rule
     # failed by the old verdict; s4's outside_root verdict (a wrong --root) counts for nothing.
     assert states == {
         "s0": "verified",
-        "s1": "committed",
+        "s1": "unverified",
         "s2": "failed",
-        "s3": "planned",
-        "s4": "committed",
+        "s3": "missing",
+        "s4": "unverified",
     }
     assert summary["repairs"] == 1
     assert summary["first_pass"]["closed"]

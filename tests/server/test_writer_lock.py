@@ -83,7 +83,7 @@ def test_a_second_server_on_the_file_refuses_to_start_and_the_first_keeps_servin
         assert _event_count(db) == before  # the refused server wrote nothing
 
         client.append([committed("night", "s1", "a1")])
-        assert _shards(first.port) == {"s1": "committed"}
+        assert _shards(first.port) == {"s1": "unverified"}
     finally:
         client.close()
         first.stop(0.5)

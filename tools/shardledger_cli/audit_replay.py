@@ -22,10 +22,12 @@ from ledger_server.chain import GENESIS_HASH
 from ledger_server.codec import decode_event, timestamp_us
 from ledger_server.events import RecordedEvent
 from ledger_server.replay import RunReplay
+from ledger_server.states import shown_state
 from ledger_server.summary import matches, run_summary, shard_view
 from shardledger_cli.audit_checks import open_database
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
 from shardledger_cli.output import equation, iso_us, print_json
+from shardledger_cli.parsing import add_db_option, examples, json_help
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
 LIST_QUERIES: Final = ("missing", "stale", "failed", "verify_failed", "duplicate")
@@ -83,6 +85,10 @@ def register_replay(
     when = "a global sequence (e.g. 1200) or an ISO-8601 time (UTC when no offset is given)"
     p = cmds.add_parser(
         "replay",
+        epilog=examples(
+            "shardledger audit replay night-01 --until 1200",
+            "shardledger audit replay night-01 --until 2026-12-01T06:00:00Z --json",
+        ),
         parents=[common],
         help="every projection as it stood at a past point",
         description=__doc__,
@@ -90,11 +96,16 @@ def register_replay(
     )
     p.add_argument("run", help="run id")
     p.add_argument("--until", required=True, type=parse_point, metavar="SEQ|TIME", help=when)
-    p.add_argument("--db", metavar="PATH|URL", help="read this database instead of a server")
+    add_db_option(p, required=False, env=False, help="read this database instead of a server")
+    json_help(p, single="every projection at that point")
     p.set_defaults(func=run_replay)
 
     p = cmds.add_parser(
         "diff",
+        epilog=examples(
+            "shardledger audit diff night-01 --from 1200 --to 1500",
+            "shardledger audit diff night-01 --from 2026-12-01T02:00:00Z --to 2026-12-01T06:00:00Z --json",
+        ),
         parents=[common],
         help="the shards whose state changed between two points",
         description=__doc__,
@@ -103,7 +114,8 @@ def register_replay(
     p.add_argument("run", help="run id")
     p.add_argument("--from", dest="start", required=True, type=parse_point, metavar="SEQ|TIME")
     p.add_argument("--to", dest="end", required=True, type=parse_point, metavar="SEQ|TIME")
-    p.add_argument("--db", metavar="PATH|URL", help="read this database instead of a server")
+    add_db_option(p, required=False, env=False, help="read this database instead of a server")
+    json_help(p, single="the shards that changed state")
     p.set_defaults(func=run_diff)
 
 
@@ -212,7 +224,11 @@ def states_at(
 ) -> dict[str, tuple[int, str, str]]:
     """Returns shard id -> (plan index, state, detail) at the point."""
     at = point.clock_us(last)
-    return {r.shard_id: (r.plan_index, *proj.live_state(r, at)) for r in replay.records.values()}
+    out = {}
+    for r in replay.records.values():
+        state, detail = proj.live_state(r, at)
+        out[r.shard_id] = (r.plan_index, shown_state(state), detail)
+    return out
 
 
 # --- commands ---------------------------------------------------------------

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from shard_client.errors import LedgerRejected, LedgerUnavailable
+from shardledger_cli.parsing import JSON_RULE, Parser
 
 if TYPE_CHECKING:
     from ledger_server.store import Store
@@ -68,7 +69,7 @@ SERVER_EXTRA_MODULES: Final = (
 INSTALL_HINT: Final = "pip install 'shardledger[server]'"
 
 EPILOG: Final = """\
-typical night:
+Examples: a typical night
   shardledger serve &                                   # embedded SQLite ledger on 127.0.0.1:50551
   shardledger plan night-01 --manifest jobs.jsonl      # register every shard
   ... jobs run with shard_client ...
@@ -148,14 +149,17 @@ def common_parent() -> argparse.ArgumentParser:
         "--tls-cert", metavar="PEM", default=None, help="client certificate for mutual TLS"
     )
     group.add_argument("--tls-key", metavar="PEM", default=None, help="client key for mutual TLS")
-    parent.add_argument(
-        "--json", action="store_true", help="print machine-readable JSON instead of text"
-    )
+    parent.add_argument("--json", action="store_true", help=JSON_RULE)
     return parent
 
 
-def client_from(args: argparse.Namespace) -> Any:
-    """Returns a LedgerClient for the common options."""
+def client_from(args: argparse.Namespace, *, probe: bool = True) -> Any:
+    """Returns a LedgerClient for the common options.
+
+    With probe (the default), an address where nothing listens raises LedgerUnavailable
+    at once; a command that outlives ledger restarts (watch --interval, spool drain)
+    passes probe=False and keeps its own retries.
+    """
     from shard_client.client import LedgerClient
 
     token = None
@@ -169,7 +173,7 @@ def client_from(args: argparse.Namespace) -> Any:
             ) from None
     _check_client_tls(args)
     try:
-        return LedgerClient(
+        client = LedgerClient(
             args.server,
             timeout_s=args.timeout,
             retry_deadline_s=max(args.timeout, 5.0),
@@ -180,6 +184,39 @@ def client_from(args: argparse.Namespace) -> Any:
         )
     except (OSError, ValueError) as exc:
         raise CommandError(f"bad TLS options: {exc}") from None
+    if probe:
+        refuse_fast(client.target)
+    return client
+
+
+# How long the connect probe waits: a refused or unresolvable address answers at
+# once; a host that does not answer in this time may be slow, so gRPC gets --timeout.
+PROBE_TIMEOUT_S: Final = 1.0
+
+
+def refuse_fast(target: str) -> None:
+    """Raises LedgerUnavailable at once when nothing listens at a HOST:PORT target.
+
+    gRPC retries a refused connection with backoff until the call's deadline, and
+    the CLI retries UNAVAILABLE for 5 s more: an absent server took 10 s to report.
+    One TCP connect tells "nobody there" apart from "slow" without waiting for either.
+    Other target forms (unix:, ipv4:a,b, dns:///) are left to gRPC.
+    """
+    import socket
+
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host or "," in host or host in ("unix", ""):
+        return
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+            return
+    except TimeoutError:
+        return  # maybe slow, not absent: the call's own deadline decides
+    except socket.gaierror as exc:
+        raise LedgerUnavailable(f"cannot resolve {host}: {exc.strerror}") from None
+    except OSError as exc:
+        raise LedgerUnavailable(f"{exc.strerror or exc} (nothing listens on port {port})") from None
 
 
 def _check_client_tls(args: argparse.Namespace) -> None:
@@ -250,7 +287,7 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
 
 def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
     """Returns the full parser with every available command group."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="shardledger",
         description="An integrity ledger for batch GPU jobs: plan shards, record every event, "
         "verify artifacts, and get back exactly the shards that must run again.",

@@ -23,6 +23,13 @@ def print_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
+def print_json_lines(values: Iterable[Any]) -> None:
+    """Prints one compact JSON object per line on stdout: the --json shape of every list."""
+    write = sys.stdout.write
+    for value in values:
+        write(json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n")
+
+
 def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
     """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
     if not sys.stderr.isatty() or total < 2:

@@ -44,6 +44,7 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.output import atomic_output, print_json
+from shardledger_cli.parsing import add_db_option, add_json_option, examples, json_help
 
 CHECKPOINT_FORMAT: Final = "shardledger-checkpoint-v1"
 
@@ -73,6 +74,10 @@ def register(
     raw = argparse.RawDescriptionHelpFormatter
     audit = sub.add_parser(
         "audit",
+        epilog=examples(
+            "shardledger audit checkpoint night-01 -o head.json",
+            "shardledger audit verify night-01 --against head.json",
+        ),
         help="verify chains and signed heads, prove events, replay the past",
         description=DESCRIPTION,
         formatter_class=raw,
@@ -81,39 +86,67 @@ def register(
 
     p = cmds.add_parser(
         "verify",
+        epilog=examples(
+            "shardledger audit verify night-01",
+            "shardledger audit verify night-01 --against head.json --public-key ledger.pub.pem",
+            "shardledger audit verify --db ledger.db              # every run, read from the file",
+        ),
         parents=[common],
         help="check the chain, root and signed head",
         description=DESCRIPTION,
         formatter_class=raw,
     )
     p.add_argument("run", nargs="?", help="run id (required unless --db)")
-    p.add_argument("--db", metavar="PATH|URL", help="read this database instead of a server")
+    add_db_option(p, required=False, env=False, help="read this database instead of a server")
     p.add_argument("--against", metavar="HEAD.json", help="a saved checkpoint the log must extend")
     p.add_argument(
         "--public-key", metavar="PEM", help="pin this key instead of trusting the server"
     )
+    json_help(p, single="the verdict for each run")
     p.set_defaults(func=run_verify)
 
-    p = cmds.add_parser("checkpoint", parents=[common], help="save the run's signed tree head")
+    p = cmds.add_parser(
+        "checkpoint",
+        epilog=examples("shardledger audit checkpoint night-01 -o head.json"),
+        parents=[common],
+        help="save the run's signed tree head",
+    )
     p.add_argument("run", help="run id")
     p.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
+    json_help(p, single="the signed tree head")
     p.set_defaults(func=run_checkpoint)
 
-    p = cmds.add_parser("prove", parents=[common], help="an inclusion proof bundle for one event")
+    p = cmds.add_parser(
+        "prove",
+        epilog=examples("shardledger audit prove night-01 --event EVENT_ID -o proof.json"),
+        parents=[common],
+        help="an inclusion proof bundle for one event",
+    )
     p.add_argument("run", help="run id")
     p.add_argument("--event", required=True, metavar="ID", help="the event id to prove")
     p.add_argument("--tree-size", type=int, default=0, help="prove against this size (0: now)")
     p.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
+    json_help(p, single="the proof bundle")
     p.set_defaults(func=run_prove)
 
-    p = cmds.add_parser("check-proof", help="check a proof bundle with the public key alone")
+    p = cmds.add_parser(
+        "check-proof",
+        epilog=examples("shardledger audit check-proof proof.json --public-key ledger.pub.pem"),
+        help="check a proof bundle with the public key alone",
+    )
     p.add_argument("bundle", help="proof bundle JSON file (from `audit prove`)")
     p.add_argument("--public-key", required=True, metavar="PEM", help="the server's public key")
-    p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    add_json_option(p, single="the verdict")
     p.set_defaults(func=run_check_proof)
 
-    p = cmds.add_parser("public-key", parents=[common], help="the server's tree-head public key")
+    p = cmds.add_parser(
+        "public-key",
+        epilog=examples("shardledger audit public-key > ledger.pub.pem"),
+        parents=[common],
+        help="the server's tree-head public key",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) not stdout")
+    json_help(p, single="the public key")
     p.set_defaults(func=run_public_key)
 
     from shardledger_cli.audit_replay import register_replay

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
+from ledger_server.config import DEFAULT_DB
 from ledger_server.record import RECORD_VERSION
 from ledger_server.replay import RunReplay
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
@@ -21,11 +22,11 @@ from ledger_server.upgrade import upgrade_projections
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError
 from shardledger_cli.commands import rebuild as rebuild_command
 from shardledger_cli.output import print_json, progress
+from shardledger_cli.parsing import add_db_option, add_json_option, examples
 
 if TYPE_CHECKING:
     from ledger_server.store.postgres import PostgresStore
 
-ENV_DATABASE_URL: Final = "SHARDLEDGER_DATABASE_URL"
 PG_MAX_IDENTIFIER_BYTES: Final = 63  # NAMEDATALEN - 1
 
 COPY_DESCRIPTION: Final = """\
@@ -52,27 +53,33 @@ def register(
     """Adds the db command group."""
     p = sub.add_parser(
         "db",
+        epilog=examples(
+            "shardledger db migrate --db postgresql://ledger@db/ledger",
+            "shardledger db rebuild --check",
+        ),
         help="database maintenance: migrate, copy SQLite to PostgreSQL, grants, rebuild projections",
         description="Database maintenance for either backend.",
     )
     dbsub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True)
-    default_url = os.environ.get(ENV_DATABASE_URL)
     m = dbsub.add_parser(
         "migrate",
+        epilog=examples(
+            "shardledger db migrate                             # ./ledger.db, or $SHARDLEDGER_DATABASE_URL",
+            "shardledger db migrate --db postgresql://ledger@db/ledger --json",
+        ),
         help="apply pending schema migrations and print the applied versions",
         description="Apply every pending numbered migration (each in one transaction with its "
         "record; concurrent replicas wait on an advisory lock) and print the applied versions.",
     )
-    m.add_argument(
-        "--database-url",
-        default=default_url,
-        required=default_url is None,
-        help=f"sqlite:///PATH or postgresql://USER@HOST/DB (default ${ENV_DATABASE_URL})",
-    )
-    m.add_argument("--json", action="store_true", help="print JSON")
+    add_db_option(m, default=DEFAULT_DB)
+    add_json_option(m, single="the applied migrations")
     m.set_defaults(func=run_migrate)
     c = dbsub.add_parser(
         "copy",
+        epilog=examples(
+            "shardledger db copy --from sqlite:///ledger.db --to postgresql://ledger@db/ledger",
+            "shardledger db copy --from sqlite:///ledger.db --to postgresql://ledger@db/ledger --resume",
+        ),
         help="copy a whole ledger (rows verbatim) into PostgreSQL and verify every chain",
         description=COPY_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -82,17 +89,20 @@ def register(
     c.add_argument(
         "--resume", action="store_true", help="continue an interrupted copy: skip runs copied whole"
     )
-    c.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(c, single="what was copied and verified")
     c.set_defaults(func=run_copy)
     g = dbsub.add_parser(
         "grants",
+        epilog=examples(
+            "shardledger db grants --role ledger_server | psql postgresql://owner@db/ledger"
+        ),
         help="print the GRANT/REVOKE statements for a least-privilege server role",
         description="Print SQL that lets ROLE append and read but never UPDATE, DELETE or "
         "TRUNCATE events. Run it as the tables' owner (the migration role), after `db migrate`.",
     )
     g.add_argument("--role", required=True, type=role_name, help="the role the replicas connect as")
     g.set_defaults(func=run_grants)
-    rebuild_command.register(dbsub, default_url)
+    rebuild_command.register(dbsub)
 
 
 def role_name(text: str) -> str:
@@ -130,7 +140,15 @@ def _open(url: str) -> Store:
 
 def run_migrate(args: argparse.Namespace) -> int:
     """Applies pending migrations, rebuilds records of an older format, prints the versions."""
-    store = _open(args.database_url)
+    path = sqlite_path(args.db)
+    if args.db == DEFAULT_DB and path is not None and not os.path.lexists(path):
+        # A named new SQLite file is created and migrated; the default one is not: run
+        # in the wrong directory, `db migrate` must not leave an empty ledger behind.
+        raise CommandError(
+            f"no ledger at {args.db}: no such file (check --db; `shardledger serve --db PATH`"
+            " creates a new ledger)"
+        )
+    store = _open(args.db)
     try:
         applied = _applied(store)
         upgraded, busy = _upgrade(store)
@@ -139,7 +157,7 @@ def run_migrate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(
             {
-                "database": redact_url(args.database_url),
+                "database": redact_url(args.db),
                 "schema_version": max((v for v, _, _ in applied), default=0),
                 "migrations": [{"version": v, "name": n, "applied_us": t} for v, n, t in applied],
                 "record_version": RECORD_VERSION,
@@ -148,7 +166,7 @@ def run_migrate(args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
-    print(f"{redact_url(args.database_url)}: schema version {applied[-1][0] if applied else 0}")
+    print(f"{redact_url(args.db)}: schema version {applied[-1][0] if applied else 0}")
     for version, name, applied_us in applied:
         when = datetime.fromtimestamp(applied_us / 1e6, UTC).isoformat(timespec="seconds")
         print(f"  {version:>4}  {name}  (applied {when})")

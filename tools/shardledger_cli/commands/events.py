@@ -19,9 +19,11 @@ def run_events(args: argparse.Namespace) -> int:
     """Prints the run's events, following new ones with --follow until Ctrl-C."""
     client = client_from(args)
     ns, after, out = args.namespace, args.after, sys.stdout
+    shard = getattr(args, "shard", "")
     if not args.follow:
         for event in client.list_events(args.run, namespace=ns, after_sequence=after):
-            out.write(_event_text(event, args.json) + "\n")
+            if not shard or event.shard_id == shard:
+                out.write(_event_text(event, args.json) + "\n")
         return EXIT_OK
     tail = client.tail(args.run, namespace=ns, after_sequence=after)
     # Ctrl-C cancels the stream from another thread instead of raising inside gRPC.
@@ -30,6 +32,8 @@ def run_events(args: argparse.Namespace) -> int:
     )
     try:
         for event in tail:
+            if shard and event.shard_id != shard:
+                continue
             out.write(_event_text(event, args.json) + "\n")
             out.flush()
     finally:

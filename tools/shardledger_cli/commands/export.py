@@ -43,6 +43,7 @@ from shardledger_cli.cli import (
     open_ledger,
 )
 from shardledger_cli.output import atomic_output, print_json
+from shardledger_cli.parsing import add_db_option, add_json_option, examples, json_help
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
 EXPORT_HELP: Final = """
@@ -69,6 +70,10 @@ def register(
     raw = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser(
         "export",
+        epilog=examples(
+            "shardledger export night-01 -o night-01.jsonl",
+            "shardledger export night-01 | gzip > night-01.jsonl.gz",
+        ),
         parents=[common],
         help="write a run as a self-verifying JSONL file",
         description=__doc__ + EXPORT_HELP,
@@ -82,10 +87,18 @@ def register(
         metavar="OUT.db",
         help="write the run into a tidy analysis database instead (docs/analysis.md)",
     )
+    json_help(
+        p,
+        single="the export's summary (the events go to -o or stdout; --sqlite: the database's tables)",
+    )
     p.set_defaults(func=run_export)
 
     p = sub.add_parser(
         "import",
+        epilog=examples(
+            "shardledger import night-01.jsonl --db archive.db",
+            "shardledger import night-01.jsonl --db postgresql://ledger@db/ledger --public-key ledger.pub.pem",
+        ),
         help="check an exported run and write it into a database",
         description=__doc__ + "\nThe whole file is checked before anything is written; then"
         " its rows are\nwritten verbatim in one transaction with the projections rebuilt.\n\n"
@@ -95,14 +108,14 @@ def register(
         formatter_class=raw,
     )
     p.add_argument("file", help="a file written by `shardledger export`")
-    p.add_argument("--db", required=True, metavar="PATH|URL", help="the database to import into")
+    add_db_option(p, help="the database to import into: a SQLite path or a postgresql:// URL")
     p.add_argument(
         "--namespace",
         default="",
         help="refuse unless the file's run is in this namespace (rows commit to theirs)",
     )
     p.add_argument("--public-key", metavar="PEM", help="require the head be signed by this key")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json_option(p, single="what was imported")
     p.set_defaults(func=run_import)
 
 

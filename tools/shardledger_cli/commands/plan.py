@@ -32,7 +32,8 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.plan_entries import entries_from_dir, entries_from_manifest
-from shardledger_cli.output import print_json, progress
+from shardledger_cli.output import count_shards, print_json, print_json_lines, progress
+from shardledger_cli.parsing import examples, json_help
 
 __all__ = ["Outcome", "keep_stored_indexes", "register", "send_plan"]
 
@@ -112,6 +113,12 @@ def register(
     """Adds the plan command."""
     p = sub.add_parser(
         "plan",
+        epilog=examples(
+            "shardledger plan night-01 --manifest jobs.jsonl",
+            "shardledger plan night-01 --inputs /data/in --glob '*.bin' --params '{\"lr\": 0.1}' --expected-outputs weights,metrics",
+            "shardledger plan night-01 --manifest jobs.jsonl --dry-run > plan-lines.jsonl   # nothing sent",
+            "shardledger plan night-01 --manifest jobs.jsonl --json | jq .new",
+        ),
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="register a run's shards from a manifest or a directory of inputs",
@@ -160,6 +167,7 @@ def register(
     p.add_argument(
         "--workers", type=int, default=min(8, os.cpu_count() or 4), help="parallel input hashing"
     )
+    json_help(p, single="the plan's counts (with --dry-run: JSON Lines, one plan line per shard)")
     p.set_defaults(func=run_plan)
 
 
@@ -278,11 +286,15 @@ def keep_stored_indexes(
             index, following = following, following + 1
         renumbered.append(dataclasses.replace(entry, plan_index=index))
     moved = sum(a.plan_index != b.plan_index for a, b in zip(entries, renumbered, strict=True))
+    new = sum(entry.shard_id not in stored for entry in entries)
     if moved:
+        # Only a plan that adds shards has new ones to number; a re-plan of shards the
+        # run already has only keeps their stored indexes.
+        after = f" (new shards are numbered from {max(stored.values()) + 1})"
         print(
-            f"shardledger: run {run_id} already has {len(stored)} shards: {moved} of this"
-            " plan's indexes follow the stored ones (new shards are numbered from"
-            f" {max(stored.values()) + 1})",
+            f"shardledger: run {run_id} already has {count_shards(len(stored))}: {moved} of this"
+            " plan's indexes follow the stored ones"
+            + (after if new else "; there are no new shards"),
             file=sys.stderr,
         )
     return renumbered
@@ -354,7 +366,7 @@ def _count(outcome: Outcome, entry: PlanEntry, result: pb.AppendResult | LedgerR
 
 def _print_dry_run(entries: Sequence[PlanEntry], *, as_json: bool) -> int:
     if as_json:
-        print_json([{**json.loads(e.plan_line), "plan_index": e.plan_index} for e in entries])
+        print_json_lines({**json.loads(e.plan_line), "plan_index": e.plan_index} for e in entries)
     else:
         sys.stdout.writelines(e.plan_line + "\n" for e in entries)
     return EXIT_OK

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Final
 
+from ledger_server.config import DEFAULT_DB
 from ledger_server.errors import LedgerError
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.store import open_store, redact_url, sqlite_path
@@ -13,6 +14,7 @@ from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
 from shardledger_cli.output import print_json, progress
+from shardledger_cli.parsing import add_db_option, add_json_option
 
 DESCRIPTION: Final = """\
 Replay each run's events and compare the result with its stored projections
@@ -27,9 +29,9 @@ database first: a rebuild refuses a run that moves while it is replayed, and a
 running server keeps shard records in memory that would not see the rewrite (on
 SQLite a rewrite beside a live server is refused; --check only reads).
 
-examples:
-  shardledger db rebuild --database-url sqlite:///ledger.db --check
-  shardledger db rebuild --database-url sqlite:///ledger.db --run night-42 --json
+Examples:
+  shardledger db rebuild --check                     # ./ledger.db, or $SHARDLEDGER_DATABASE_URL
+  shardledger db rebuild --db postgresql://ledger@db/ledger --run night-42 --json
 
 exit codes: 0 consistent (or rewritten), 1 --check found projections that differ,
 2 a bad argument, 5 refused: a broken chain or a run that moved (that run is named
@@ -38,9 +40,7 @@ ledger, or a database error
 """
 
 
-def register(
-    dbsub: argparse._SubParsersAction[argparse.ArgumentParser], default_url: str | None
-) -> None:
+def register(dbsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds `db rebuild`."""
     r = dbsub.add_parser(
         "rebuild",
@@ -48,18 +48,13 @@ def register(
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    r.add_argument(
-        "--database-url",
-        default=default_url,
-        required=default_url is None,
-        help="sqlite:///PATH or postgresql://USER@HOST/DB (default $SHARDLEDGER_DATABASE_URL)",
-    )
+    add_db_option(r, default=DEFAULT_DB)
     r.add_argument("--run", dest="run_id", help="only this run (default: every run)")
     r.add_argument("--namespace", default="", help="the run's namespace (default: default)")
     r.add_argument(
         "--check", action="store_true", help="compare only; exit 1 if any run's projections differ"
     )
-    r.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(r, single="every run's verdict")
     r.set_defaults(func=run_rebuild)
 
 
@@ -74,7 +69,7 @@ def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:
     run = view.get_run(namespace, args.run_id)
     if run is None:
         raise CommandError(
-            f"no run {args.run_id} in namespace {namespace} at {redact_url(args.database_url)}",
+            f"no run {args.run_id} in namespace {namespace} at {redact_url(args.db)}",
             code=EXIT_LOCAL,
         )
     return [run]
@@ -82,7 +77,7 @@ def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:
 
 def run_rebuild(args: argparse.Namespace) -> int:
     """Replays the selected runs; rewrites differing projections unless --check."""
-    url = args.database_url
+    url = args.db
     path = sqlite_path(url)
     if path is not None and not Path(path).is_file():
         # Opening would create an empty ledger: a typo must not look like one.
@@ -90,7 +85,7 @@ def run_rebuild(args: argparse.Namespace) -> int:
     try:
         store = open_store(url)
     except (StoreError, ValueError) as exc:
-        raise CommandError(f"cannot open {redact_url(args.database_url)}: {exc}") from None
+        raise CommandError(f"cannot open {redact_url(args.db)}: {exc}") from None
     reports: list[RunRebuild] = []
     refused: list[tuple[RunRow, str]] = []
     try:
@@ -123,7 +118,7 @@ def _report(
     if args.json:
         print_json(
             {
-                "database": redact_url(args.database_url),
+                "database": redact_url(args.db),
                 "check_only": args.check,
                 "runs": [
                     {

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any, Final
 
-from ledger_server.states import QUERY_STATES
+from ledger_server.states import QUERY_ALIASES, QUERY_STATES, canonical_query
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.commands.events import run_events
 from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume
 from shardledger_cli.commands.shards import run_shards
 from shardledger_cli.output import REASON_KEY, count_shards, equation, iso_us, print_json, ts_us
+from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 
 __all__ = ["lifecycle_line", "register", "render_summary", "run_runs", "run_status"]
 
@@ -23,43 +25,39 @@ HELP: Final = {
 Print the run summary: the reconciliation equation, the run's lifecycle (open,
 submission closed, settled: see `plan --close`), completion rate
 (verified / submitted), silent error rate, failure tags, duplicates and
-fingerprint groups. --json prints the summary object the server computed;
+fingerprint groups (every name is defined in docs/concepts.md). --json prints the summary object the server computed;
 its "lifecycle" object says whether the run is settled and since when.
 
 --costs adds what the failures cost in GPU time and the checkpoint interval
 the run's numbers advise (report 1, §4.3 and §3.2; docs/metrics.md), under the
 keys "costs" and "checkpoint_advice"; it reads every event of the run.
 
-Examples:
-  shardledger status night-01
-  shardledger status night-01 --costs
-  shardledger status night-01 --json | jq .first_pass
 
 exit codes: 0 every planned shard is verified; 1 some shard is not;
 3 server unreachable; 4 refused (e.g. unknown run)""",
     "shards": f"""list a run's shards, optionally in one state
 
-List the run's shards in plan order as columns, streamed (a million shards
-print without a table in memory). --json prints one JSON array of views.
+List the run's shards in plan order, streamed (a million shards print without
+a table in memory): aligned columns on a terminal, tab-separated columns when
+piped (--format plain), or one JSON object per shard (--json). Shard ids are
+never cut.
 RANKS is "alive/world" for a multi-rank (torchrun) attempt: the ranks still
 heartbeating; the view's "ranks" has each rank's state, host and pid.
 
 states: {", ".join(QUERY_STATES)}
+  (old names accepted for one release: {", ".join(f"{k} = {v}" for k, v in QUERY_ALIASES.items())})
 exit codes: 0 listed (even when empty); 3 unreachable; 4 refused""",
     "resume": f"""exactly the shards that must run again
 
 Stream the resume list: every planned shard without a confirmed (committed
-and verified) artifact, in plan order.
+and verified) artifact, in plan order. Before the first `verify` every
+committed shard is in it as unverified; a hint on stderr says so.
 
 formats:
   jsonl        the original plan lines as stored, one per line (default);
                --reasons adds a "{REASON_KEY}" key to each
   ids          one shard id per line
   slurm-array  plan_index ranges like 3-5,9,12-14 for `sbatch --array=`
-
---json writes one JSON object per shard instead, {
-        "shard_id", "plan_index", "reason", "plan_line"
-    } with the plan line parsed (jsonl format only).
 
 -o FILE replaces FILE atomically (temp file, fsync, rename); a count of
 shards by reason goes to stderr. exit codes: 0 nothing to re-run; 1 shards must re-run; 3 unreachable;
@@ -72,6 +70,53 @@ keeps streaming new events until Ctrl-C, which exits 0.""",
     "runs": "list runs, most recently updated first\n\nList the namespace's runs, newest first.",
 }
 
+EXAMPLES: Final = {
+    "status": (
+        "shardledger status night-01",
+        "shardledger status night-01 --json | jq .completion_rate",
+        "shardledger status night-01 --costs             # GPU time lost, checkpoint advice",
+        "shardledger status night-01 --format plain     # no box tables, for logs and mail",
+    ),
+    "shards": (
+        "shardledger shards night-01",
+        "shardledger shards night-01 --state stale",
+        "shardledger shards night-01 --state failed --json | jq -r .shard_id",
+        "shardledger shards night-01 --format plain | cut -f2,3",
+    ),
+    "resume": (
+        "shardledger resume night-01 -o rerun.jsonl     # exit 1 while something must rerun",
+        "shardledger resume night-01 --format ids",
+        "sbatch --array=$(shardledger resume night-01 --format slurm-array)%64 job.sbatch",
+        "shardledger resume night-01 --json | jq -r .reason | sort | uniq -c",
+    ),
+    "events": (
+        "shardledger events night-01",
+        "shardledger events night-01 --shard s-3c52ba9ca020",
+        "shardledger events night-01 --after 1200 --follow",
+        "shardledger events night-01 --json | jq -c 'select(.failed)'",
+    ),
+    "runs": (
+        "shardledger runs",
+        "shardledger runs --namespace team-a --limit 10",
+        "shardledger runs --json | jq -r .run_id",
+    ),
+}
+JSON_SHAPES: Final = {
+    "status": {"single": "the run summary the server computed"},
+    "shards": {"lines": "one shard view per shard"},
+    "resume": {"lines": "one {shard_id, plan_index, reason, plan_line} object per shard"},
+    "events": {"lines": "one event (the protobuf JSON mapping) per event"},
+    "runs": {"lines": "one run"},
+}
+
+
+def query_state(text: str) -> str:
+    """Returns the query state a --state names, an old name mapped to its new one."""
+    try:
+        return canonical_query(text)
+    except ValueError:
+        return text  # left to the choices check, which suggests the closest name
+
 
 def register(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
@@ -82,19 +127,31 @@ def register(
     parsers = {}
     for name, func in funcs.items():
         summary, _, description = HELP[name].partition("\n\n")
-        raw = argparse.RawDescriptionHelpFormatter
         p = sub.add_parser(
-            name, parents=[common], formatter_class=raw, help=summary, description=description
+            name,
+            parents=[common],
+            help=summary,
+            description=description,
+            epilog=examples(*EXAMPLES[name]),
         )
+        json_help(p, **JSON_SHAPES[name])
         if name != "runs":
             p.add_argument("run", help="run id")
+        if name in ("status", "shards", "runs"):
+            add_format_option(p)
         p.set_defaults(func=func)
         parsers[name] = p
     parsers["status"].add_argument(
         "--costs", action="store_true", help="add GPU time lost to failures and checkpoint advice"
     )
     p = parsers["shards"]
-    p.add_argument("--state", choices=QUERY_STATES, default="", help="only shards in this state")
+    p.add_argument(
+        "--state",
+        type=query_state,
+        choices=QUERY_STATES,
+        default="",
+        help="only shards in this state",
+    )
     p.add_argument("--limit", type=at_least(0), default=0, help="at most N shards (0: all)")
     p = parsers["resume"]
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
@@ -102,6 +159,7 @@ def register(
     p.add_argument("--reasons", action="store_true", help=f"jsonl only: add {REASON_KEY!r}")
     p = parsers["events"]
     p.add_argument("--after", type=at_least(0), default=0, metavar="SEQ", help="events after SEQ")
+    p.add_argument("--shard", metavar="SHARD_ID", default="", help="only this shard's events")
     p.add_argument("--follow", "-f", action="store_true", help="stream new events as they commit")
     parsers["runs"].add_argument("--limit", type=at_least(1), default=100, help="at most N runs")
 
@@ -116,23 +174,34 @@ def run_status(args: argparse.Namespace) -> int:
 
         extra = run_report_json(load_run(client, args.run, namespace=args.namespace))
         summary |= {k: extra[k] for k in ("costs", "checkpoint_advice")}
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json(summary)
     else:
-        render_summary(summary)
+        render_summary(summary, plain=fmt == "plain")
         if "costs" in summary:
             print_costs(summary["costs"], summary["checkpoint_advice"])
     done = summary["submitted"] > 0 and summary["verified"] == summary["submitted"]
     return EXIT_OK if done else EXIT_PROBLEMS
 
 
-def render_summary(s: dict[str, Any]) -> None:
-    """Prints the summary as rich tables on stdout."""
+def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
+    """Prints the summary on stdout: rich tables, or plain tab-separated tables when plain."""
     from rich.console import Console
-    from rich.table import Column, Table
 
     # markup off: shard ids, tags and reasons are data, never rich markup.
     console = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
+    if plain:
+        # No styles, no terminal width: lines as they are, for logs, mail and grep.
+        console = Console(
+            file=sys.stdout,
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+            color_system=None,
+            force_terminal=False,
+            width=10_000,
+        )
     console.print(
         f"run {s['run_id']} (namespace {s['namespace']}) as of {iso_us(s.get('as_of_us'))}, "
         f"{s.get('event_count', 0)} events, head {str(s.get('head_hash', ''))[:16]}",
@@ -141,19 +210,19 @@ def render_summary(s: dict[str, Any]) -> None:
     console.print(equation(s))
     console.print(lifecycle_line(s))
     sub = s["submitted"] or 1
-    right = ("shards", "share")
-    states = Table("state", *(Column(c, justify="right") for c in right), title="shards")
-    for key, label in (
-        ("verified", "verified"),
-        ("failed", "failed (incl. verify failed)"),
-        ("verify_failed", "  of which verify failed"),
-        ("missing", "missing (never started)"),
-        ("running", "running"),
-        ("stale", "stale (silent past timeout)"),
-        ("unverified", "committed, not verified"),
-    ):
-        states.add_row(label, str(s[key]), f"{100 * s[key] / sub:.1f} %")
-    console.print(states)
+    rows = [
+        (label, str(s[key]), f"{100 * s[key] / sub:.1f} %")
+        for key, label in (
+            ("verified", "verified"),
+            ("failed", "failed (incl. verify_failed)"),
+            ("verify_failed", "  of which verify_failed"),
+            ("missing", "missing (planned, never started)"),
+            ("running", "running"),
+            ("stale", "stale (silent past its heartbeat timeout)"),
+            ("unverified", "unverified (committed, not yet verified)"),
+        )
+    ]
+    print_table(console, "shards", ("state", "shards", "share"), rows, plain=plain)
     console.print(f"completion rate    {100 * s['completion_rate']:.2f} %  (verified / submitted)")
     console.print(
         f"silent error rate  {100 * s['silent_error_rate']:.2f} %  "
@@ -183,7 +252,11 @@ def render_summary(s: dict[str, Any]) -> None:
         ("verification failures", "verify_failures", "reason"),
         ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint"),
     ):
-        _counts_table(console, title, head, s.get(key) or {})
+        counts: dict[str, int] = s.get(key) or {}
+        ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        if ordered:
+            pairs = [(k, str(n)) for k, n in ordered]
+            print_table(console, title, (head, "shards"), pairs, plain=plain)
 
 
 def lifecycle_line(s: dict[str, Any]) -> str:
@@ -235,17 +308,6 @@ def _first_pass(console: Any, s: dict[str, Any]) -> None:
     )
 
 
-def _counts_table(console: Any, title: str, head: str, counts: dict[str, int]) -> None:
-    from rich.table import Column, Table
-
-    if not counts:
-        return
-    table = Table(head, Column("shards", justify="right"), title=title)
-    for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        table.add_row(key, str(n))
-    console.print(table)
-
-
 def run_runs(args: argparse.Namespace) -> int:
     """Lists runs, most recently updated first."""
     runs = client_from(args).list_runs(namespace=args.namespace, page_size=args.limit)
@@ -255,14 +317,52 @@ def run_runs(args: argparse.Namespace) -> int:
         dict(zip(keys, (r.run_id, r.namespace, r.event_count, *t, r.head_hash.hex()), strict=True))
         for r, t in zip(runs, times, strict=True)
     ]
-    if args.json:
-        print_json(rows)
+    fmt = output_format(args)
+    if fmt == "json":
+        for row in rows:
+            sys.stdout.write(json.dumps(row, sort_keys=True) + "\n")
         return EXIT_OK
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(*("run", "namespace", "events", "created", "updated", "head"))
-    for row in rows:
-        table.add_row(*(str(row[k])[: 16 if k == "head_hash" else None] for k in keys))
-    Console(file=sys.stdout, markup=False, highlight=False).print(table)
+    # The head is shortened to 16 hex digits (`audit` shows it whole); nothing else is cut.
+    cells = [[str(row[k])[: 16 if k == "head_hash" else None] for k in keys] for row in rows]
+    console = Console(file=sys.stdout, markup=False, highlight=False)
+    heads = ("run", "namespace", "events", "created", "updated", "head")
+    print_table(console, None, heads, cells, plain=fmt == "plain")
     return EXIT_OK
+
+
+def print_table(
+    console: Any,
+    title: str | None,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    plain: bool,
+) -> None:
+    """Prints a table: rich (nothing cut, wide cells fold) or tab-separated with a header."""
+    if plain:
+        out = sys.stdout
+        if title:
+            out.write(f"# {title}\n")
+        out.write("\t".join(h.upper() for h in headers) + "\n")
+        out.writelines("\t".join(c.strip() for c in row) + "\n" for row in rows)
+        return
+    from rich.table import Column, Table
+
+    def numeric(i: int) -> bool:
+        return bool(rows) and all(r[i].rstrip(" %").replace(".", "").isdigit() for r in rows)
+
+    columns = [
+        Column(h, justify="right" if numeric(i) else "left", overflow="fold")
+        for i, h in enumerate(headers)
+    ]
+    table = Table(*columns, title=title)
+    for row in rows:
+        table.add_row(*row)
+    # A terminal narrower than the table gets a wider console: rows wrap on screen
+    # rather than cells being cut with an ellipsis (a timestamp, a shard id).
+    need = sum(max([len(h), *(len(r[i]) for r in rows)]) + 3 for i, h in enumerate(headers)) + 1
+    if need > console.width:
+        console.width = need
+    console.print(table)

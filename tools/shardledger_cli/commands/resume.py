@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, Any, Final
 
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, CommandError, client_from
-from shardledger_cli.output import atomic_output, write_lines
+from shardledger_cli.output import atomic_output, count_shards, write_lines
 
 RESUME_FORMATS: Final = ("jsonl", "ids", "slurm-array")
 
@@ -21,7 +21,8 @@ def run_resume(args: argparse.Namespace) -> int:
         raise CommandError("--reasons applies to --format jsonl only", code=2)
     if args.json and args.format != "jsonl":
         raise CommandError(f"--json writes JSON lines; --format {args.format} is not JSON", code=2)
-    entries = client_from(args).resume(args.run, namespace=args.namespace)
+    client = client_from(args)
+    entries = client.resume(args.run, namespace=args.namespace)
     reasons: Counter[str] = Counter()
     with atomic_output(args.output) as out:
         if args.format == "slurm-array":
@@ -34,7 +35,22 @@ def run_resume(args: argparse.Namespace) -> int:
     detail = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
     where = f" (written to {args.output})" if args.output else ""
     print(f"{total} shards to re-run{where}" + (f": {detail}" if detail else ""), file=sys.stderr)
+    if reasons.get("unverified"):
+        hint_unverified(client, args, reasons["unverified"])
     return EXIT_PROBLEMS if total else EXIT_OK
+
+
+def hint_unverified(client: Any, args: argparse.Namespace, unverified: int) -> None:
+    """Says on stderr when the list holds committed shards only because no verify ran yet."""
+    summary = json.loads(client.summary(args.run, namespace=args.namespace))
+    if summary["verified"] or summary["verify_failed"]:
+        return
+    print(
+        f"hint: nothing in {args.run} is verified yet: the {count_shards(unverified)} committed"
+        f" are listed as unverified. Run `shardledger verify {args.run} --root DIR` first;"
+        " only shards it cannot confirm must run again.",
+        file=sys.stderr,
+    )
 
 
 def write_entries_json(entries: Iterable[Any], out: IO[str], reasons: Counter[str]) -> None:

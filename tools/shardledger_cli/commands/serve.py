@@ -12,6 +12,7 @@ from ledger_server.server import configure_logging, serve
 from ledger_server.startup import StartupError
 from ledger_server.store import redact_url
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
+from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option, examples
 
 
 def positive_int(text: str) -> int:
@@ -42,26 +43,24 @@ def register(
     """Adds the serve command."""
     p = sub.add_parser(
         "serve",
+        epilog=examples(
+            "shardledger serve                                  # ./ledger.db on 127.0.0.1:50551",
+            "shardledger serve --db /srv/ledger/ledger.db --listen 0.0.0.0:50551 --tls-cert server.pem --tls-key server.key",
+            "shardledger serve --db postgresql://ledger@db/ledger --metrics-listen 0.0.0.0:9464",
+            "shardledger serve --listen 127.0.0.1:0 --port-file port.txt &   # a free port, written to port.txt",
+        ),
         help="run the ledger server (embedded SQLite by default)",
         description="Run the gRPC ledger server. With no flags it stores events in ./ledger.db "
         "and listens on 127.0.0.1:50551. SIGTERM flips health to NOT_SERVING, drains in-flight "
         "calls and closes the database cleanly.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--db",
+    add_db_option(
+        p,
         default=DEFAULT_DB,
-        help=(
-            "SQLite file (or sqlite:///PATH), created when new in an existing directory;"
-            " one server per file, a second refuses to start"
-        ),
-    )
-    p.add_argument(
-        "--database-url",
-        metavar="URL",
-        default=os.environ.get("SHARDLEDGER_DATABASE_URL"),
-        help="sqlite:///PATH or postgresql://USER@HOST/DB; overrides --db (env SHARDLEDGER_DATABASE_URL). "
-        "Replicas on one PostgreSQL must share --signing-key",
+        help="a SQLite file (or sqlite:///PATH), created when new in an existing directory,"
+        " one server per file; or postgresql://USER@HOST/DB, whose replicas must share"
+        " --signing-key",
     )
     p.add_argument(
         "--listen", default=DEFAULT_LISTEN, help="HOST:PORT to listen on (port 0 picks one)"
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.port_file:
         check_port_file(args.port_file)
     configure_logging(args.log_level)
-    database = args.database_url or args.db
+    database = args.db
     config = ServerConfig(
         database=database,
         listen=args.listen,

@@ -17,7 +17,8 @@ from shard_client.spooldir import (
     spool_status,
 )
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_REJECTED, EXIT_UNAVAILABLE, client_from
-from shardledger_cli.output import print_json
+from shardledger_cli.output import print_json_lines
+from shardledger_cli.parsing import examples, json_help
 
 DESCRIPTION: Final = f"""\
 When a job cannot reach the ledger it keeps its events in a durable spool on the
@@ -42,16 +43,30 @@ def register(
     """Adds the spool command group."""
     p = sub.add_parser(
         "spool",
+        epilog=examples(
+            "shardledger spool status", "shardledger spool drain --server ledger.example:50551"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="inspect or drain events kept in local spools while the ledger was unreachable",
         description=DESCRIPTION,
     )
     actions = p.add_subparsers(dest="spool_command", metavar="ACTION", required=True)
     status = actions.add_parser(
-        "status", parents=[common], help="show pending events per spool directory"
+        "status",
+        epilog=examples(
+            "shardledger spool status", "shardledger spool status --dir /local/spool --json"
+        ),
+        parents=[common],
+        help="show pending events per spool directory",
     )
     drain = actions.add_parser(
-        "drain", parents=[common], help="send finished processes' spools to the ledger"
+        "drain",
+        epilog=examples(
+            "shardledger spool drain",
+            "shardledger spool drain --dir /local/spool --server ledger.example:50551 --tls-ca ca.pem",
+        ),
+        parents=[common],
+        help="send finished processes' spools to the ledger",
     )
     for action in (status, drain):
         action.add_argument(
@@ -60,7 +75,9 @@ def register(
             help=f"spool root or one spool directory (default: ${ENV_SPOOL_DIR} or "
             "~/.cache/shardledger/spool)",
         )
+    json_help(status, lines="one spool directory")
     status.set_defaults(func=run_status)
+    json_help(drain, lines="one spool directory and what was sent")
     drain.set_defaults(func=run_drain)
 
 
@@ -72,7 +89,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Prints one line (or JSON object) per spool directory."""
     rows = [spool_status(d) for d in find_spool_dirs(_root(args))]
     if args.json:
-        print_json([dataclasses.asdict(r) for r in rows])
+        print_json_lines(dataclasses.asdict(r) for r in rows)
         return EXIT_OK
     if not rows:
         print(f"no spools under {_root(args)}")
@@ -96,14 +113,16 @@ def run_drain(args: argparse.Namespace) -> int:
     """Drains every spool no live process owns; exit 3 when a ledger was unreachable."""
 
     def client_for(target: str) -> LedgerClient:
-        client: LedgerClient = client_from(argparse.Namespace(**{**vars(args), "server": target}))
+        client: LedgerClient = client_from(
+            argparse.Namespace(**{**vars(args), "server": target}), probe=False
+        )
         return client
 
     results = drain_spool_dirs(
         _root(args), target=args.server, client_factory=client_for, connect_timeout_s=args.timeout
     )
     if args.json:
-        print_json([dataclasses.asdict(r) for r in results])
+        print_json_lines(dataclasses.asdict(r) for r in results)
     else:
         for r in results:
             if r.status == "locked":

@@ -13,7 +13,8 @@ from ledger_server.config import DEFAULT_DB
 from ledger_server.errors import InvalidEvent
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger
-from shardledger_cli.output import print_json
+from shardledger_cli.output import print_json, print_json_lines
+from shardledger_cli.parsing import add_db_option, add_json_option, examples
 
 _DURATION = re.compile(r"(\d+)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -25,6 +26,10 @@ def register(
     """Adds the token commands."""
     p = sub.add_parser(
         "token",
+        epilog=examples(
+            "shardledger token create --role writer --namespace team-a --expires-in 30d",
+            "shardledger token list",
+        ),
         help="create, list and revoke access tokens",
         description="Manage bearer tokens. Tokens are stored only as hashes; the secret is printed "
         "once, at creation. These commands open the database directly (run them where the "
@@ -32,8 +37,15 @@ def register(
     )
     tsub = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     db_help = "ledger database: a SQLite path or a postgresql:// URL"
-    create = tsub.add_parser("create", help="create a token and print it once")
-    create.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    create = tsub.add_parser(
+        "create",
+        epilog=examples(
+            "shardledger token create --role writer --namespace team-a --expires-in 30d --description 'slurm jobs'",
+            "umask 077; shardledger token create --role writer --json | jq -r .token > ~/.shardledger/token",
+        ),
+        help="create a token and print it once",
+    )
+    add_db_option(create, default=DEFAULT_DB, help=db_help)
     create.add_argument(
         "--role", required=True, choices=ROLES, help="admin, auditor, writer or reader"
     )
@@ -45,15 +57,26 @@ def register(
         "--expires-in", default=None, metavar="DURATION", help="e.g. 12h, 30d, 2w (default: never)"
     )
     create.add_argument("--description", default="", help="who or what uses the token")
-    create.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(create, single="the token (its secret, once) and its id")
     create.set_defaults(func=run_create)
-    lst = tsub.add_parser("list", help="list tokens (never their secrets)")
-    lst.add_argument("--db", default=DEFAULT_DB, help=db_help)
-    lst.add_argument("--json", action="store_true", help="print JSON")
+    lst = tsub.add_parser(
+        "list",
+        epilog=examples(
+            "shardledger token list",
+            "shardledger token list --json | jq -r 'select(.status == \"active\") | .token_id'",
+        ),
+        help="list tokens (never their secrets)",
+    )
+    add_db_option(lst, default=DEFAULT_DB, help=db_help)
+    add_json_option(lst, lines="one token (never its secret)")
     lst.set_defaults(func=run_list)
-    revoke = tsub.add_parser("revoke", help="revoke a token by id")
+    revoke = tsub.add_parser(
+        "revoke",
+        epilog=examples("shardledger token revoke 3f2a9c1b0d4e"),
+        help="revoke a token by id",
+    )
     revoke.add_argument("token_id", help="the id shown by `token list` (the part after slt_)")
-    revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    add_db_option(revoke, default=DEFAULT_DB, help=db_help)
     revoke.set_defaults(func=run_revoke)
 
 
@@ -156,7 +179,7 @@ def run_list(args: argparse.Namespace) -> int:
         for r in rows
     ]
     if args.json:
-        print_json(items)
+        print_json_lines(items)
         return EXIT_OK
     for item in items:
         print(

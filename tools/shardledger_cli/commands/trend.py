@@ -22,6 +22,7 @@ import blake3
 
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import examples, json_help
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
@@ -52,6 +53,9 @@ def register(
     """Adds the trend command."""
     p = sub.add_parser(
         "trend",
+        epilog=examples(
+            "shardledger trend", "shardledger trend --last 30 --ruler-prefix ruler- --json"
+        ),
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="completion, silent errors and failure tags over recent runs; ruler drift",
@@ -87,6 +91,7 @@ def register(
         metavar="P",
         help=f"run ids of ruler runs start with this (default {DEFAULT_RULER_PREFIX!r})",
     )
+    json_help(p, single="the trend report")
     p.set_defaults(func=run_trend)
 
 

@@ -43,6 +43,7 @@ from shardledger_cli.commands.verify_scan import (
     scan_events,
     unique,
 )
+from shardledger_cli.parsing import json_help
 
 __all__ = ["Commit", "Recorder", "register", "verdict_event"]
 
@@ -87,7 +88,7 @@ is recorded for it, and verify exits 5. When --root holds none of the run's
 committed artifacts, verify refuses before reading any (exit 5): a wrong
 directory must not condemn a good run.
 
-examples:
+Examples:
   shardledger verify night-01 --root /scratch/night-01/out
   shardledger verify night-01 --root out/ --recheck --workers 16 --json
   AWS_PROFILE=batch shardledger verify night-01     # artifacts committed to s3://
@@ -121,6 +122,7 @@ def register(
         action="store_true",
         help="read again commits that already have a verdict (a scrub for bit rot)",
     )
+    json_help(p, single="the verification report")
     p.set_defaults(func=run_verify)
 
 

@@ -24,7 +24,7 @@ kill-command placeholders: {job_id} {array_job_id} {array_task_id} {cluster}
 {node} {namespace} {pod} {host} {pid} {start_ticks} {run_id} {shard_id}
 {attempt_id} {grace}
 
-examples:
+Examples:
   shardledger watch night-01                         # list stale attempts (exit 1 if any)
   shardledger watch night-01 --kill-stale --once     # one pass: stop them, record timeout
   shardledger watch night-01 --kill-stale --interval 30 --grace 30 --log-file 'logs/{shard_id}.log'
@@ -60,7 +60,7 @@ from shardledger_cli.commands import watch_stop
 from shardledger_cli.commands.watch_diag import DIAG_ENV, LOG_FIELDS, default_diag_dir, log_path
 from shardledger_cli.commands.watch_handle import Action, handle_stale, stale_checker
 from shardledger_cli.commands.watch_stop import StartedIndex, Target
-from shardledger_cli.output import print_json
+from shardledger_cli.parsing import json_help
 
 __all__ = ["Action", "StartedIndex", "Target", "default_diag_dir", "handle_stale", "stale_checker"]
 
@@ -92,8 +92,8 @@ def register(
         "--interval",
         type=float,
         default=0.0,
-        help="keep watching, polling every N seconds; with --json, print JSON Lines: one compact "
-        "object per stale attempt as it is handled (a single pass prints one JSON array)",
+        help="keep watching, polling every N seconds (--json prints one compact object per"
+        " stale attempt as it is handled, in a loop as in a single pass)",
     )
     p.add_argument(
         "--once", action="store_true", help="one pass, then exit (the default without --interval)"
@@ -131,6 +131,7 @@ def register(
         help="also mark failed(timeout) the stale attempts the watchdog cannot stop (another "
         "host and no scheduler identity, no recorded start time, a failed stop)",
     )
+    json_help(p, lines="one stale attempt and what was done to it")
     p.set_defaults(func=run)
 
 
@@ -249,11 +250,8 @@ class _Watch:
                     f"attempt {action.attempt_id} of shard {action.shard_id}: {action.stop_error}"
                 )
             self.failed_locally |= bool(action.diagnostics_errors or action.stop_error)
-            if json_lines or not self.args.json:
-                _print_action(action, json_lines=json_lines)
-        if self.args.json and not json_lines:
-            print_json([a.to_json() for a in actions])
-        elif not actions and not self.args.json:
+            _print_action(action, json_lines=self.args.json)
+        if not actions and not self.args.json:
             print(f"no stale attempts in {self.args.run_id}", file=sys.stderr)
         sys.stdout.flush()
 
@@ -263,9 +261,10 @@ def run(args: argparse.Namespace) -> int:
     diag_dir = Path(args.diag_dir) if args.diag_dir else default_diag_dir()
     _check_options(args, diag_dir)
     loop = args.interval > 0
-    # A poll loop never ends, so it cannot print one JSON document: it streams JSON Lines.
-    json_lines = args.json and loop
-    client = client_from(args)
+    # --json is JSON Lines, one pass or a loop that never ends: one action per line.
+    json_lines = args.json
+    # A loop waits out an absent ledger (its own backoff below); one pass fails fast.
+    client = client_from(args, probe=not loop)
     if loop:
         # The loop's own backoff, which logs, takes over from the client's silent retries.
         client.retry_deadline_s = min(client.retry_deadline_s, args.timeout)

@@ -31,6 +31,7 @@ from shardledger_cli.demo.faults import (
 )
 from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import examples, json_help
 from shardledger_cli.s3local import S3_ENV_KEYS
 
 if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch] extra
@@ -61,12 +62,6 @@ injected as well: a worker SIGKILLed mid-upload (torn upload), and after the
 batch an object replaced and an object deleted in the bucket; verify finds them
 as failed(timeout), version_mismatch and missing.
 
-examples:
-  shardledger demo                           # 200 shards, 4 workers, local files
-  shardledger demo --shards 40 --workers 2 --keep /tmp/night
-  shardledger demo --storage s3 --shards 40  # artifacts in a local S3 endpoint
-  shardledger demo --json > report.json
-
 exit codes: 0 the ledger found exactly the injected faults and the rerun reached
 100 %; 1 any mismatch; 2 bad arguments; 3 the --server ledger is unreachable
 """
@@ -78,6 +73,12 @@ def register(
     """Adds the demo command."""
     p = sub.add_parser(
         "demo",
+        epilog=examples(
+            "shardledger demo                           # 200 shards, 4 workers, local files",
+            "shardledger demo --shards 40 --workers 2 --keep /tmp/night",
+            "shardledger demo --storage s3 --shards 40  # artifacts in a local S3 endpoint",
+            "shardledger demo --json > report.json",
+        ),
         parents=[common],
         help="run 'Project X' end to end: inject every failure form, find each in the ledger, resume",
         description=DESCRIPTION,
@@ -95,6 +96,7 @@ def register(
         help="where artifacts go: local files, or s3 (a local S3 endpoint the demo starts; "
         "adds torn upload, replaced and deleted objects)",
     )
+    json_help(p, single="the demo's report")
     p.set_defaults(func=run_demo)
 
 

@@ -43,11 +43,11 @@ EXPECTED_REASON: Final[Mapping[str, str]] = {
     SILENT_MISSING: "failed:incomplete",
     TRUNCATION: "failed:timeout",
     HANG: "failed:timeout",
-    EMPTY_OUTPUT: "verify-failed:empty",
-    NAN_WEIGHTS: "verify-failed:nan_or_inf",
+    EMPTY_OUTPUT: "verify_failed:empty",
+    NAN_WEIGHTS: "verify_failed:nan_or_inf",
     TORN_UPLOAD: "failed:timeout",
-    REPLACED_OBJECT: "verify-failed:version_mismatch",
-    DELETED_OBJECT: "verify-failed:missing",
+    REPLACED_OBJECT: "verify_failed:version_mismatch",
+    DELETED_OBJECT: "verify_failed:missing",
 }
 MIN_SHARDS: Final = 20
 
