@@ -86,7 +86,7 @@ def test_concepts_page_defines_every_state_reason_alias_and_summary_field() -> N
     from ledger_server.summary import run_summary
 
     text = (DOCS / "concepts.md").read_text()
-    summary = run_summary(Counter(), stale=0, run_id="r", namespace="n")
+    summary = run_summary(Counter(), stale=0, run_id="r", namespace="n", last_event_us=0, now_us=0)
     # The server adds these three to what the projections compute (service.summary).
     fields = [*summary, "event_count", "head_hash", "as_of_us"]
     names = [*QUERY_STATES, *RESUME_REASONS.values(), *QUERY_ALIASES]

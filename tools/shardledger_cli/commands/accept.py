@@ -31,6 +31,7 @@ from shardledger_cli.cli import (
 )
 from shardledger_cli.commands.trend import ShardArtifacts, consistency_of, shard_artifacts
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import json_help
 
 __all__ = ["register", "run_accept"]
 
@@ -78,6 +79,7 @@ def register(
     p.add_argument("--min-completion", type=_rate, default=0.99, help="default 0.99")
     p.add_argument("--max-silent", type=_rate, default=0.01, help="default 0.01")
     p.add_argument("--min-consistency", type=_rate, default=0.95, help="default 0.95")
+    json_help(p, single="the acceptance verdict, each step with its figures and threshold")
     p.set_defaults(func=run_accept)
 
 

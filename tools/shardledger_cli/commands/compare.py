@@ -41,6 +41,7 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import json_help
 
 __all__ = ["Tolerance", "parse_tolerance", "register", "run_compare", "wilson_interval"]
 
@@ -134,6 +135,9 @@ def register(
     p.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
     p.add_argument("--root", default="", help="where RUN's files are (default: as recorded)")
     p.add_argument("--ref-root", default="", help="where the reference's files are")
+    json_help(
+        p, single="the comparison: agreement rate, each disagreement, the silent error estimate"
+    )
     p.set_defaults(func=run_compare)
 
 

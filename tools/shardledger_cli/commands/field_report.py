@@ -12,6 +12,7 @@ from shardledger_cli.commands.trend import RUN_SCAN
 from shardledger_cli.costs import checkpoint_advice_of, run_costs
 from shardledger_cli.field_metrics import FIELD_METRICS, by_label
 from shardledger_cli.output import atomic_output, equation, print_json
+from shardledger_cli.parsing import json_help
 from shardledger_cli.run_data import RunData, load_run
 
 __all__ = ["print_costs", "register", "run_report", "run_report_json"]
@@ -67,6 +68,7 @@ def register(
         help=f"runs for --by without RUNs, and the HTML trend (default {DEFAULT_LAST})",
     )
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of RUN")
+    json_help(p, single="the report (a run's figures, or the --by table)")
     p.set_defaults(func=run_report)
 
 

@@ -31,6 +31,7 @@ from shardledger_cli.cli import (
     positive_seconds,
 )
 from shardledger_cli.output import count_shards, print_json
+from shardledger_cli.parsing import json_help
 
 __all__ = ["deliver", "register", "report", "run_notify"]
 
@@ -108,6 +109,7 @@ def register(
         metavar="SECONDS",
         help="deadline of one POST (default 10)",
     )
+    json_help(p, single="what was posted (the report) and whether it was delivered")
     p.set_defaults(func=run_notify)
 
 

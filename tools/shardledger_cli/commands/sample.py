@@ -36,6 +36,7 @@ from shardledger_cli.cli import (
 )
 from shardledger_cli.commands.plan import send_plan
 from shardledger_cli.output import print_json
+from shardledger_cli.parsing import json_help
 
 __all__ = ["register", "run_sample", "stratified_sample"]
 
@@ -80,6 +81,7 @@ def register(
     p.add_argument("--min", type=at_least(1), default=20, help="at least this many (default 20)")
     p.add_argument("--seed", default="0", help="the same seed picks the same shards (default 0)")
     p.add_argument("--dry-run", action="store_true", help="print the pick; plan nothing")
+    json_help(p, single="the sample run: which shards were picked, by fingerprint group")
     p.set_defaults(func=run_sample)
 
 

@@ -31,6 +31,7 @@ from shardledger_cli.exec.target import (
     resolve_target,
     substitute,
 )
+from shardledger_cli.parsing import json_help
 
 __all__ = ["register", "run_exec"]
 
@@ -127,6 +128,7 @@ def register(
         )
     finally:
         sub._parser_class = default_class
+    json_help(p, single="the attempt's report, after the child ended")
     p.add_argument("run", metavar="RUN", help="run id")
     p.add_argument(
         "shard", metavar="SHARD", nargs="?", help="shard id (or --plan-line / --plan-file)"
