@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from tests.builders import DIGEST_A, event
 
 
-def commit(**fields: str) -> pb.ShardEvent:
+def commit(**fields: Any) -> pb.ShardEvent:
     """Returns an artifact_committed event with the given extra fields."""
     return event(
         attempt_id="att-1",
