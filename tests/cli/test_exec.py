@@ -101,7 +101,7 @@ class Night:
     def view(self, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
         code, out, err = run_cli(capsys, "shards", RUN, "--server", self.target, "--json")
         assert code == 0, err
-        (view,) = json.loads(out)
+        (view,) = [json.loads(line) for line in out.splitlines()]
         return dict(view)
 
     def resume(self, capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
@@ -165,7 +165,7 @@ def test_clean_exit_commits_both_outputs_and_verify_confirms_them(
     assert summary["words"] == len(WORDS.split())
     assert "2 the" in night.final("counts").read_text()
     assert night.leftovers() == []
-    assert night.view(capsys)["state"] == "committed"
+    assert night.view(capsys)["state"] == "unverified"
     events = night.events(capsys)
     started = next(e["started"] for e in events if "started" in e)
     assert started["fingerprint"]["torch"] == "not-read"
@@ -343,7 +343,7 @@ def test_sigkill_of_exec_itself_leaves_the_shard_stale_and_a_rerun_commits(
     assert not night.final("counts").exists()
     code, report, _ = night.exec()
     assert (code, report["outcome"]) == (0, "committed")
-    assert night.view(capsys)["state"] == "committed"
+    assert night.view(capsys)["state"] == "unverified"
     assert night.leftovers() == []
 
 
@@ -396,7 +396,7 @@ def test_plan_file_and_slurm_array_task_id_pick_the_shard(
     assert proc.returncode == 0, proc.stderr
     assert json.loads(night.final("summary").read_text()) == {"frame": 17}
     view = night.view(capsys)
-    assert view["state"] == "committed"
+    assert view["state"] == "unverified"
     assert view["scheduler"]["job_id"] == "4242"
 
 
@@ -436,7 +436,7 @@ def test_a_progress_file_feeds_heartbeats_and_keeps_the_watchdog_quiet(
     assert proc.returncode == 0, proc.stderr
     beats = [e["heartbeat"] for e in night.events(capsys) if "heartbeat" in e]
     assert {"step": "6", "progress": 0.6, "metrics": {"loss": 0.25}} in beats
-    assert night.view(capsys)["state"] == "committed"
+    assert night.view(capsys)["state"] == "unverified"
 
 
 def _free_port() -> int:
@@ -457,11 +457,11 @@ def test_with_the_ledger_away_exec_spools_and_the_drained_spool_commits(
     # The job ran and committed its outputs; the ledger has not heard of it yet.
     assert proc.returncode == 0, proc.stderr
     assert night.final("summary").exists()
-    assert night.view(capsys)["state"] == "planned"
+    assert night.view(capsys)["state"] == "missing"
     spool = str(night.tmp / "spool")
     code, _, err = run_cli(capsys, "spool", "drain", "--dir", spool, "--server", night.target)
     assert code == 0, err
-    assert night.view(capsys)["state"] == "committed"
+    assert night.view(capsys)["state"] == "unverified"
 
 
 def test_a_progress_bar_redrawn_with_carriage_returns_is_alive(
@@ -476,7 +476,7 @@ def test_a_progress_bar_redrawn_with_carriage_returns_is_alive(
     proc = subprocess.run(argv, env=night.env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "96%|###" in proc.stderr  # passed through as the child wrote it
-    assert night.view(capsys)["state"] == "committed"
+    assert night.view(capsys)["state"] == "unverified"
 
 
 def test_temp_files_of_long_dead_attempts_are_removed_and_young_ones_left(
@@ -493,7 +493,7 @@ def test_temp_files_of_long_dead_attempts_are_removed_and_young_ones_left(
     assert code == 0
     # The young one may be a live attempt's on another node sharing the directory.
     assert night.leftovers() == [young.name]
-    assert night.view(capsys)["state"] == "committed"
+    assert night.view(capsys)["state"] == "unverified"
 
 
 def test_a_command_that_does_not_exist_exits_127_and_is_recorded_failed(

@@ -152,7 +152,7 @@ def test_a_clean_two_rank_run_is_one_attempt_with_every_ranks_outputs_verified(
     assert view["world_size"] == 2
     assert [r["state"] for r in view["ranks"]] == ["finished", "finished"]
     assert sorted(view["artifacts"]) == ["results.jsonl", "weights.rank0", "weights.rank1"]
-    assert view["state"] == "committed"
+    assert view["state"] == "unverified"
     # The ranks' results, each slice written in its own order, merged by id.
     lines = (ddp.out / "results.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == [f"item-{i:03d}" for i in range(8)]
@@ -258,7 +258,7 @@ def test_an_elastic_restart_resumes_from_a_whole_checkpoint_and_old_commits_are_
     assert "rank=0 resumed_from=1" in output and "rank=1 resumed_from=1" in output
     view = ddp.view()
     assert view["attempts"] == 2
-    assert view["restart_count"] == 1 and view["state"] == "committed"
+    assert view["restart_count"] == 1 and view["state"] == "unverified"
     old = {
         e.attempt_id
         for e in ddp.client.list_events(ddp.run_id)

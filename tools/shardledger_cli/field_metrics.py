@@ -137,7 +137,7 @@ def by_label(runs: Iterable[RunData], label: str) -> list[GroupFigures]:
             g = _group(groups, first_labels.get(sid, t.labels), label)
             g.runs.add(data.run_id)
             g.shards += 1
-            g.missing += view["state"] in ("planned", "stale")
+            g.missing += view["state"] in ("missing", "stale")
             # A stale shard's attempt went silent: someone has to stop it (report 1, §3.4).
             g.hangs += view["state"] == "stale"
             g.first_attempt_verified += sid in verified_first

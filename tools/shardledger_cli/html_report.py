@@ -22,10 +22,10 @@ STATE_COLOURS: Final = {
     "verified": "#2e7d32",
     "failed": "#c62828",
     "verify_failed": "#ad1457",
-    "planned": "#9e9e9e",
+    "missing": "#9e9e9e",
     "running": "#1565c0",
     "stale": "#ef6c00",
-    "committed": "#f9a825",
+    "unverified": "#f9a825",
 }
 EQUATION_PARTS: Final = ("verified", "failed", "missing", "running", "stale", "unverified")
 PART_COLOURS: Final = {

@@ -120,7 +120,7 @@ def run_notify(args: argparse.Namespace) -> int:
         check_url(url)
     if args.wait < 0:
         raise CommandError("--wait must not be negative", EXIT_USAGE)
-    client = client_from(args)
+    client = client_from(args, probe=not args.wait)  # --wait outlives ledger restarts
     deadline = time.monotonic() + args.wait
     while True:
         summary: dict[str, Any] = json.loads(client.summary(args.run, namespace=args.namespace))

@@ -349,7 +349,7 @@ def run_exec(args: argparse.Namespace) -> int:
     """Runs the command as one attempt; returns its exit code (see DESCRIPTION)."""
     spec = _spec(args)
     with Ledger(
-        client=client_from(args),
+        client=client_from(args, probe=False),  # an absent ledger: spool, as the SDK does
         namespace=args.namespace,
         spool_dir=args.spool_dir,
         unavailable_after_s=args.unavailable_after,
