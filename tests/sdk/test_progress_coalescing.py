@@ -99,7 +99,7 @@ def test_progress_every_step_reaches_the_ledger_as_the_first_call_then_one_flush
     assert (rest.metrics_min["loss"], rest.metrics_max["loss"]) == (0.001, 0.5)
     kinds = [e.WhichOneof("payload") for e in events(client, "fast")]
     assert kinds == ["planned", "started", "heartbeat", "heartbeat", "artifact_committed"]
-    assert state(client, "fast") == "committed"
+    assert state(client, "fast") == "unverified"
 
 
 def test_a_checkpoint_sends_the_pending_progress_before_itself(
@@ -131,7 +131,7 @@ def test_a_metric_turning_nonfinite_is_sent_at_once_and_later_nans_are_coalesced
         shard.commit(touch(tmp_path / "nan.out"))
     got = [(b.step, b.progress_calls, list(b.nonfinite_metrics)) for b in beats(client, "nan")]
     assert got == [(0, 0, []), (2, 2, ["loss"]), (9, 7, ["loss"])]
-    assert state(client, "nan") == "committed"
+    assert state(client, "nan") == "unverified"
 
 
 def test_with_coalescing_off_every_call_is_one_heartbeat(
