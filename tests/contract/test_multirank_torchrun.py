@@ -165,7 +165,7 @@ def test_a_clean_two_rank_run_is_one_attempt_with_every_ranks_outputs_verified(
     code, out, _ = run_cli(capsys, "shards", RUN, "--server", ddp.target)
     assert code == 0
     header, row = out.splitlines()
-    assert "RANKS" in header and " 0/2 " in row  # both ranks finished: none alive
+    assert "RANKS" in header and "\t0/2\t" in row  # both ranks finished: none alive
 
 
 def test_a_rank_killed_mid_step_fails_the_attempt_stops_the_other_and_resumes_once(
@@ -222,7 +222,7 @@ def test_watch_kill_stale_stops_every_rank_of_a_stale_attempt_and_records_timeou
     argv = ("watch", RUN, "--server", ddp.target, "--kill-stale", "--once", "--grace", "1")
     code, out, err = run_cli(capsys, *argv, "--json", "--diag-dir", str(ddp.diag))
     assert code in (0, 5), out + err  # 5: a frozen rank's stack dump timed out (reported)
-    (action,) = json.loads(out)
+    (action,) = [json.loads(line) for line in out.splitlines()]
     assert [r["rank"] for r in action["ranks"]] == [0, 1]
     assert all("SIGTERM" in r["steps"] for r in action["ranks"])
     assert action["recorded_failed_timeout"] is True

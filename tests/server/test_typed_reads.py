@@ -124,7 +124,7 @@ def test_a_typed_shard_view_says_what_the_json_says_under_the_same_keys(
     # A repeated field has no presence: a one-process attempt's view has no "ranks" key.
     assert typed.pop("ranks") == [] and "ranks" not in legacy
     assert set(typed) | {"numeric", "deadline_us"} == set(legacy)  # unset: null in the JSON
-    assert done.view.state == legacy["state"] == "committed"
+    assert done.view.state == legacy["state"] == "unverified"
     assert done.view.pid == legacy["pid"] == 123
     assert done.view.last_step == legacy["last_step"]
     assert dict(done.view.artifacts)["out"].blake3 == legacy["artifacts"]["out"]["blake3"]
@@ -132,4 +132,4 @@ def test_a_typed_shard_view_says_what_the_json_says_under_the_same_keys(
     assert not done.view.HasField("deadline_us") and legacy["deadline_us"] is None
     # Never started: no attempt, so no pid and no last heartbeat.
     assert not fresh.view.HasField("pid") and json.loads(fresh.view_json)["pid"] is None
-    assert fresh.view.state == "planned" and fresh.view.plan_index == 1
+    assert fresh.view.state == "missing" and fresh.view.plan_index == 1

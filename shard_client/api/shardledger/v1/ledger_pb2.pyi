@@ -612,7 +612,7 @@ class ShardView(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ..., view: _Optional[_Union[ShardDetails, _Mapping]] = ...) -> None: ...
 
 class ShardDetails(_message.Message):
-    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass", "world_size", "launch_id", "restart_count", "ranks_alive", "ranks")
+    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass", "world_size", "launch_id", "restart_count", "ranks_alive", "ranks", "input")
     class SchedulerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -652,6 +652,7 @@ class ShardDetails(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     RANKS_ALIVE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     plan_index: int
     state: str
@@ -677,7 +678,8 @@ class ShardDetails(_message.Message):
     restart_count: int
     ranks_alive: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankView]
-    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ...) -> None: ...
+    input: str
+    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ..., input: _Optional[str] = ...) -> None: ...
 
 class RankView(_message.Message):
     __slots__ = ("rank", "state", "alive", "local_rank", "host", "pid", "process_start_ticks", "scheduler", "last_seen_us", "last_step", "failed_tag")
