@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
+from shard_client.ids import PlanEntry
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -111,3 +113,18 @@ def committed(
             media_type="application/octet-stream",
         ),
     )
+
+
+def plan_entries(shard_ids: Sequence[str], *, output: str) -> list[PlanEntry]:
+    """Returns plan entries for shards that each must commit one output named `output`."""
+    return [
+        PlanEntry(
+            shard_id=s,
+            input_ref=f"/in/{s}",
+            input_bytes=1,
+            input_blake3="ab" * 32,
+            expected_outputs=(output,),
+            plan_index=i,
+        )
+        for i, s in enumerate(shard_ids)
+    ]

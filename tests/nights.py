@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from shard_client import Fingerprint, Ledger, LedgerClient, PlanEntry, Preempted, plan_events
-from tests.builders import run_cli
+from shard_client import Fingerprint, Ledger, LedgerClient, Preempted, plan_events
+from tests.builders import plan_entries, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,18 +50,7 @@ def plan(
     labels: Mapping[str, str] | None = None,
 ) -> None:
     """Registers the run's shards (each expects one output, "out") with the run's labels."""
-    entries = [
-        PlanEntry(
-            shard_id=s,
-            input_ref=f"/in/{s}",
-            input_bytes=1,
-            input_blake3="ab" * 32,
-            expected_outputs=("out",),
-            plan_index=i,
-        )
-        for i, s in enumerate(shard_ids)
-    ]
-    client.append(plan_events(run_id, entries, labels=labels))
+    client.append(plan_events(run_id, plan_entries(shard_ids, output="out"), labels=labels))
 
 
 def _attempt(

@@ -11,11 +11,11 @@ from typing import Any
 import blake3
 import pytest
 
-from shard_client import Ledger, LedgerClient, PlanEntry, plan_events
+from shard_client import Ledger, LedgerClient, plan_events
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.checks import CheckResult, verify_artifact
 from shardledger_cli.commands import verify as verify_command
-from tests.builders import event, run_cli, started
+from tests.builders import event, plan_entries, run_cli, started
 
 RUN = "night-17"
 np = pytest.importorskip("numpy")
@@ -34,18 +34,7 @@ def out(tmp_path: Path) -> Path:
 
 def plan(client: LedgerClient, *shard_ids: str) -> None:
     """Plans shards that each must commit `weights`."""
-    entries = [
-        PlanEntry(
-            shard_id=s,
-            input_ref=f"/in/{s}",
-            input_bytes=1,
-            input_blake3="ab" * 32,
-            expected_outputs=("weights",),
-            plan_index=i,
-        )
-        for i, s in enumerate(shard_ids)
-    ]
-    client.append(plan_events(RUN, entries))
+    client.append(plan_events(RUN, plan_entries(shard_ids, output="weights")))
 
 
 def weights(shard_id: str, shape: tuple[int, ...] = (4, 3)) -> bytes:

@@ -20,10 +20,10 @@ from shard_client import Ledger
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.errors import NotFound
-from shard_client.ids import PlanEntry, plan_events
+from shard_client.ids import plan_events
 from shard_client.remote import NotConfirmed, UploadPolicy
 from shard_client.storage import ObjectExists
-from tests.builders import run_cli
+from tests.builders import plan_entries, run_cli
 from tests.storage.conftest import BUCKET
 
 RUN = "s3-night"
@@ -33,18 +33,7 @@ FAST = UploadPolicy(first_delay_s=0.01, max_delay_s=0.05, attempts=4)
 
 def plan(client: LedgerClient, *shard_ids: str, run: str = RUN) -> None:
     """Registers shards that expect one artifact, "weights"."""
-    entries = [
-        PlanEntry(
-            shard_id=s,
-            input_ref=f"/in/{s}",
-            input_bytes=1,
-            input_blake3="ab" * 32,
-            expected_outputs=("weights",),
-            plan_index=i,
-        )
-        for i, s in enumerate(shard_ids)
-    ]
-    client.append(plan_events(run, entries))
+    client.append(plan_events(run, plan_entries(shard_ids, output="weights")))
 
 
 def events(client: LedgerClient, kind: str, run: str = RUN) -> list[pb.ShardEvent]:
