@@ -8,8 +8,8 @@ rank's file, checks that together they hold exactly the shard's input ids (none
 missing, none extra, none twice, within a file or across two) and writes one
 file ordered as the inputs are.
 
-`check_keyed_ids` is the key-set check on its own (a minimal one; another
-issue builds the keyed-result-set content check under shard_client.checks*).
+`check_keyed_ids` is the key-set check on its own; the comparison is
+`shard_client.checks_keyed.compare_id_sets`, the one `verify` applies to keyed outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shard_client.atomic import CommitInfo, atomic_write
+from shard_client.checks_keyed import compare_id_sets
 from shard_client.failures import DataError
 
 __all__ = [
@@ -67,16 +68,8 @@ class KeyedMismatch(DataError):
 
 def check_keyed_ids(result_ids: Iterable[str], input_ids: Iterable[str]) -> KeySetReport:
     """Returns how the result ids differ from the input ids: missing, extra, repeated."""
-    wanted = set(input_ids)
-    seen: set[str] = set()
-    repeated: set[str] = set()
-    for key in result_ids:
-        (repeated if key in seen else seen).add(key)
-    return KeySetReport(
-        missing=tuple(sorted(wanted - seen)),
-        extra=tuple(sorted(seen - wanted)),
-        repeated=tuple(sorted(repeated)),
-    )
+    found = compare_id_sets(input_ids, result_ids)
+    return KeySetReport(missing=found.missing, extra=found.extra, repeated=found.duplicated)
 
 
 def read_keyed(path: str | os.PathLike[str], *, key: str = "id") -> list[tuple[str, Any]]:
