@@ -135,9 +135,9 @@ def test_compare_id_sets_counts_for_a_launcher_that_gathers_ranks() -> None:
 
 @pytest.mark.skipif(
     importlib.util.find_spec("pyarrow") is None,
-    reason="pyarrow is not installed (not a dependency)",
+    reason="pyarrow is not installed (the test extra brings it)",
 )
-def test_parquet_id_columns(tmp_path: Path) -> None:  # pragma: no cover - only with pyarrow
+def test_parquet_id_columns(tmp_path: Path) -> None:
     import pyarrow as pa  # type: ignore[import-not-found, unused-ignore]
     import pyarrow.parquet as pq  # type: ignore[import-not-found, unused-ignore]
 
