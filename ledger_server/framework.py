@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
+import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 V1ALPHA_SERVICE_NAME: Final[str] = reflection.SERVICE_NAME
@@ -17,30 +19,164 @@ V1_SERVICE_NAME: Final = "grpc.reflection.v1.ServerReflection"
 V1_FILE: Final = "grpc/reflection/v1/reflection.proto"
 _V1ALPHA_PACKAGE: Final = ".grpc.reflection.v1alpha."
 _V1_PACKAGE: Final = ".grpc.reflection.v1."
+log = structlog.get_logger("shardledger.server")
 
 
-class LedgerHealth(health.HealthServicer):
-    """grpcio's health servicer plus List, which grpcio-health-checking 1.85 leaves UNIMPLEMENTED."""
+# How long a stop waits for the NOT_SERVING answers to reach open watches.
+SHUTDOWN_DELIVERY_S: Final = 1.0
+_SERVING: Final = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING: Final = health_pb2.HealthCheckResponse.NOT_SERVING
+_UNKNOWN: Final = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+@dataclass(eq=False, slots=True)
+class _Watch:
+    """One open Watch: the status it last sent and the one it owes."""
+
+    send: Callable[[Any], None]
+    service: str
+    owed: int | None
+    sent: int | None = None
+    finish: bool = False  # end the stream (status OK) after the owed answer
+    gone: bool = False  # the client left; send nothing more
+
+
+class LedgerHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """The grpc.health.v1 service: Check, Watch and List.
+
+    grpcio-health-checking 1.85 sends Watch answers while holding its lock; a send
+    waits for grpcio's server thread, which may itself be waiting for that lock in a
+    cancelled watch's close callback, and a stop deadlocked that way in CI (grpc#43403
+    moves the sends out upstream). Here one delivery thread sends every answer and no
+    lock is held while it does: set() (called by the ledger's writer when the store
+    fails) never waits for a watcher, and a watcher that stops reading delays only
+    other watchers, never the ledger. A watch that falls behind gets the latest status,
+    not every flip in between.
+    """
 
     def __init__(self) -> None:
-        super().__init__()
-        self._names_lock = threading.Lock()
-        self._names: set[str] = {""}  # grpcio's servicer starts with "" SERVING
+        self._lock = threading.Condition()
+        self._status: dict[str, int] = {"": _SERVING}
+        self._watches: dict[str, set[_Watch]] = {}
+        self._owing: list[_Watch] = []
+        self._shutting_down = False
+        self._delivery: threading.Thread | None = None
 
-    def set(self, service: str, status: Any) -> None:
-        """Sets a service's status, remembering its name for List."""
-        with self._names_lock:
-            self._names.add(service)
-        super().set(service, status)
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Answers a service's status; NOT_FOUND for a name never set."""
+        with self._lock:
+            status = self._status.get(request.service)
+        if status is None:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def Watch(
+        self,
+        request: Any,
+        context: grpc.ServicerContext,
+        send_response_callback: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """Streams a service's status now and at every change, holding no worker thread."""
+        if send_response_callback is None:  # a server without non-blocking streams
+            raise RuntimeError("health Watch needs grpcio's non-blocking server streams")
+        with self._lock:
+            watch = _Watch(
+                send_response_callback, request.service, self._status.get(request.service, _UNKNOWN)
+            )
+            watch.finish = self._shutting_down
+            self._watches.setdefault(request.service, set()).add(watch)
+            self._owe(watch)
+            self._start_delivery()
+        context.add_callback(lambda: self._forget(watch))
+        return None
+
+    Watch.experimental_non_blocking = True  # type: ignore[attr-defined]
+    Watch.experimental_thread_pool = None  # type: ignore[attr-defined]
 
     def List(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Answers every service's status, as Check answers each (NOT_SERVING while stopping)."""
-        with self._names_lock:
-            names = sorted(self._names)
-        statuses = {
-            name: self.Check(health_pb2.HealthCheckRequest(service=name), context) for name in names
-        }
+        with self._lock:
+            statuses = {
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in sorted(self._status.items())
+            }
         return health_pb2.HealthListResponse(statuses=statuses)
+
+    def set(self, service: str, status: Any) -> None:
+        """Sets a service's status and queues it for its watchers; ignored once stopping."""
+        with self._lock:
+            if self._shutting_down:
+                return
+            self._status[service] = status
+            for watch in self._watches.get(service, ()):
+                watch.owed = status
+                self._owe(watch)
+
+    def enter_graceful_shutdown(self) -> None:
+        """Sets every service NOT_SERVING for good, tells each watcher and ends its stream.
+
+        Waits up to SHUTDOWN_DELIVERY_S for those answers to go out, so a load
+        balancer hears NOT_SERVING before the drain; never longer.
+        """
+        with self._lock:
+            if self._shutting_down:
+                return
+            self._shutting_down = True
+            for service in self._status:
+                self._status[service] = _NOT_SERVING
+            for watches in self._watches.values():
+                for watch in watches:
+                    watch.owed = _NOT_SERVING if watch.service in self._status else watch.owed
+                    watch.finish = True
+                    self._owe(watch)
+            self._lock.wait_for(lambda: not self._owing, SHUTDOWN_DELIVERY_S)
+
+    def _owe(self, watch: _Watch) -> None:
+        """Queues watch for the delivery thread; the caller holds the lock."""
+        if watch not in self._owing:
+            self._owing.append(watch)
+            self._lock.notify_all()
+
+    def _forget(self, watch: _Watch) -> None:
+        """grpcio's close callback: the stream ended, so nothing more is sent to it."""
+        with self._lock:
+            watch.gone = True
+            self._watches.get(watch.service, set()).discard(watch)
+
+    def _start_delivery(self) -> None:
+        if self._delivery is None:
+            self._delivery = threading.Thread(
+                target=self._deliver, name="health-watch-delivery", daemon=True
+            )
+            self._delivery.start()
+
+    def _deliver(self) -> None:
+        """Sends what each watch is owed, one at a time, with no lock held."""
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: bool(self._owing))
+                watch = self._owing[0]
+                owed, finish = watch.owed, watch.finish
+                skip = watch.gone or (owed == watch.sent and not finish)
+            if not skip:
+                try:
+                    if owed != watch.sent:
+                        watch.send(health_pb2.HealthCheckResponse(status=owed))
+                        watch.sent = owed
+                    if finish:
+                        watch.send(None)  # grpcio ends the stream with status OK
+                except Exception:  # one broken stream must not end delivery to the rest
+                    log.exception("health_watch_send_failed", service=watch.service)
+                    finish = True
+            with self._lock:
+                done = watch.owed == owed and watch.finish == finish
+                if done or watch.gone:
+                    self._owing.remove(watch)
+                if finish:
+                    watch.gone = True
+                    self._watches.get(watch.service, set()).discard(watch)
+                self._lock.notify_all()
 
 
 def _v1_file_proto() -> descriptor_pb2.FileDescriptorProto:

@@ -16,7 +16,7 @@ import grpc
 import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.framework import LedgerHealth, enable_reflection
@@ -55,7 +55,7 @@ class RunningServer:
     server: grpc.Server
     port: int
     ledger: LedgerService
-    health: health.HealthServicer
+    health: LedgerHealth
     interceptor: RequestInterceptor
     metrics: LedgerMetrics
     metrics_http: Any = None

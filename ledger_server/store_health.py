@@ -6,8 +6,9 @@ import threading
 from collections.abc import Sequence
 
 import structlog
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
+from ledger_server.framework import LedgerHealth
 from ledger_server.store.base import StoreError
 
 log = structlog.get_logger("shardledger.store")
@@ -16,7 +17,7 @@ log = structlog.get_logger("shardledger.store")
 class StoreHealth:
     """Flips the health of the named services with the outcome of each append's write."""
 
-    def __init__(self, servicer: health.HealthServicer, services: Sequence[str]) -> None:
+    def __init__(self, servicer: LedgerHealth, services: Sequence[str]) -> None:
         self._servicer = servicer
         self._services = tuple(services)
         self._lock = threading.Lock()

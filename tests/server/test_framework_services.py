@@ -7,6 +7,7 @@ INVALID_ARGUMENT with ErrorInfo MALFORMED_REQUEST, and still serves valid reques
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -135,6 +136,75 @@ def test_open_health_watches_hold_no_handler_thread(tmp_path: Path) -> None:
         running.stop(0.5)
     assert firsts == [health_pb2.HealthCheckResponse.SERVING] * 4
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _stop_in_thread(running: RunningServer) -> threading.Thread:
+    stopper = threading.Thread(target=running.stop, args=(0.5,), daemon=True)
+    stopper.start()
+    return stopper
+
+
+def _cancel_all(watches: list[Any]) -> None:
+    for watch in watches:
+        watch.cancel()
+
+
+def test_a_stop_while_watchers_cancel_ends(tmp_path: Path) -> None:
+    # grpcio's servicer sent NOT_SERVING while holding its lock; a cancelled watch's
+    # close callback, run on grpcio's server thread, waited for that lock while the send
+    # waited for the server thread, and a CI stop hung for good. Many rounds, because
+    # the two must meet.
+    for round_ in range(12):
+        running = create_server(
+            ServerConfig(database=str(tmp_path / f"ledger-{round_}.db"), listen="127.0.0.1:0")
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(16)]
+            for watch in watches:
+                next(watch)
+            cancel = threading.Thread(target=_cancel_all, args=(watches,), daemon=True)
+            cancel.start()
+            stopper = _stop_in_thread(running)
+            stopper.join(60)
+            cancel.join(10)
+        assert not stopper.is_alive(), f"stop hung in round {round_}"
+
+
+def test_watchers_hear_not_serving_then_their_stream_ends_on_stop(tmp_path: Path) -> None:
+    running = create_server(
+        ServerConfig(database=str(tmp_path / "ledger.db"), listen="127.0.0.1:0")
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        service = health_pb2.HealthCheckRequest(service="shardledger.v1.LedgerService")
+        watches = [stub.Watch(service, timeout=30) for _ in range(3)]
+        firsts = [next(w).status for w in watches]
+        stopper = _stop_in_thread(running)
+        # Each stream ends with status OK after NOT_SERVING, so a balancer moves on
+        # instead of waiting out the drain.
+        rests = [[reply.status for reply in watch] for watch in watches]
+        stopper.join(30)
+    assert firsts == [health_pb2.HealthCheckResponse.SERVING] * 3
+    assert rests == [[health_pb2.HealthCheckResponse.NOT_SERVING]] * 3
+    assert not stopper.is_alive()
+
+
+def test_a_watch_of_an_unknown_service_hears_service_unknown(channel: grpc.Channel) -> None:
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10
+    )
+    first = next(watch)
+    watch.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+def test_health_check_of_an_unknown_service_is_not_found(channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10
+        )
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_health_list_still_lists_the_ledger_serving(channel: grpc.Channel) -> None:
