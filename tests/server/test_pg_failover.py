@@ -94,7 +94,11 @@ def test_promoted_standby_holds_every_acknowledged_event_and_takes_new_appends(
                 time.sleep(0.1)
         assert load.failures == []
         assert len(load.acked) >= len(acked_before_kill) + 100, "appends did not resume"
-        assert load.unavailable > 0, "no client saw the primary go away"
+        # Whether a client saw the outage is timing: an append in flight at the crash is
+        # answered UNAVAILABLE (and resent), while one that arrives after it waits in the
+        # connection pool until the promoted standby takes writes, inside the call's
+        # deadline. One CI run saw no UNAVAILABLE at all; both ways lose nothing.
+        print(f"appends answered UNAVAILABLE during the failover: {load.unavailable}")
     finally:
         server.stop()
 
