@@ -48,6 +48,7 @@ from ledger_server.events import (
     ShardPlanned,
 )
 from ledger_server.rebuild import rebuild_run
+from ledger_server.replay import HOT_RECORDS
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import check_namespace, validate
 from shard_client.canonical import fingerprint_digest
@@ -131,7 +132,7 @@ def write_night(store: SqliteStore, shards: int, total: int) -> int:
     return count
 
 
-def rebuild(store: SqliteStore) -> dict[str, Any]:
+def rebuild(store: SqliteStore, records_in_memory: int = HOT_RECORDS) -> dict[str, Any]:
     """Runs `db rebuild`'s replay on the run (its projections are empty); returns the timings."""
     view = store.read()
     run = view.get_run(NAMESPACE, RUN)
@@ -139,7 +140,7 @@ def rebuild(store: SqliteStore) -> dict[str, Any]:
     start = time.perf_counter()
     parsed = sum(1 for s in view.iter_events(run.run_pk) if parse_row(s.row))
     parse_s = time.perf_counter() - start
-    report = rebuild_run(store, run, write=True)
+    report = rebuild_run(store, run, write=True, records_in_memory=records_in_memory)
     assert report.written and report.events == parsed
     return {
         "events": report.events,
@@ -150,6 +151,7 @@ def rebuild(store: SqliteStore) -> dict[str, Any]:
         "rebuild_s": round(report.seconds, 2),
         "rebuild_events_per_s": round(parsed / report.seconds),
         "ratio_to_read_parse": round(parse_s / report.seconds, 3),
+        "records_in_memory": records_in_memory,
         "rebuild_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 
@@ -220,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--shards", type=int, default=100_000, help="shards in the run")
     parser.add_argument("--events", type=int, default=1_000_000, help="events in the run")
+    parser.add_argument(
+        "--records-in-memory",
+        type=int,
+        default=HOT_RECORDS,
+        help="as `db rebuild --records-in-memory`: 0 keeps every record as an object",
+    )
     parser.add_argument("--dir", default=None, help="where the temp SQLite file goes")
     parser.add_argument("--out", default="bench-results/replay.json", help="JSON result file")
     args = parser.parse_args(argv)
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         result["events"] = write_night(store, args.shards, args.events)
         result["write_events_per_s"] = round(result["events"] / (time.perf_counter() - start))
-        result["rebuild"] = rebuild(store)
+        result["rebuild"] = rebuild(store, args.records_in_memory)
         store.execute_raw("PRAGMA wal_checkpoint(TRUNCATE)")
         store.close()
         size = os.path.getsize(db)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
 from urllib.parse import unquote
@@ -224,7 +224,7 @@ class PostgresStore:
         self,
         run: RunRow,
         events: Iterable[StoredEvent],
-        projections: Callable[[], tuple[list[ShardRow], dict[str, int]]],
+        projections: Callable[[], tuple[Collection[ShardRow], dict[str, int]]],
     ) -> None:
         """Writes one run verbatim (keys, rows, hashes) and its projections in one transaction.
 

@@ -166,6 +166,32 @@ def test_check_reports_edited_projections_changes_nothing_and_rebuild_repairs_th
     assert code == EXIT_OK
 
 
+@pytest.mark.parametrize("in_memory", ["1", "0"])
+def test_a_rebuild_holding_few_or_all_records_in_memory_repairs_the_same(
+    url: str, capsys: pytest.CaptureFixture[str], in_memory: str
+) -> None:
+    # 1: every shard record but the latest used waits packed and is parsed back on the
+    # shard's next event; 0: all stay objects. Both must land on what the server wrote.
+    before = _answers(url)
+    _tamper(url)
+    code, text = _db(capsys, "rebuild", "--database-url", url, "--records-in-memory", in_memory)
+    assert code == EXIT_OK
+    assert "2 shard rows differ, counters differ -> rewritten" in text
+    assert _answers(url) == before
+    code, report = _db(
+        capsys,
+        "rebuild",
+        "--database-url",
+        url,
+        "--check",
+        "--records-in-memory",
+        in_memory,
+        "--json",
+    )
+    assert code == EXIT_OK
+    assert [r["shards"] for r in report["runs"]] == [6, 6]
+
+
 def test_a_run_with_a_broken_chain_is_refused_and_left_alone_while_the_others_are_rebuilt(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

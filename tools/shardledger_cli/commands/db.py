@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,7 +15,7 @@ from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
 from ledger_server.config import DEFAULT_DB
 from ledger_server.record import RECORD_VERSION
-from ledger_server.replay import RunReplay
+from ledger_server.replay import CompactRecords, RunReplay
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError, WriterBusy
 from ledger_server.upgrade import upgrade_projections
@@ -215,17 +215,17 @@ class _Fold:
     """Folds a run's events into projections while they stream past into the target."""
 
     def __init__(self, advance: Callable[[int], None]) -> None:
-        self.replay = RunReplay()
+        self.replay = RunReplay(records=CompactRecords())
         self.events = 0
         self._advance = advance
-        self._built: tuple[list[ShardRow], dict[str, int]] | None = None
+        self._built: tuple[Collection[ShardRow], dict[str, int]] | None = None
 
     def feed(self, rows: Iterable[StoredEvent]) -> Iterator[StoredEvent]:
         for stored in rebuild.fold_rows(self.replay, rows, self._advance):
             self.events += 1
             yield stored
 
-    def projections(self) -> tuple[list[ShardRow], dict[str, int]]:
+    def projections(self) -> tuple[Collection[ShardRow], dict[str, int]]:
         if self._built is None:
             self._built = rebuild.take_projections(self.replay)
         return self._built
