@@ -62,7 +62,7 @@ def register(dbsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N",
         help=(
             "shard records kept as objects while replaying (~4 KB each); the others wait"
-            f" packed (~1 KB each, ~40%% more CPU when a run has more shards than N)."
+            " packed (~1 KB each; a run of more shards than N costs ~1.4x the CPU)."
             f" 0 keeps them all: fastest, most memory (default: {HOT_RECORDS:,})"
         ),
     )
