@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from ledger_server import projections as proj
 from ledger_server.chain import ChainWalker
+from ledger_server.compact import HOT_RECORDS, CompactRecords
 from ledger_server.record import record_from_row
-from ledger_server.replay import HOT_RECORDS, CompactRecords, PackedRow, RunReplay, unpack_row
+from ledger_server.replay import RunReplay
 from ledger_server.store.base import RunRow, ShardRow, Store, StoredEvent
 
 PROGRESS_EVERY = 1000
@@ -87,35 +88,18 @@ def fold_rows(
         advance(pending)
 
 
-class RebuiltRows(Collection[ShardRow]):
-    """Rebuilt shard rows in plan order, held packed (~0.5 KB each) and unpacked as read."""
-
-    def __init__(self, packed: list[tuple[str, PackedRow]]) -> None:
-        self._packed = packed
-
-    def __len__(self) -> int:
-        return len(self._packed)
-
-    def __iter__(self) -> Iterator[ShardRow]:
-        for shard_id, (plan_index, packed, _) in self._packed:
-            yield unpack_row(shard_id, plan_index, packed)
-
-    def __contains__(self, row: object) -> bool:
-        return any(row == have for have in self)
-
-
 def take_projections(replay: RunReplay) -> tuple[Collection[ShardRow], dict[str, int]]:
     """Returns the rebuilt shard rows in plan order and the summary counters.
 
     It empties the replay: each record is dropped as soon as its row is built, so
     a run's records and its rows (each ~1 GB or more at a million shards as
     objects) are not both held at their full size. A replay over CompactRecords
-    hands over packed rows, summed as they are taken.
+    hands over the rows it spilled, in plan order, with their summed contributions.
     """
     records = replay.records
     if isinstance(records, CompactRecords):
         packed, total = records.take_rows()
-        return RebuiltRows(packed), {k: n for k, n in replay.run_counters(total).items() if n}
+        return packed, {k: n for k, n in replay.run_counters(total).items() if n}
     rebuilt_counters = {k: n for k, n in replay.counters().items() if n}
     order = sorted((r.plan_index, shard_id) for shard_id, r in records.items())
     rows = []
@@ -141,8 +125,8 @@ def rebuild_run(
     server writing to the run first (its cache would not see the rewrite).
     """
     started = time.monotonic()
-    # 0 keeps every record as an object: fastest, ~4 KB per shard; otherwise the
-    # records past that many wait packed (CompactRecords: ~1 KB per shard).
+    # 0 keeps every record as an object (~4 KB per shard); otherwise the records past
+    # that many are spilled into a temp database (CompactRecords).
     replay = (
         RunReplay(records=CompactRecords(records_in_memory)) if records_in_memory else RunReplay()
     )

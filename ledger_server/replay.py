@@ -6,14 +6,12 @@ The writer keeps the same projections incrementally; both fold through
 
 from __future__ import annotations
 
-import marshal
-import zlib
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Final
 
 from ledger_server.chain import event_from_parsed, parse_row
+from ledger_server.compact import CompactRecords
 from ledger_server.events import (
     ArtifactVerified,
     Heartbeat,
@@ -21,11 +19,10 @@ from ledger_server.events import (
     ShardPlanned,
     SubmissionClosed,
 )
-from ledger_server.projections import fold, fold_beat, live_state, row_columns
+from ledger_server.projections import fold, fold_beat, live_state
 from ledger_server.ranks import is_ranked
 from ledger_server.record import ShardRecord
 from ledger_server.states import QueryState
-from ledger_server.store.base import ShardRow
 from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
 from shard_client.vocabulary import VERIFIER_REASONS
 
@@ -43,168 +40,6 @@ def closes_first_pass(rec: RecordedEvent) -> bool:
 # A heartbeat naming any of these takes the generic fold (non-finite metrics flag the
 # shard; a rank's beat moves its own liveness).
 _PLAIN_BEAT_KEYS: frozenset[str] = frozenset({"nonfinite_metrics", "rank", "rank_finished"})
-
-
-# A packed row: (plan_index, zlib(marshal((state, detail, deadline_us, plan_line, record))),
-# the shard's summary contributions as sorted (key, n) pairs).
-PackedRow = tuple[int, bytes, tuple[tuple[str, int], ...]]
-# Records a compact replay keeps as objects; the rest wait packed (issue #22: a
-# million-shard night's records took ~4 KB each, 3.6 GB, as objects).
-HOT_RECORDS: Final = 50_000
-
-
-def pack_row(record: ShardRecord) -> tuple[bytes, tuple[tuple[str, int], ...]]:
-    """Returns a record's projection row, packed, and its summary contributions."""
-    columns = row_columns(record)
-    packed = zlib.compress(
-        marshal.dumps(
-            (
-                columns["state"],
-                columns["detail"],
-                columns["deadline_us"],
-                columns["plan_line"],
-                columns["record"],
-            )
-        ),
-        1,
-    )
-    return packed, tuple(sorted(contributions(record).items()))
-
-
-def unpack_row(shard_id: str, plan_index: int, packed: bytes) -> ShardRow:
-    """Returns the ShardRow pack_row packed."""
-    state, detail, deadline_us, plan_line, record = marshal.loads(zlib.decompress(packed))
-    return ShardRow(
-        shard_id=shard_id,
-        plan_index=plan_index,
-        state=state,
-        detail=detail,
-        deadline_us=deadline_us,
-        plan_line=plan_line,
-        record=record,
-    )
-
-
-# A plan not folded yet: (plan_index, sequence, the stored row, its hash).
-_Plan = tuple[int, int, bytes, bytes]
-
-
-def _fold_plan(plan: _Plan) -> ShardRecord:
-    """Folds a stored plan row into the shard's first record, as feed() would have."""
-    _, sequence, row, row_hash = plan
-    event, run_sequence, receive_us = event_from_parsed(parse_row(row))
-    return fold(None, RecordedEvent(event, sequence, run_sequence, receive_us, row_hash))
-
-
-class CompactRecords(MutableMapping[str, ShardRecord]):
-    """A replay's shard records: the `hot` most recently used as objects, the rest packed.
-
-    Three tiers, so a million-shard night fits in a bounded memory (issue #22: as
-    objects its records took ~4 KB each, 3.6 GB):
-
-    - a shard only planned so far keeps its stored plan row (~0.4 KB), folded on its
-      first other event: a night plans every shard before most of them start;
-    - the `hot` most recently used records are objects;
-    - an older one waits as its finished projection row (zlib over marshal, ~0.5 KB)
-      with its summary contributions: a shard no later event touches is never parsed
-      again, and one that is comes back through `ShardRecord.from_json`, the stored
-      form the server's own cache reads.
-
-    A night's events cluster by shard in time (a wave of attempts runs, commits and is
-    verified), so a hot set larger than the shards in flight at once keeps that to
-    about one packing per shard; ``unpacked`` counts the records parsed back.
-    """
-
-    def __init__(self, hot: int = HOT_RECORDS) -> None:
-        if hot < 1:
-            raise ValueError("hot must be at least 1")
-        self._limit = hot
-        self._hot: OrderedDict[str, ShardRecord] = OrderedDict()
-        self._cold: dict[str, PackedRow] = {}
-        self._plans: dict[str, _Plan] = {}
-        self._interned: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
-        self.unpacked = 0
-
-    def add_plan(self, shard_id: str, plan_index: int, sequence: int, row: bytes, h: bytes) -> None:
-        """Keeps a shard's plan row to fold on first use; a later plan of a known shard is ignored."""
-        if shard_id not in self:
-            self._plans[shard_id] = (plan_index, sequence, row, h)
-
-    def __getitem__(self, shard_id: str) -> ShardRecord:
-        hot = self._hot
-        record = hot.get(shard_id)
-        if record is not None:
-            hot.move_to_end(shard_id)
-            return record
-        plan = self._plans.pop(shard_id, None)
-        if plan is not None:
-            record = _fold_plan(plan)
-        else:
-            _, packed, _ = self._cold.pop(shard_id)  # KeyError for a shard never planned
-            record = ShardRecord.from_json(unpack_row(shard_id, 0, packed).record or b"")
-            self.unpacked += 1
-        self._put(shard_id, record)
-        return record
-
-    def __setitem__(self, shard_id: str, record: ShardRecord) -> None:
-        self._cold.pop(shard_id, None)
-        self._plans.pop(shard_id, None)
-        self._put(shard_id, record)
-
-    def __delitem__(self, shard_id: str) -> None:
-        if self._hot.pop(shard_id, None) is None and self._plans.pop(shard_id, None) is None:
-            del self._cold[shard_id]
-
-    def __contains__(self, shard_id: object) -> bool:
-        return shard_id in self._hot or shard_id in self._cold or shard_id in self._plans
-
-    def __len__(self) -> int:
-        return len(self._hot) + len(self._cold) + len(self._plans)
-
-    def __iter__(self) -> Iterator[str]:
-        yield from list(self._hot)
-        yield from list(self._cold)
-        yield from list(self._plans)
-
-    def values(self) -> Iterator[ShardRecord]:  # type: ignore[override]
-        """Yields every record without reordering the hot set (the others built anew)."""
-        yield from list(self._hot.values())
-        for shard_id, (_, packed, _) in list(self._cold.items()):
-            yield ShardRecord.from_json(unpack_row(shard_id, 0, packed).record or b"")
-        for plan in list(self._plans.values()):
-            yield _fold_plan(plan)
-
-    def _put(self, shard_id: str, record: ShardRecord) -> None:
-        hot = self._hot
-        hot[shard_id] = record
-        hot.move_to_end(shard_id)
-        if len(hot) > self._limit:
-            old_id, old = hot.popitem(last=False)
-            self._cold[old_id] = self._pack(old)
-
-    def _pack(self, record: ShardRecord) -> PackedRow:
-        packed, contributed = pack_row(record)
-        return (record.plan_index, packed, self._interned.setdefault(contributed, contributed))
-
-    def take_rows(self) -> tuple[list[tuple[str, PackedRow]], Counter[str]]:
-        """Empties the records into packed rows in plan order, and sums their contributions."""
-        order = sorted(
-            [(r.plan_index, shard_id) for shard_id, r in self._hot.items()]
-            + [(entry[0], shard_id) for shard_id, entry in self._cold.items()]
-            + [(plan[0], shard_id) for shard_id, plan in self._plans.items()]
-        )
-        total: Counter[str] = Counter()
-        rows: list[tuple[str, PackedRow]] = []
-        for _, shard_id in order:
-            entry = self._cold.pop(shard_id, None)
-            if entry is None:
-                plan = self._plans.pop(shard_id, None)
-                record = self._hot.pop(shard_id) if plan is None else _fold_plan(plan)
-                entry = self._pack(record)
-            for key, n in entry[2]:
-                total[key] += n
-            rows.append((shard_id, entry))
-        return rows, total
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from typing import Any, Final
 import grpc
 
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, parse_row
+from ledger_server.compact import HOT_RECORDS
 from ledger_server.events import (
     ArtifactCommitted,
     ArtifactVerified,
@@ -48,7 +49,6 @@ from ledger_server.events import (
     ShardPlanned,
 )
 from ledger_server.rebuild import rebuild_run
-from ledger_server.replay import HOT_RECORDS
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import check_namespace, validate
 from shard_client.canonical import fingerprint_digest

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from ledger_server import projections as proj
 from ledger_server import rebuild
+from ledger_server.compact import CompactRecords
 from ledger_server.errors import LedgerError
 from ledger_server.events import (
     ArtifactCommitted,
@@ -40,7 +41,7 @@ from ledger_server.events import (
     SubmissionClosed,
 )
 from ledger_server.record import record_from_row
-from ledger_server.replay import CompactRecords, RunReplay, replay_run
+from ledger_server.replay import RunReplay, replay_run
 from ledger_server.service import LedgerService
 from ledger_server.states import QUERY_STATES
 from ledger_server.store.sqlite import SqliteStore

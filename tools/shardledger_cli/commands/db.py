@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Final
 
 from ledger_server import rebuild
 from ledger_server.audit import ChainReport, verify_store
+from ledger_server.compact import CompactRecords
 from ledger_server.config import DEFAULT_DB
 from ledger_server.record import RECORD_VERSION
-from ledger_server.replay import CompactRecords, RunReplay
+from ledger_server.replay import RunReplay
 from ledger_server.store import Store, open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, StoreError, WriterBusy
 from ledger_server.upgrade import upgrade_projections

@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Final
 
+from ledger_server.compact import HOT_RECORDS
 from ledger_server.config import DEFAULT_DB
 from ledger_server.errors import LedgerError
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
-from ledger_server.replay import HOT_RECORDS
 from ledger_server.store import open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from ledger_server.validation import check_namespace
