@@ -240,13 +240,32 @@ class RunCollector(Collector):
                 f["oldest_heartbeat_timestamp_seconds"].add_metric(key, oldest / _US)
 
     def _oldest_last_seen(self, run_pk: int) -> int | None:
-        """Returns the earliest last-seen time among the run's running shards."""
+        """Returns the earliest last-seen time among the run's running shards.
+
+        A shard's last-seen time is its record's, or the heartbeat row's when a later
+        heartbeat moved it (the larger of the two). Parsing every record cost ~10 µs a
+        shard, 108 ms a scrape at 10,000 running shards and 450 ms under a fleet's load,
+        all of it holding the GIL the appends need. A shard with a heartbeat row was
+        seen at or after its `beat_us`, so those rows are taken in `beat_us` order and
+        parsed only while one could still be the oldest: usually one parse.
+        """
         rows = self.ledger.store.read().iter_shards(run_pk, states=[ShardState.RUNNING.value])
         oldest: int | None = None
+        beats: list[tuple[int, bytes | None]] = []
         for index, row in enumerate(rows):
             if index >= self.export.heartbeat_scan_limit:
                 break
-            seen = _last_seen_us(row.record, row.beat_us)
+            if row.beat_us is not None:
+                beats.append((row.beat_us, row.record))
+                continue
+            seen = _last_seen_us(row.record, None)
+            if seen is not None and (oldest is None or seen < oldest):
+                oldest = seen
+        beats.sort(key=lambda beat: beat[0])
+        for beat_us, record in beats:
+            if oldest is not None and beat_us >= oldest:
+                break  # this shard and every later one was seen at or after `oldest`
+            seen = _last_seen_us(record, beat_us)
             if seen is not None and (oldest is None or seen < oldest):
                 oldest = seen
         return oldest

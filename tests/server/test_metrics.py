@@ -311,3 +311,46 @@ def test_listen_addresses_parse_to_host_and_port(listen: str, expected: tuple[st
 def test_a_listen_address_without_a_port_is_refused() -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         bind_address("localhost")
+
+
+def test_the_oldest_heartbeat_is_exact_across_heartbeat_rows_and_records(tmp_path: Path) -> None:
+    # The scrape reads a heartbeat row's time without parsing the record when it cannot
+    # be the oldest; the answer must still be the minimum of every running shard's
+    # last-seen time, including a record newer than its heartbeat row (a clock step).
+    from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
+    from ledger_server.run_metrics import RunCollector, _last_seen_us
+    from ledger_server.service import LedgerService
+    from ledger_server.store.sqlite import SqliteStore
+
+    now = [1_000_000_000]
+    ledger = LedgerService(SqliteStore(str(tmp_path / "ledger.db")), clock=lambda: now[0])
+    collector = RunCollector(ledger)
+
+    def at(t_s: float, *events: Event) -> None:
+        now[0] = int(1_000_000_000 + t_s * 1_000_000)
+        ledger.append(list(events))
+
+    def ev(i: int, tag: str, payload: object) -> Event:
+        attempt = "" if tag == "p" else "a"
+        return Event(f"{tag}-{i}", "", "night", f"s{i}", attempt, 0, payload)  # type: ignore[arg-type]
+
+    at(0, *(ev(i, "p", ShardPlanned(f"/in/{i}", 1, "", "{}", ("out",), "", i)) for i in range(5)))
+    starts = {i: ev(i, "s", AttemptStarted("node", 1, 3_600_000_000, {}, "")) for i in range(5)}
+    at(10, starts[0])  # no heartbeat: the record's time, 10 s
+    at(20, starts[1])
+    at(30, starts[2])
+    at(40, starts[3])
+    at(50, starts[4])
+    at(60, ev(1, "h1", Heartbeat(1, 0.1, {})))  # heartbeat rows: 60 s and 70 s
+    at(70, ev(2, "h1", Heartbeat(1, 0.1, {})))
+    at(5, ev(3, "h1", Heartbeat(1, 0.1, {})))  # a clock step back: row 5 s, record 40 s
+    run = ledger.run("", "night")
+
+    def reference() -> int | None:
+        rows = ledger.store.read().iter_shards(run.run_pk, states=["running"])
+        seen = [s for r in rows if (s := _last_seen_us(r.record, r.beat_us)) is not None]
+        return min(seen, default=None)
+
+    assert collector._oldest_last_seen(run.run_pk) == reference() == 1_010_000_000
+    at(80, ev(0, "h1", Heartbeat(1, 0.1, {})))  # shard 0 beats: now shard 3 (record 40 s) is
+    assert collector._oldest_last_seen(run.run_pk) == reference() == 1_040_000_000
