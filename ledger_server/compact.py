@@ -42,6 +42,9 @@ HOT_RECORDS: Final = 50_000
 # its temp file (negative: KiB).
 _CACHE_KIB: Final = 32 * 1024
 _PLAN, _ROW = 0, 1
+# Plan rows folded per page at the end (a night of mostly unstarted shards holds a
+# million of them).
+_PLAN_PAGE: Final = 10_000
 _SCHEMA: Final = """
 CREATE TABLE spilled (
     id INTEGER PRIMARY KEY,     -- CompactRecords._ids maps each shard to it
@@ -147,7 +150,7 @@ class CompactRecords(dict[str, ShardRecord]):
         hot = dict(self)
         yield from hot.values()
         rows = self._db.execute("SELECT shard_id, kind, sequence, body, extra FROM spilled")
-        for shard_id, kind, sequence, body, extra in rows.fetchall():
+        for shard_id, kind, sequence, body, extra in rows:  # read lazily: nothing writes here
             if shard_id in hot:
                 continue
             if kind == _PLAN:
@@ -198,11 +201,17 @@ class CompactRecords(dict[str, ShardRecord]):
         while self._order:
             oldest = self._order.popleft()
             self._spill(oldest, dict.pop(self, oldest))
-        plans = self._db.execute(
-            "SELECT shard_id, sequence, body, extra FROM spilled WHERE kind = ?", (_PLAN,)
-        ).fetchall()
-        for shard_id, sequence, body, extra in plans:
-            self._spill(shard_id, _fold_plan(sequence, body, extra))
+        # Shards never started are folded from their plan rows a page at a time (each
+        # spill rewrites its row, so the pages are read ahead of the writes).
+        after = 0
+        while plans := self._db.execute(
+            "SELECT id, shard_id, sequence, body, extra FROM spilled"
+            " WHERE kind = ? AND id > ? ORDER BY id LIMIT ?",
+            (_PLAN, after, _PLAN_PAGE),
+        ).fetchall():
+            for row_id, shard_id, sequence, body, extra in plans:
+                self._spill(shard_id, _fold_plan(sequence, body, extra))
+                after = row_id
         self._ids.clear()  # from here on the table is the rows, read in plan order
         self._db.execute("COMMIT")
         total = +self._spilled_total  # drops the zero entries left by reloads
