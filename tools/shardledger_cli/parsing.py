@@ -30,7 +30,7 @@ import copy
 import difflib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, NoReturn
 
 ENV_DATABASE_URL: Final = "SHARDLEDGER_DATABASE_URL"
@@ -103,6 +103,21 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """Returns an argparse type: an int of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+
+    return parse
 
 
 def examples(*lines: str, notes: str = "") -> str:

@@ -15,7 +15,7 @@ from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
 from shardledger_cli.output import print_json, progress
-from shardledger_cli.parsing import add_db_option, add_json_option
+from shardledger_cli.parsing import add_db_option, add_json_option, whole_number
 
 DESCRIPTION: Final = """\
 Replay each run's events and compare the result with its stored projections
@@ -57,27 +57,18 @@ def register(dbsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     r.add_argument(
         "--records-in-memory",
-        type=_count,
+        type=whole_number(0),
         default=HOT_RECORDS,
         metavar="N",
         help=(
-            "shard records kept as objects while replaying (~4 KB each); the others wait"
-            " packed (~1 KB each; a run of more shards than N costs ~1.4x the CPU)."
-            f" 0 keeps them all: fastest, most memory (default: {HOT_RECORDS:,})"
+            "shard records kept as objects while replaying (~4 KB each); the others are"
+            " spilled to a temporary file in $TMPDIR (~1.5 KB each; a run of more shards"
+            " than N costs ~1.4-1.6x the CPU). 0 keeps them all: fastest, most memory"
+            f" (default: {HOT_RECORDS:,})"
         ),
     )
     add_json_option(r, single="every run's verdict")
     r.set_defaults(func=run_rebuild)
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
 
 
 def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:

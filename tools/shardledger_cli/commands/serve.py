@@ -12,18 +12,9 @@ from ledger_server.server import configure_logging, serve
 from ledger_server.startup import StartupError
 from ledger_server.store import redact_url
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
-from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option, examples
+from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option, examples, whole_number
 
-
-def positive_int(text: str) -> int:
-    """Returns an int of at least 1 (an argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+positive_int = whole_number(1)  # an argparse type: an int of at least 1
 
 
 def non_negative_seconds(text: str) -> float:
