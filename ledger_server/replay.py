@@ -85,7 +85,7 @@ class RunReplay:
         data = outer["event"]
         payload = data["payload"]
         if data["kind"] == ShardPlanned.KIND and isinstance(self.records, CompactRecords):
-            # Kept as the row until the shard's next event (a night plans every shard first).
+            # Kept as the parsed row until the shard's next event (a night plans every shard first).
             receive_us = outer["receive_time_us"]
             self.last_receive_us = int(receive_us) if type(receive_us) is str else receive_us
             index = payload["plan_index"]
@@ -93,7 +93,7 @@ class RunReplay:
                 data["shard_id"],
                 int(index) if type(index) is str else index,
                 sequence,
-                row,
+                outer,
                 row_hash,
             )
             return

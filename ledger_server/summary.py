@@ -99,8 +99,12 @@ def duplicate_kinds(record: ShardRecord) -> list[str]:
     A rerun that replaced a failed, corrupted or missing result is a repair, not a
     duplicate; only a second result is duplicated work.
     """
+    return _duplicate_kinds(record, [a for a in record.attempts.values() if _sound(record, a)])
+
+
+def _duplicate_kinds(record: ShardRecord, results: list[Attempt]) -> list[str]:
+    """duplicate_kinds, given the attempts that produced a result."""
     kinds = set()
-    results = [a for a in record.attempts.values() if _sound(record, a)]
     if len(results) > 1:
         kinds.add("wasted")
         groups: dict[str, list[Attempt]] = {}
@@ -166,42 +170,61 @@ def fingerprint_of(record: ShardRecord) -> str:
 
 
 def contributions(record: ShardRecord) -> Counter[str]:
-    """Returns the counters one shard adds to its run's summary (time-independent)."""
+    """Returns the counters one shard adds to its run's summary (time-independent).
+
+    The figures of `duplicate_kinds`, `repaired`, `first_pass_outcome`,
+    `first_attempt_verified`, `recomputed` and `numeric_warning`, with each attempt
+    judged once: the writer sums this for every shard a non-heartbeat event touches,
+    and a rebuild for every shard of the night.
+    """
     state, detail = base_state(record)
-    out: Counter[str] = Counter({"submitted": 1, f"state:{state}": 1})
+    out = {"submitted": 1, f"state:{state}": 1}
     if state == ShardState.FAILED:
-        out[f"tag:{detail}"] += 1
+        out[f"tag:{detail}"] = 1
         if detail == FailureTag.INCOMPLETE:
-            out["silent"] += 1
-    if state == ShardState.VERIFY_FAILED:
-        out[f"verify_failed:{detail}"] += 1
-        out["silent"] += 1
+            out["silent"] = 1
+    elif state == ShardState.VERIFY_FAILED:
+        out[f"verify_failed:{detail}"] = 1
+        out["silent"] = 1
     for tag in record.failures:
-        out[f"attempt_tag:{tag}"] += 1
-    kinds = duplicate_kinds(record)
+        key = f"attempt_tag:{tag}"
+        out[key] = out.get(key, 0) + 1
+    attempts = _by_start(record)
+    sound = [_sound(record, a) for a in attempts]
+    kinds = _duplicate_kinds(record, [a for a, ok in zip(attempts, sound, strict=True) if ok])
     for kind in kinds:
-        out[f"dup:{kind}"] += 1
+        out[f"dup:{kind}"] = 1
     if kinds:
-        out["dup:any"] += 1
-    if repaired(record):
-        out["repaired"] += 1
-    fp = fingerprint_of(record)
-    if fp:
-        out[f"fp:{fp}"] += 1
-    out["attempts"] += len(record.attempts)
-    out[f"first:{first_pass_outcome(record)}"] += 1
-    if first_attempt_verified(record):
-        out["first:attempt_verified"] += 1
-    if any(a.first_pass and a.numeric_step >= 0 for a in record.attempts.values()):
-        out["first:numeric"] += 1
-    if recomputed(record):
-        out["recomputed"] += 1
-    if numeric_warning(record.attempts.get(record.latest_attempt)) is not None:
-        out["numeric"] += 1
-    late = sum(1 for a in record.attempts.values() if a.late)
+        out["dup:any"] = 1
+    if any(sound[1:]) and not sound[0]:  # repaired: the first result came from a rerun
+        out["repaired"] = 1
+    latest = record.attempts.get(record.latest_attempt)
+    if latest is not None and latest.fingerprint_digest:
+        out[f"fp:{latest.fingerprint_digest}"] = 1
+    out["attempts"] = len(attempts)
+    first_pass = [a for a in attempts if a.first_pass]
+    verified = [_verified(record, a) for a in first_pass]
+    if not first_pass:
+        outcome = "missing"
+    elif any(verified):
+        outcome = "verified"
+    elif any(_silent(record, a) for a in first_pass):
+        outcome = "silent"
+    else:
+        outcome = "other"
+    out[f"first:{outcome}"] = 1
+    if attempts and attempts[0].first_pass and verified[0]:
+        out["first:attempt_verified"] = 1
+    if any(a.numeric_step >= 0 for a in first_pass):
+        out["first:numeric"] = 1
+    if len(attempts) > 1 or len(first_pass) < len(attempts):
+        out["recomputed"] = 1
+    if latest is not None and latest.numeric_step >= 0:
+        out["numeric"] = 1
+    late = sum(1 for a in attempts if a.late)
     if late:
-        out["late_attempts"] += late
-    return out
+        out["late_attempts"] = late
+    return Counter(out)
 
 
 def closing_delta(

@@ -55,3 +55,63 @@ def test_unstarted_shards_folded_a_page_at_a_time_match_the_dict_replay(
     assert list(spilled_rows) == list(dict_rows)
     assert spilled_counters == dict_counters
     assert len(spilled_rows) == 9
+
+
+def _plan(i: int, plan_index: int) -> Event:
+    return Event(
+        f"p{i}",
+        "",
+        "night",
+        f"s{i}",
+        "",
+        0,
+        ShardPlanned(f"/in/{i}", 1, "", "{}", ("out",), "", plan_index),
+    )
+
+
+def _start(i: int) -> Event:
+    return Event(f"a{i}", "", "night", f"s{i}", "a", 0, AttemptStarted("n", 1, 60_000_000, {}, ""))
+
+
+def test_plans_out_of_plan_order_come_back_sorted_like_the_dict_replay(tmp_path: Path) -> None:
+    ledger = LedgerService(SqliteStore(str(tmp_path / "ledger.db")))
+    # Planned in reverse plan order, in two appends, the second re-planning nothing.
+    ledger.append([_plan(i, 8 - i) for i in range(5)])
+    ledger.append([_plan(i, 8 - i) for i in range(5, 9)])
+    ledger.append([_start(i) for i in (0, 3, 8)])
+    ledger.append([Event("h3", "", "night", "s3", "a", 0, Heartbeat(2, 0.5, {}))])
+    spilled_rows, spilled_counters = rebuild.take_projections(
+        _replay(ledger, CompactRecords(hot=2))
+    )
+    dict_rows, dict_counters = rebuild.take_projections(_replay(ledger, None))
+    assert [(r.plan_index, r.shard_id) for r in spilled_rows] == [
+        (8 - i, f"s{i}") for i in range(8, -1, -1)
+    ]
+    assert list(spilled_rows) == list(dict_rows)
+    assert spilled_counters == dict_counters
+
+
+def test_a_record_spilled_while_live_is_brought_back_by_its_next_event(tmp_path: Path) -> None:
+    ledger = LedgerService(SqliteStore(str(tmp_path / "ledger.db")))
+    ledger.append([_plan(i, i) for i in range(3)])
+    ledger.append([_start(0), _start(1), _start(2)])
+    beats = [(0, 5), (2, 5), (0, 6)]
+    ledger.append(
+        [
+            Event(f"h{i}-{step}", "", "night", f"s{i}", "a", 0, Heartbeat(step, 0.5, {}))
+            for i, step in beats
+        ]
+    )
+    records = CompactRecords(hot=1)
+    replay = _replay(ledger, records)
+    assert records.reloaded >= 2  # s0 and s2 came back from their spilled rows
+    dict_replay = _replay(ledger, None)
+    assert len(records) == 3 and "s1" in records and "s9" not in records
+    assert sorted(r.to_json() for r in records.values()) == sorted(
+        r.to_json() for r in dict_replay.records.values()
+    )
+    assert replay.counters() == dict_replay.counters()
+    spilled_rows, spilled_counters = rebuild.take_projections(replay)
+    dict_rows, dict_counters = rebuild.take_projections(dict_replay)
+    assert list(spilled_rows) == list(dict_rows)
+    assert spilled_counters == dict_counters
