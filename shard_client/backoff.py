@@ -1,8 +1,9 @@
 """Capped exponential backoff: the one schedule of retry delays that the client and the sender use.
 
 A delay starts at `FIRST_DELAY_S`, doubles after each failure and stops growing
-at a cap. The client's RPC retries sleep a jittered delay (between half and all
-of it), so jobs that lost the ledger together do not all retry in step.
+at a cap. The client's RPC retries and the sender's waits for a ledger that is
+away or overloaded sleep a jittered delay (between half and all of it), so jobs
+that lost the ledger together, or were refused together, do not all retry in step.
 """
 
 from __future__ import annotations

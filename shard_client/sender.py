@@ -425,13 +425,14 @@ class Sender:
                 ):
                     # Blocking means waiting out even a close; the others stop at once.
                     self._wakeup.wait_for(
-                        lambda: self._closing and self.policy != "block", self._backoff
+                        lambda: self._closing and self.policy != "block",
+                        backoff.jittered(self._backoff),
                     )
                     self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
                     continue
                 if self.policy == "spool":
                     self._spill_locked(batch[pos:])
-                    self._retry_at = time.monotonic() + self._backoff
+                    self._retry_at = time.monotonic() + backoff.jittered(self._backoff)
                 else:
                     self._down = stop
                     self._fail_locked(batch[pos:], stop)
@@ -460,7 +461,7 @@ class Sender:
                 self._backoff = backoff.FIRST_DELAY_S
             else:
                 now = time.monotonic()
-                self._retry_at = now + self._backoff
+                self._retry_at = now + backoff.jittered(self._backoff)
                 if self._closing and self._retry_at >= self._exit_deadline:
                     # While closing, one last try just before the exit wait ends, if there
                     # is time for one; after it the rest stays for a later drain.

@@ -20,7 +20,15 @@ from google.protobuf.duration_pb2 import Duration
 
 from ledger_server.config import ServerConfig
 from ledger_server.server import RunningServer, create_server
-from shard_client import Ledger, LedgerClient, LedgerUnavailable, LifecycleError, PlanEntry, Sender
+from shard_client import (
+    Ledger,
+    LedgerClient,
+    LedgerUnavailable,
+    LifecycleError,
+    PlanEntry,
+    Sender,
+    backoff,
+)
 from shard_client import plan_events as make_plan_events
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.options import ShardOptionKwargs
@@ -247,6 +255,30 @@ def test_policy_raise_fails_the_acks_and_then_emit_raises(tmp_path: Path) -> Non
         sender.emit(beat("x", "att", 2))
     sender.close()
     assert not os.listdir(tmp_path)
+
+
+def test_retries_wait_jittered_delays_that_double_so_refused_jobs_spread_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs refused together (an overloaded or restarting ledger) must not retry in step."""
+    asked: list[float] = []
+
+    def jittered(delay_s: float) -> float:
+        asked.append(delay_s)
+        return delay_s * 0.5  # the shortest wait the jitter can draw
+
+    monkeypatch.setattr(backoff, "jittered", jittered)
+    sender = Sender(
+        LedgerClient("127.0.0.1:1"), policy="block", max_backoff_s=0.4, spool_root=str(tmp_path)
+    )
+    ack = sender.emit(beat("x", "att", 1))
+    assert not ack.wait(2.0)
+    sender.close(timeout=0.1)
+    assert len(asked) >= 4, asked
+    # Each wait the sender asks to jitter doubles from the first delay up to the cap.
+    first = backoff.FIRST_DELAY_S
+    assert asked[:4] == [first, 2 * first, 4 * first, 8 * first]
+    assert max(asked) <= 0.4
 
 
 def test_policy_block_holds_events_until_the_ledger_returns(servers: Servers) -> None:
