@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 import blake3
+import orjson
 
 from ledger_server.events import (
     PAYLOAD_TYPES,
@@ -84,10 +85,25 @@ def chain_hash(prev_hash: bytes, row: bytes) -> bytes:
 
 
 _RAW_DECODE: Final = json.JSONDecoder().raw_decode
+# How every row of format 2 ends (its keys sort "event", "receive_time_us", "run_sequence", "v").
+_FORMAT_2_TAIL: Final = b',"v":2}'
 
 
 def parse_row(row: bytes) -> Any:
-    """Parses a stored row's canonical JSON into plain dicts and lists."""
+    """Parses a stored row's canonical JSON into plain dicts and lists.
+
+    A row of format 2 is parsed by orjson, ~2.5 times faster than the json module (a
+    rebuild parses every row of a night): its numbers are exact there, because the
+    format writes every integer past 2**53 as a decimal string and orjson parses
+    integers exactly to 64 bits and floats to the nearest double, as json does. Any row
+    orjson refuses (and every row of format 1, whose integers are not bounded) goes to
+    the json module, which parses or refuses it as it always did.
+    """
+    if row[:1] == b"{" and row.endswith(_FORMAT_2_TAIL):
+        try:
+            return orjson.loads(row)
+        except orjson.JSONDecodeError:
+            pass  # the json scanner below says what is wrong, in its words
     # json.loads(bytes) sniffs the encoding and strips whitespace with regexes on every call;
     # a row is UTF-8 with no whitespace around it, so the scanner is called directly. Any
     # text after the value is refused, as json.loads would.

@@ -73,8 +73,11 @@ _SCHEMA: Final = (
         id INTEGER PRIMARY KEY,     -- the shard's id: plan order when the plans came in order
         shard_id TEXT NOT NULL,
         plan_index INTEGER NOT NULL,
-        body BLOB NOT NULL,         -- marshal of the row's columns
-        contributed BLOB NOT NULL   -- marshal of the record's summary contributions
+        state TEXT NOT NULL,        -- the projection row's columns (row_columns)
+        detail TEXT NOT NULL,
+        deadline_us INTEGER,
+        plan_line TEXT NOT NULL,
+        record BLOB NOT NULL        -- the record's stored JSON: a reload parses it
     )
     """,
 )
@@ -122,7 +125,7 @@ class CompactRecords(dict[str, ShardRecord]):
         # (rows are large: looked up by integer key, not by text).
         self._ids: dict[str, int] = {}
         self._plans: list[tuple[int, int, bytes, bytes]] = []  # not written yet
-        self._rows: list[tuple[int, str, int, bytes, bytes]] = []  # not written yet
+        self._rows: list[tuple[Any, ...]] = []  # not written yet
         # Plans read back ahead of their shards' first events, and how many of the
         # current window were used.
         self._window = _FIRST_WINDOW
@@ -157,7 +160,9 @@ class CompactRecords(dict[str, ShardRecord]):
         self._plans.clear()
 
     def _write_rows(self) -> None:
-        self._db.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?)", self._rows)
+        self._db.executemany(
+            "INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self._rows
+        )
         self._rows.clear()
 
     def _plan_record(self, row_id: int) -> ShardRecord:
@@ -193,11 +198,12 @@ class CompactRecords(dict[str, ShardRecord]):
             # end spills every hot record): its contributions are taken back meanwhile.
             if self._rows:
                 self._write_rows()
-            body, contributed = self._db.execute(
-                "SELECT body, contributed FROM rows WHERE id = ?", (row_id,)
+            (stored,) = self._db.execute(
+                "SELECT record FROM rows WHERE id = ?", (row_id,)
             ).fetchone()
-            record = ShardRecord.from_json(marshal.loads(body)[4])
-            self._spilled_total.subtract(dict(marshal.loads(contributed)))
+            record = ShardRecord.from_json(stored)
+            # What it added when it spilled: a function of the record, which the JSON keeps.
+            self._spilled_total.subtract(contributions(record))
             self.reloaded += 1
         self._put(shard_id, record)
         return record
@@ -237,10 +243,10 @@ class CompactRecords(dict[str, ShardRecord]):
             if row_id < 0:
                 yield self._plan_record(-row_id)
             else:
-                (body,) = self._db.execute(
-                    "SELECT body FROM rows WHERE id = ?", (row_id,)
+                (stored,) = self._db.execute(
+                    "SELECT record FROM rows WHERE id = ?", (row_id,)
                 ).fetchone()
-                yield ShardRecord.from_json(marshal.loads(body)[4])
+                yield ShardRecord.from_json(stored)
 
     def _put(self, shard_id: str, record: ShardRecord) -> None:
         dict.__setitem__(self, shard_id, record)
@@ -251,23 +257,22 @@ class CompactRecords(dict[str, ShardRecord]):
 
     def _spill(self, shard_id: str, record: ShardRecord) -> None:
         columns = row_columns(record)
-        contributed = contributions(record)
-        self._spilled_total.update(contributed)
-        body = marshal.dumps(
+        self._spilled_total.update(contributions(record))
+        row_id = self._ids.get(shard_id)
+        if row_id is None:
+            row_id = self._new_id(shard_id, record.plan_index)
+        self._ids[shard_id] = row_id = abs(row_id)
+        self._rows.append(
             (
+                row_id,
+                shard_id,
+                record.plan_index,
                 columns["state"],
                 columns["detail"],
                 columns["deadline_us"],
                 columns["plan_line"],
                 columns["record"],
             )
-        )
-        row_id = self._ids.get(shard_id)
-        if row_id is None:
-            row_id = self._new_id(shard_id, record.plan_index)
-        self._ids[shard_id] = row_id = abs(row_id)
-        self._rows.append(
-            (row_id, shard_id, record.plan_index, body, marshal.dumps(tuple(contributed.items())))
         )
         if len(self._rows) >= _BATCH:
             self._write_rows()
@@ -322,10 +327,10 @@ class SpilledRows(Collection[ShardRow]):
 
     def __iter__(self) -> Iterator[ShardRow]:
         rows = self._db.execute(
-            f"SELECT shard_id, plan_index, body FROM rows ORDER BY {self._order}"
+            "SELECT shard_id, plan_index, state, detail, deadline_us, plan_line, record"
+            f" FROM rows ORDER BY {self._order}"
         )
-        for shard_id, plan_index, body in rows:
-            state, detail, deadline_us, plan_line, record = marshal.loads(body)
+        for shard_id, plan_index, state, detail, deadline_us, plan_line, record in rows:
             yield ShardRow(
                 shard_id=shard_id,
                 plan_index=plan_index,

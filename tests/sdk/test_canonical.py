@@ -23,6 +23,7 @@ from ledger_server.chain import (
     decode_row,
     encode_parsed_row,
     encode_row,
+    parse_row,
     row_bytes,
 )
 from ledger_server.events import ROW_FORMAT, ROW_FORMAT_LEGACY, content_jcs
@@ -68,6 +69,35 @@ def test_the_fast_path_is_rfc8785(value: Any) -> None:
             canonical_json(value)
         return
     assert canonical_json(value).encode() == expected
+
+
+@settings(max_examples=800, deadline=None)
+@given(_VALUES, st.integers(1, 2**53), st.integers(0, 2**53))
+def test_a_stored_row_parses_to_what_the_json_module_reads(
+    value: Any, run_sequence: int, receive_us: int
+) -> None:
+    """parse_row reads format-2 rows with orjson: the values must be the json module's, exactly."""
+    try:
+        content = canonical_json({"payload": value})
+    except ValueError:
+        return  # not storable (an integer past 2**53 outside the typed fields)
+    for row_format in (ROW_FORMAT, ROW_FORMAT_LEGACY):
+        row = encode_row(
+            content, run_sequence=run_sequence, receive_time_us=receive_us, row_format=row_format
+        )
+        parsed, expected = parse_row(row), json.loads(row)
+        assert parsed == expected
+        # == says 1 == 1.0 and 0.0 == -0.0: the types and signs must match too.
+        assert repr(parsed) == repr(expected)
+
+
+def test_a_row_orjson_refuses_is_parsed_or_refused_by_the_json_module() -> None:
+    # A float past the double range: json reads infinity, as before the fast path.
+    assert parse_row(b'{"event":1e400,"v":2}') == {"event": float("inf"), "v": 2}
+    with pytest.raises(ValueError, match="Expecting"):
+        parse_row(b'{"event":,"v":2}')
+    with pytest.raises(ValueError, match="extra data"):
+        parse_row(b'{"a":1} {"event":1,"v":2}')
 
 
 @settings(max_examples=300, deadline=None)
