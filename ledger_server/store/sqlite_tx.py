@@ -104,6 +104,10 @@ class SqliteWriteTx:
         self.conn = conn
         top = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
         self._buf = _Buffer(next_seq=int(top) + 1)
+        # Runs whose projections this transaction cleared and no heartbeat row was written
+        # for since: a shard row saved for one has no heartbeat row to delete (a rebuild's
+        # rewrite saves a million rows this way).
+        self._cleared_runs: set[int] = set()
 
     @contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -230,7 +234,8 @@ class SqliteWriteTx:
             shard.record,
         )
         buf.beats.pop(key, None)
-        buf.cleared.add(key)
+        if run_pk not in self._cleared_runs:
+            buf.cleared.add(key)
 
     def touch_shard(
         self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
@@ -239,6 +244,7 @@ class SqliteWriteTx:
         buf = self._buf
         buf.beats[key] = (deadline_us, beat_us, beat_step)
         buf.cleared.discard(key)
+        self._cleared_runs.discard(run_pk)
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         counters = self._buf.counters
@@ -260,6 +266,7 @@ class SqliteWriteTx:
             self.flush()  # writes buffered before this call land first, and are cleared too
             for table in ("shards", "shard_beats", "run_counters"):
                 self.conn.execute(f"DELETE FROM {table} WHERE run_pk = ?", (run_pk,))
+            self._cleared_runs.add(run_pk)
         except sqlite3.Error as exc:
             raise translate(exc) from exc
 
