@@ -62,8 +62,8 @@ def register(dbsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N",
         help=(
             "shard records kept as objects while replaying (~4 KB each); the others are"
-            " spilled to a temporary file in $TMPDIR (~1.5 KB each; a run of more shards"
-            " than N costs ~1.4-1.6x the CPU). 0 keeps them all: fastest, most memory"
+            " spilled to a temporary file in $TMPDIR (~1.7 KB each; a run of more shards"
+            " than N costs ~1.1-1.2x the CPU). 0 keeps them all: fastest, most memory"
             f" (default: {HOT_RECORDS:,})"
         ),
     )
