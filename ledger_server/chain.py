@@ -216,6 +216,9 @@ def recorded(stored: StoredEvent) -> RecordedEvent:
 class ChainWalker:
     """Recomputes one run's hash chain row by row: what every chain check walks with.
 
+    (The rebuild's replay inlines `links` and `advance`: it calls them ten million
+    times in a big night.)
+
     Each caller names a break in its own words, so the walker answers questions
     (is the row next? does it link?) and moves only when told the row is good.
     """
