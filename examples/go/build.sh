@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds examples/go offline with Debian's Go packages (GOPATH mode, no module downloads):
-#   apt-get install golang-go protobuf-compiler golang-google-protobuf-dev \
+#   apt-get install golang-go protobuf-compiler libprotobuf-dev golang-google-protobuf-dev \
 #     golang-google-grpc-dev golang-google-genproto-dev golang-lukechampine-blake3-dev
+# (libprotobuf-dev has the well-known types, /usr/include/google/protobuf/*.proto)
 # protoc-gen-go and protoc-gen-go-grpc are built from the sources those packages ship,
 # the stubs generated from proto/ into a work directory, and the client built there.
 #

@@ -32,10 +32,12 @@ from tests.builders import run_cli
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "tests" / "data" / "contract_vectors.json"
 _MISSING = [tool for tool in ("go", "protoc") if shutil.which(tool) is None]
+if not Path("/usr/include/google/protobuf/timestamp.proto").exists():
+    _MISSING.append("protoc's well-known types")
 pytestmark = pytest.mark.skipif(
     bool(_MISSING),
     reason=f"{' and '.join(_MISSING)} not installed (apt-get install golang-go protobuf-compiler"
-    " golang-google-protobuf-dev golang-google-grpc-dev golang-google-genproto-dev"
+    " libprotobuf-dev golang-google-protobuf-dev golang-google-grpc-dev golang-google-genproto-dev"
     " golang-lukechampine-blake3-dev; .ci/run does)",
 )
 
