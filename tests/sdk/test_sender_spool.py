@@ -261,22 +261,27 @@ def test_retries_wait_jittered_delays_that_double_so_refused_jobs_spread_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Jobs refused together (an overloaded or restarting ledger) must not retry in step."""
-    asked: list[float] = []
+    asked: list[tuple[object, float]] = []
 
     def jittered(delay_s: float) -> float:
-        if sys._getframe(1).f_globals.get("__name__") == "shard_client.sender":
-            asked.append(delay_s)  # the sender's own waits, not the client's RPC retries
+        # Which sender asked: senders of earlier tests may still be retrying in this
+        # process, and the client's RPC retries draw from the same function.
+        asked.append((sys._getframe(1).f_locals.get("self"), delay_s))
         return delay_s * 0.5  # the shortest wait the jitter can draw
 
     monkeypatch.setattr(backoff, "jittered", jittered)
     sender = Sender(
         LedgerClient("127.0.0.1:1"), policy="block", max_backoff_s=0.4, spool_root=str(tmp_path)
     )
+
+    def own() -> list[float]:
+        return [delay for who, delay in list(asked) if who is sender]
+
     ack = sender.emit(beat("x", "att", 1))
     deadline = time.monotonic() + 20
-    while 0.4 not in asked and time.monotonic() < deadline:
+    while 0.4 not in own() and time.monotonic() < deadline:
         time.sleep(0.05)
-    waits = list(asked)
+    waits = own()
     assert not ack.acknowledged
     sender.close(timeout=0.1)
     # Every wait is jittered, from the first delay, doubling up to the cap.
