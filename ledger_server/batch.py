@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
+from ledger_server import field as figures
 from ledger_server import projections as proj
 from ledger_server import ranks
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
@@ -334,6 +335,14 @@ class BatchFolder:
         else:
             flagged = isinstance(payload, Heartbeat) and bool(payload.nonfinite_metrics)
             flagged = flagged or ranks.changes_state(payload)  # a rank finished: may end it
+            # A heartbeat or checkpoint of an attempt that ended (or was superseded) moves
+            # its span or its checkpoint times in the field figures; only an open attempt's
+            # wait for its end (ledger_server.field).
+            flagged = flagged or (
+                isinstance(payload, _COUNTER_NEUTRAL)
+                and event.attempt_id in record.attempts
+                and not figures.is_open(record, record.attempts[event.attempt_id])
+            )
             if flagged or not isinstance(payload, _COUNTER_NEUTRAL):
                 state.before.setdefault(shard_key, contributions(record))
             if flagged or not _plain_latest_beat(record, event):

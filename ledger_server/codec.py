@@ -118,6 +118,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             local_rank=s.local_rank,
             launch_id=s.launch_id,
             restart_count=s.restart_count,
+            gpu_count=s.gpu_count,
         )
     if case == "heartbeat":
         h = msg.heartbeat
@@ -258,6 +259,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 local_rank=p.local_rank,
                 launch_id=p.launch_id,
                 restart_count=p.restart_count,
+                gpu_count=p.gpu_count,
             )
         )
     elif isinstance(p, Heartbeat):
@@ -359,3 +361,20 @@ def run_summary_pb(summary: dict[str, Any]) -> pb.RunSummary:
 def shard_details_pb(view: dict[str, Any]) -> pb.ShardDetails:
     """Returns the typed shard view (a key without a field yet is left out, as for summaries)."""
     return json_format.ParseDict(view, pb.ShardDetails(), ignore_unknown_fields=True)
+
+
+def _no_nulls(value: Any) -> Any:
+    """Returns the JSON value without null members (an unset optional field)."""
+    if isinstance(value, dict):
+        return {k: _no_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def run_report_pb(report: dict[str, Any]) -> pb.RunReport:
+    """Returns the typed run report (field.run_report's keys; as_of_us is the response's)."""
+    return json_format.ParseDict(_no_nulls(report), pb.RunReport(), ignore_unknown_fields=True)
+
+
+def label_group_pb(group: dict[str, Any]) -> pb.LabelGroup:
+    """Returns one typed group of CompareRuns (field.compare's keys)."""
+    return json_format.ParseDict(_no_nulls(group), pb.LabelGroup(), ignore_unknown_fields=True)

@@ -78,6 +78,8 @@ class AttemptStarted:
     local_rank: int = 0
     launch_id: str = ""
     restart_count: int = 0
+    # GPUs this process held (0: unknown; the field figures count one).
+    gpu_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +212,7 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
         "local_rank",
         "launch_id",
         "restart_count",
+        "gpu_count",
     ),
     Heartbeat: (
         "nonfinite_metrics",

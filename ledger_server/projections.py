@@ -177,6 +177,7 @@ def new_record(rec: RecordedEvent) -> ShardRecord:
         definition_json=canonical_json(p.definition()),
         expected_outputs=p.expected_outputs,
         planned_seq=rec.sequence,
+        labels=dict(p.labels),
     )
 
 
@@ -190,6 +191,7 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         if joined is not None:
             # Another rank of a multi-rank attempt: the attempt stays what it is.
             ranks.join_rank(joined, p, now)
+            joined.gpus += p.gpu_count
             return
         attempt = record.attempts[event.attempt_id] = Attempt(
             attempt_id=event.attempt_id,
@@ -203,6 +205,10 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
             late=_arrived_late(rec, p.heartbeat_timeout_us),
             scheduler=dict(p.scheduler),
             process_start_ticks=p.process_start_ticks,
+            started_us=now,
+            client_started_us=event.client_time_us,
+            gpus=p.gpu_count,
+            labels=dict(p.labels),
         )
         ranks.open_ranks(attempt, p, now)
         record.latest_attempt = event.attempt_id
@@ -229,6 +235,9 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         if ranks.fold_checkpoint_part(attempt, p):  # a sharded one counts once whole
             attempt.last_step = max(attempt.last_step, p.step)
             attempt.last_checkpoint = p.path
+            attempt.saved_us = max(attempt.saved_us, now)
+            if p.write_us > 0:
+                attempt.checkpoint_writes.append(p.write_us)
     elif isinstance(p, ArtifactCommitted):
         if p.path in record.path_heads or any(
             held[0] == p.path and held[2] != p.blake3_hex
@@ -248,7 +257,12 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         # A commit from an attempt that a newer one superseded is a zombie's.
         if event.attempt_id != record.latest_attempt:
             record.zombie_commits += 1
+            attempt.zombie = True
+        if not attempt.failed_tag:  # an attempt that ends cleanly ends at its last commit
+            attempt.ended_us, attempt.client_ended_us = now, event.client_time_us
     elif isinstance(p, AttemptFailed):
+        if not attempt.failed_tag:
+            attempt.ended_us, attempt.client_ended_us = now, event.client_time_us
         attempt.failed_tag = p.tag
         attempt.failed_message = p.message
         attempt.failed_after_pass = attempt.first_pass and not first_pass
@@ -300,7 +314,13 @@ def fold_live_beat(record: ShardRecord | None, event: Event, now_us: int) -> boo
         return False
     attempt = record.attempts.get(event.attempt_id)
     # A rank of a multi-rank attempt keeps its own liveness in the record: generic fold.
-    if attempt is None or attempt.failed_tag or ranks.is_ranked(attempt):
+    # So does an attempt that committed its outputs: its steps count in the field figures.
+    if (
+        attempt is None
+        or attempt.failed_tag
+        or ranks.is_ranked(attempt)
+        or is_complete(record, attempt)
+    ):
         return False
     fold_beat(record, event.attempt_id, now_us, p.step)
     return True

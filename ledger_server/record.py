@@ -21,7 +21,10 @@ from shard_client.canonical import legacy_json
 # pollution and late spooled events are recorded.
 # 3: attempts of several ranks (torchrun/DDP) keep each rank's liveness, and sharded
 # checkpoints count only once every part is saved.
-RECORD_VERSION: Final = 3
+# 4: what the field figures need (ledger_server.field): every attempt's start and end on
+# both clocks, the GPUs it held, its labels, its checkpoint write times and last progress,
+# whether it committed as a zombie; the plan's labels.
+RECORD_VERSION: Final = 4
 
 
 @dataclass(slots=True)
@@ -106,6 +109,21 @@ class Attempt:
     started_us: int = 0
     ranks: dict[int, Rank] = field(default_factory=dict)
     checkpoint_parts: dict[int, list[int]] = field(default_factory=dict)
+    # What the field figures need (ledger_server.field; docs/metrics.md). The job's clock
+    # at its started event and at its end (the failed event, else its latest commit);
+    # the ledger's clock at that end (0: no end event yet).
+    client_started_us: int = 0
+    ended_us: int = 0
+    client_ended_us: int = 0
+    # GPUs the attempt held as its started events said (0: unknown), its own labels.
+    gpus: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    # When it last saved a whole checkpoint (0: never): what a hang throws away is since then.
+    saved_us: int = 0
+    # Checkpoint write times (µs) as the SDK measured them, one per saved checkpoint.
+    checkpoint_writes: list[int] = field(default_factory=list)
+    # It committed after a newer attempt of the shard had started.
+    zombie: bool = False
 
 
 @dataclass(slots=True)
@@ -128,6 +146,8 @@ class ShardRecord:
     # (of any attempts or names) gave different bytes: on every other path each holder's
     # digest is the latest. An artifact is intact only while it is still its path's bytes.
     path_heads: dict[str, str] = field(default_factory=dict)
+    # The labels the shard was planned with (the run's).
+    labels: dict[str, str] = field(default_factory=dict)
     # base_state's answer, kept until apply() folds an event that may change it; not stored.
     state_memo: tuple[ShardState, str] | None = field(default=None, compare=False, repr=False)
 
@@ -149,6 +169,8 @@ class ShardRecord:
         }
         if self.path_heads:
             data["path_heads"] = self.path_heads
+        if self.labels:
+            data["labels"] = self.labels
         return legacy_json(data)
 
     @classmethod
@@ -182,6 +204,7 @@ class ShardRecord:
             zombie_commits=d["zombie_commits"],
             failures=d["failures"],
             path_heads=d.get("path_heads", {}),
+            labels=d.get("labels", {}),
         )
 
 
@@ -189,6 +212,19 @@ def record_version(text: str | bytes) -> int:
     """Returns the format version of a stored record without building it."""
     version = json.loads(text).get("v", 1)
     return version if isinstance(version, int) else 1
+
+
+# Attempt fields of record version 4, stored only when set.
+_LATER_ATTEMPT_FIELDS: Final = (
+    "client_started_us",
+    "ended_us",
+    "client_ended_us",
+    "gpus",
+    "labels",
+    "saved_us",
+    "checkpoint_writes",
+    "zombie",
+)
 
 
 def _attempt_json(a: Attempt) -> dict[str, Any]:
@@ -223,11 +259,16 @@ def _attempt_json(a: Attempt) -> dict[str, Any]:
         out["scheduler"] = a.scheduler
     if a.process_start_ticks:
         out["process_start_ticks"] = a.process_start_ticks
+    if a.started_us:
+        out["started_us"] = a.started_us
+    for name in _LATER_ATTEMPT_FIELDS:
+        value = getattr(a, name)
+        if value:
+            out[name] = value
     if a.world_size > 1:
         out["world_size"] = a.world_size
         out["launch_id"] = a.launch_id
         out["restart_count"] = a.restart_count
-        out["started_us"] = a.started_us
         out["ranks"] = {str(r): rank.to_json() for r, rank in sorted(a.ranks.items())}
     if a.checkpoint_parts:
         out["checkpoint_parts"] = {str(s): parts for s, parts in a.checkpoint_parts.items()}

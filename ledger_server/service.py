@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Final, NamedTuple
 
+from ledger_server import field as figures
 from ledger_server.batch import AppendResult
 from ledger_server.chain import recorded
 from ledger_server.committer import GroupCommitter
@@ -20,10 +21,16 @@ from ledger_server.errors import (
 )
 from ledger_server.events import Event, RecordedEvent
 from ledger_server.record import record_from_row
-from ledger_server.states import QUERY_STATES, canonical_query, stored_states
+from ledger_server.states import QUERY_STATES, ShardState, canonical_query, stored_states
 from ledger_server.store.base import RunRow, ShardRow, Store
 from ledger_server.summary import matches, run_summary, shard_view
-from ledger_server.validation import ValidEvent, check_id, check_namespace, validate
+from ledger_server.validation import (
+    ValidEvent,
+    check_id,
+    check_label_key,
+    check_namespace,
+    validate,
+)
 
 MAX_EVENTS_PER_BATCH: Final = 10_000
 
@@ -134,6 +141,50 @@ class LedgerService:
         out["event_count"] = run.event_count
         out["head_hash"] = run.head_hash.hex()
         return out
+
+    def report(self, namespace: str, run_id: str, *, now: int | None = None) -> dict[str, Any]:
+        """Returns the run's field figures at now: costs, checkpoint advice, first pass.
+
+        From the run's summed counters and its running shards alone (never every
+        event): docs/metrics.md defines each figure.
+        """
+        run = self.run(namespace, run_id)
+        at = self.clock() if now is None else now
+        view = self.store.read()
+        counters = Counter(view.counters(run.run_pk))
+        labels: dict[str, str] = {}
+        for row in view.iter_shards(run.run_pk):
+            assert row.record is not None
+            labels = record_from_row(row.record, None, None).labels
+            break
+        out = figures.run_report(counters, self._open_parts(view, run, at), labels=labels)
+        return {"namespace": run.namespace, "run_id": run.run_id, **out, "as_of_us": at}
+
+    def compare(
+        self, namespace: str, run_ids: Sequence[str], label: str, *, now: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Returns report 1's platform table over the runs by one label's values, at now."""
+        check_label_key(label)
+        at = self.clock() if now is None else now
+        runs = [self.run(namespace, run_id) for run_id in run_ids]  # every name checked first
+        view = self.store.read()
+        return figures.compare(
+            (
+                (run.run_id, view.counters(run.run_pk), self._open_parts(view, run, at))
+                for run in runs
+            ),
+            label,
+        )
+
+    @staticmethod
+    def _open_parts(view: Any, run: RunRow, at: int) -> list[figures.OpenPart]:
+        parts = []
+        for row in view.iter_shards(run.run_pk, states=[ShardState.RUNNING.value]):
+            assert row.record is not None
+            part = figures.open_part(record_from_row(row.record, row.beat_us, row.beat_step), at)
+            if part is not None:
+                parts.append(part)
+        return parts
 
     def shards(
         self,

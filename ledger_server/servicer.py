@@ -25,6 +25,8 @@ from shard_client.canonical import legacy_json
 
 MAX_PAGE_SIZE: Final = 5000
 RESUME_CHUNK: Final = 1000
+# CompareRuns names at most this many runs (report --by reads --last N, default 20).
+MAX_COMPARED_RUNS: Final = 1000
 # Bytes of entries in one read response or stream message: a quarter of the 16 MiB message
 # limit, so a page of maximal events (64 KiB each) ends early instead of failing the call.
 READ_BUDGET_BYTES: Final = 4 * 1024 * 1024
@@ -227,6 +229,37 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                 summary_json=legacy_json(summary),
                 as_of_time=codec.us_timestamp(summary["as_of_us"]),
                 summary=codec.run_summary_pb(summary),
+            )
+
+    def GetRunReport(
+        self, request: pb.GetRunReportRequest, context: grpc.ServicerContext
+    ) -> pb.GetRunReportResponse:
+        with abort_on_error(context):
+            ns = self._scope(context, READ, request.namespace, request.run_id)
+            report = self.ledger.report(ns, request.run_id)
+            return pb.GetRunReportResponse(
+                report=codec.run_report_pb(report),
+                as_of_time=codec.us_timestamp(report["as_of_us"]),
+            )
+
+    def CompareRuns(
+        self, request: pb.CompareRunsRequest, context: grpc.ServicerContext
+    ) -> pb.CompareRunsResponse:
+        with abort_on_error(context):
+            run_ids = list(request.run_ids)
+            if not 1 <= len(run_ids) <= MAX_COMPARED_RUNS:
+                raise InvalidEvent("run_ids", f"must name 1 to {MAX_COMPARED_RUNS} runs")
+            if len(set(run_ids)) < len(run_ids):
+                raise InvalidEvent("run_ids", "names a run twice")
+            ns = request.namespace
+            for run_id in run_ids:
+                check_id("run_ids", run_id)
+                ns = self._scope(context, READ, request.namespace, run_id)
+            at = self.ledger.clock()
+            groups = self.ledger.compare(ns, run_ids, request.label, now=at)
+            return pb.CompareRunsResponse(
+                groups=[codec.label_group_pb(g) for g in groups],
+                as_of_time=codec.us_timestamp(at),
             )
 
     def ListShards(

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from ledger_server import field as figures
 from ledger_server import ranks
 from ledger_server.events import SubmissionClosed
 from ledger_server.projections import (
@@ -204,16 +205,18 @@ def contributions(record: ShardRecord) -> Counter[str]:
     out["attempts"] = len(attempts)
     first_pass = [a for a in attempts if a.first_pass]
     verified = [_verified(record, a) for a in first_pass]
+    first_silent = None
     if not first_pass:
         outcome = "missing"
     elif any(verified):
         outcome = "verified"
-    elif any(_silent(record, a) for a in first_pass):
+    elif (first_silent := next((a for a in first_pass if _silent(record, a)), None)) is not None:
         outcome = "silent"
     else:
         outcome = "other"
     out[f"first:{outcome}"] = 1
-    if attempts and attempts[0].first_pass and verified[0]:
+    first_attempt_verified = bool(attempts and attempts[0].first_pass and verified[0])
+    if first_attempt_verified:
         out["first:attempt_verified"] = 1
     if any(a.numeric_step >= 0 for a in first_pass):
         out["first:numeric"] = 1
@@ -224,7 +227,16 @@ def contributions(record: ShardRecord) -> Counter[str]:
     late = sum(1 for a in attempts if a.late)
     if late:
         out["late_attempts"] = late
-    return Counter(out)
+    total = Counter(out)
+    total.update(
+        figures.contributions(
+            record,
+            first_outcome=outcome,
+            first_attempt_verified=first_attempt_verified,
+            first_silent=first_silent,
+        )
+    )
+    return total
 
 
 def closing_delta(

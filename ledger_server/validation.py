@@ -47,6 +47,8 @@ MAX_MAP_ENTRIES: Final = 256
 MAX_PAYLOAD_BYTES: Final = 64 * 1024
 MAX_HEARTBEAT_TIMEOUT_US: Final = 7 * 24 * 3600 * 1_000_000
 MAX_WORLD_SIZE: Final = 65_536
+# The GPUs one process may say it holds (AttemptStarted.gpu_count).
+MAX_GPU_COUNT: Final = 4096
 
 # The last microsecond a protobuf Timestamp may hold: 9999-12-31T23:59:59.999999Z.
 MAX_TIMESTAMP_US: Final = 253_402_300_799_999_999
@@ -188,6 +190,13 @@ def normalize_plan(p: ShardPlanned, row_format: int = ROW_FORMAT) -> ShardPlanne
     )
 
 
+def check_label_key(key: str) -> None:
+    """Raises InvalidEvent (field ``label``) unless ``key`` is a label key."""
+    problem = label_problem({key: ""})
+    if problem:
+        raise InvalidEvent("label", problem)
+
+
 def _check_labels(field_name: str, labels: dict[str, str]) -> None:
     problem = label_problem(labels)
     if problem:
@@ -321,6 +330,8 @@ def _check_ranks(p: AttemptStarted) -> None:
         raise InvalidEvent("started.local_rank", "must be in [0, started.world_size)")
     _check_text("started.launch_id", p.launch_id, 255)
     _check_size("started.restart_count", p.restart_count)
+    if not 0 <= p.gpu_count <= MAX_GPU_COUNT:
+        raise InvalidEvent("started.gpu_count", f"must be in [0, {MAX_GPU_COUNT}]")
 
 
 def _own_digest(p: AttemptStarted) -> AttemptStarted:

@@ -99,8 +99,8 @@ def _us(ts: Any) -> int:
 def measure_events(events: Iterable[pb.ShardEvent]) -> CheckpointAdvice:
     """Returns the advice for a run from its events (as ListEvents returns them).
 
-    T is the median wall time (ledger receive times) of attempts that committed
-    and did not fail; w the median measured checkpoint write time; p the share
+    T is the median span (ledger receive times, from the started event to the
+    last commit) of attempts that committed and did not fail; w the median measured checkpoint write time; p the share
     of ended attempts that were reclaimed (failed preempted or killed).
     """
     attempts: dict[str, AttemptSpan] = {}
@@ -112,9 +112,10 @@ def measure_events(events: Iterable[pb.ShardEvent]) -> CheckpointAdvice:
             attempts[e.attempt_id] = AttemptSpan(now, now)
             continue
         a = attempts.get(e.attempt_id)
-        if a is None:
-            continue
-        a.last_us = max(a.last_us, now)
+        if a is None or kind == "verified":
+            continue  # a verdict names the attempt it judged; it is no event of the attempt
+        if not a.commits or kind == "artifact_committed":
+            a.last_us = max(a.last_us, now)  # an attempt that committed ends at its last commit
         if kind == "heartbeat":
             a.last_step = max(a.last_step, e.heartbeat.step)
         elif kind == "checkpoint" and e.checkpoint.HasField("write_duration"):
@@ -152,7 +153,7 @@ def advice_from(attempts: Sequence[AttemptSpan], writes: Sequence[float]) -> Che
 def checkpoint_advice(
     run_id: str, *, client: Any = None, target: str | None = None, namespace: str = ""
 ) -> CheckpointAdvice:
-    """Returns the checkpoint interval advice measured from a run in the ledger.
+    """Returns the checkpoint interval advice the ledger measured from a run (GetRunReport).
 
     ``client`` is a LedgerClient (else one is made for ``target``, default
     $SHARDLEDGER_SERVER, and closed afterwards). Set ``checkpoint_every`` from
@@ -163,7 +164,21 @@ def checkpoint_advice(
     own = client is None
     client = client or LedgerClient(target)
     try:
-        return measure_events(client.list_events(run_id, namespace=namespace, page_size=5000))
+        advice = client.run_report(run_id, namespace=namespace).report.checkpoint_advice
     finally:
         if own:
             client.close()
+
+    def optional(name: str) -> Any:
+        return getattr(advice, name) if advice.HasField(name) else None
+
+    return CheckpointAdvice(
+        shard_duration_s=optional("shard_duration_s"),
+        checkpoint_write_s=optional("checkpoint_write_s"),
+        reclaim_probability=optional("reclaim_probability"),
+        attempts=advice.attempts,
+        interval_s=optional("interval_s"),
+        interval_steps=optional("interval_steps"),
+        expected_waste_s=optional("expected_waste_s"),
+        reason=advice.reason,
+    )

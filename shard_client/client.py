@@ -259,6 +259,24 @@ class LedgerClient:
         response = self.call(lambda t: self.stub.GetRunSummary(request, timeout=t))
         return str(response.summary_json)
 
+    def run_report(self, run_id: str, *, namespace: str = "") -> pb.GetRunReportResponse:
+        """Returns the run's field figures (GPU time, what failures cost, checkpoint advice)."""
+        request = pb.GetRunReportRequest(namespace=namespace, run_id=run_id)
+        response: pb.GetRunReportResponse = self.call(
+            lambda t: self.stub.GetRunReport(request, timeout=t)
+        )
+        return response
+
+    def compare_runs(
+        self, run_ids: list[str], label: str, *, namespace: str = ""
+    ) -> pb.CompareRunsResponse:
+        """Returns report 1's platform table: the runs' shards grouped by one label's values."""
+        request = pb.CompareRunsRequest(namespace=namespace, run_ids=run_ids, label=label)
+        response: pb.CompareRunsResponse = self.call(
+            lambda t: self.stub.CompareRuns(request, timeout=t)
+        )
+        return response
+
     def shards(
         self, run_id: str, *, namespace: str = "", state: str = "", page_size: int = 1000
     ) -> Iterator[pb.ShardView]:

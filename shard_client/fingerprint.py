@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from shard_client.canonical import digest_fields, fingerprint_digest, fingerprint_json
 
-__all__ = ["SCHEMA_VERSION", "Fingerprint", "NvmlSeam", "PynvmlSeam", "fingerprint"]
+__all__ = ["SCHEMA_VERSION", "Fingerprint", "NvmlSeam", "PynvmlSeam", "fingerprint", "gpu_count"]
 
 # Bumped whenever a key is added, removed or renamed, so digests are comparable.
 SCHEMA_VERSION = "2"
@@ -242,3 +242,24 @@ def fingerprint(
     fields.update(_gpu_fields(nvml if nvml is not None else PynvmlSeam()))
     fields.update(_torch_fields() if with_torch else {"torch": "not-read"})
     return Fingerprint.from_fields(fields)
+
+
+def gpu_count(fields: Mapping[str, str], env: Mapping[str, str], *, one_rank: bool) -> int:
+    """Returns the GPUs this process holds, for the field figures' GPU time (0: unknown).
+
+    The devices CUDA_VISIBLE_DEVICES names (CUDA stops at the first invalid entry, and
+    "-1" hides them all), else NVML's device count from the fingerprint fields. One
+    rank of a multi-rank launch uses one device of those it sees (torchrun's
+    LOCAL_RANK picks it), so it holds one.
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [entry.strip() for entry in visible.split(",")]
+        count = next(
+            (i for i, entry in enumerate(entries) if not entry or entry.startswith("-")),
+            len(entries),
+        )
+    else:
+        raw = fields.get("gpu.count", "")
+        count = int(raw) if raw.isdigit() else 0
+    return min(count, 1) if one_rank else count

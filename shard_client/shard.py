@@ -39,7 +39,7 @@ from shard_client.classify import describe, failure_tag
 from shard_client.diagnostics import BundleContext
 from shard_client.errors import LedgerClientError, LedgerRejected
 from shard_client.failures import IncompleteShard, Preempted
-from shard_client.fingerprint import Fingerprint
+from shard_client.fingerprint import Fingerprint, gpu_count
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
@@ -195,6 +195,7 @@ class Shard:
             scheduler=_scheduler_identity(),
             process_start_ticks=process_start_ticks(),
             labels=self._labels(),
+            gpu_count=gpu_count(fp.fields, os.environ, one_rank=self.rank_info is not None),
         )
         if self.rank_info is not None:
             started.rank = self.rank_info.rank

@@ -12,9 +12,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any, Final
 
-from shardledger_cli.costs import checkpoint_advice_of, run_costs
 from shardledger_cli.output import equation
-from shardledger_cli.run_data import RunData
 
 __all__ = ["render_html"]
 
@@ -181,13 +179,23 @@ def _counts(title: str, counts: dict[str, int], ident: str) -> str:
     return f'<h3>{escape(title)}</h3><div id="{ident}">{_bars(rows, title)}</div>'
 
 
-def render_html(data: RunData, *, history: Sequence[RunData] = ()) -> str:
-    """Returns the whole page for one run; ``history`` are earlier runs, oldest first."""
-    s = data.summary
+def render_html(
+    report: dict[str, Any],
+    views: Sequence[dict[str, Any]],
+    *,
+    history: Sequence[dict[str, Any]] = (),
+) -> str:
+    """Returns the whole page for one run.
+
+    ``report`` is what `report RUN --json` prints (the server's figures), ``views``
+    the run's shard views, ``history`` the summaries of earlier runs, oldest first.
+    """
+    s = report["summary"]
+    run_id = report["run_id"]
     fp = s.get("first_pass") or {}
-    costs = run_costs(data)
-    advice = checkpoint_advice_of(data)
-    labels = ", ".join(f"{k}={v}" for k, v in data.tables.labels.items()) or "no labels"
+    costs = report["costs"]
+    advice = report["checkpoint_advice"]
+    labels = ", ".join(f"{k}={v}" for k, v in report["labels"].items()) or "no labels"
     parts = [(k, int(s[k]), PART_COLOURS[k]) for k in EQUATION_PARTS]
     first_vs_final = _bars(
         [
@@ -215,36 +223,38 @@ def render_html(data: RunData, *, history: Sequence[RunData] = ()) -> str:
     recomputed = _bars(
         [
             ("counted", costs["counted_gpu_s"], f"{costs['counted_gpu_s']:.1f}"),
-            ("reruns (failed attempts)", lost["reruns"], f"{lost['reruns']:.1f}"),
-            ("duplicates", lost["duplicates"], f"{lost['duplicates']:.1f}"),
+            ("still running", costs["running_gpu_s"], f"{costs['running_gpu_s']:.1f}"),
+            ("reruns after a failure", lost["reruns"], f"{lost['reruns']:.1f}"),
             ("failed verification", lost["silent"], f"{lost['silent']:.1f}"),
-            ("hung (stale)", lost["hung"], f"{lost['hung']:.1f}"),
+            ("duplicates", lost["duplicates"], f"{lost['duplicates']:.1f}"),
+            ("zombies", lost["zombies"], f"{lost['zombies']:.1f}"),
+            ("hung", lost["hung"], f"{lost['hung']:.1f}"),
         ],
         "GPU time by what became of it",
         unit=" GPU-s",
     )
     trend_points = [
-        (r.run_id, r.summary["completion_rate"], r.summary["silent_error_rate"])
-        for r in [*history, data]
+        (str(r["run_id"]), r["completion_rate"], r["silent_error_rate"]) for r in [*history, s]
     ]
-    if advice.interval_s is not None:
-        steps = f" (about {advice.interval_steps} steps)" if advice.interval_steps else ""
-        advice_text = f"checkpoint every {advice.interval_s:.3g} s{steps}"
+    if advice["interval_s"] is not None:
+        steps = f" (about {advice['interval_steps']} steps)" if advice["interval_steps"] else ""
+        advice_text = f"checkpoint every {advice['interval_s']:.3g} s{steps}"
     else:
-        advice_text = f"no advice: {advice.reason}"
+        advice_text = f"no advice: {advice['reason']}"
     inputs = (
-        f"T = {_opt(advice.shard_duration_s, 's')}, w = {_opt(advice.checkpoint_write_s, 's')},"
-        f" p = {_opt(advice.reclaim_probability, '')} over {advice.attempts} attempts"
+        f"T = {_opt(advice['shard_duration_s'], 's')},"
+        f" w = {_opt(advice['checkpoint_write_s'], 's')},"
+        f" p = {_opt(advice['reclaim_probability'], '')} over {advice['attempts']} attempts"
     )
     fingerprints = s.get("fingerprint_groups") or {}
     gpu_text = f"{costs['gpu_s']:.1f} GPU-s"
-    recomputed_text = f"{costs['recomputed_gpu_s']:.1f} GPU-s"
+    recomputed_text = f"{costs['not_counted_gpu_s']:.1f} GPU-s"
     return "".join(
         [
             '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
-            f"<title>shardledger report: {escape(data.run_id)}</title>",
+            f"<title>shardledger report: {escape(run_id)}</title>",
             f"<style>{CSS}</style></head><body>",
-            f'<h1>run <span id="run-id">{escape(data.run_id)}</span></h1>',
+            f'<h1>run <span id="run-id">{escape(run_id)}</span></h1>',
             f'<p class="sub">namespace {escape(s["namespace"])} · {escape(labels)} ·'
             f" {s.get('event_count', 0)} events</p>",
             "<h2>The run ledger</h2>",
@@ -258,7 +268,7 @@ def render_html(data: RunData, *, history: Sequence[RunData] = ()) -> str:
             f" · first-pass reconciliation {_fig('reconciliation-rate', _pct(fp.get('reconciliation_rate', 0.0)))}</p>",
             first_vs_final,
             "<h2>Shards, in plan order</h2>",
-            _grid(data.views),
+            _grid(views),
             "<h2>Failures</h2>",
             _counts(
                 "failure tags (latest attempt of failed shards)",
@@ -279,8 +289,8 @@ def render_html(data: RunData, *, history: Sequence[RunData] = ()) -> str:
                 "fingerprints",
             ),
             "<h2>Recomputed work (report 1, §4.3)</h2>",
-            f"<p>GPU time {_fig('gpu-s', gpu_text)}, recomputed"
-            f" {_fig('recomputed-gpu-s', recomputed_text)}, did not count"
+            f"<p>GPU time {_fig('gpu-s', gpu_text)}, did not count"
+            f" {_fig('recomputed-gpu-s', recomputed_text)}, a share of"
             f" {_fig('not-counted-share', _pct(costs['not_counted_share']))}; hangs"
             f" {_fig('hangs', str(costs['hangs']))} ({costs['hang_lost_s']:.1f} s lost)</p>",
             recomputed,

@@ -7,17 +7,35 @@ import json
 from collections.abc import Sequence
 from typing import Any, Final
 
-from shardledger_cli.cli import EXIT_OK, EXIT_USAGE, CommandError, at_least, client_from
+from shardledger_cli.cli import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    CommandError,
+    at_least,
+    client_from,
+)
 from shardledger_cli.commands.trend import RUN_SCAN
-from shardledger_cli.costs import checkpoint_advice_of, run_costs
-from shardledger_cli.field_metrics import FIELD_METRICS, by_label
+from shardledger_cli.figures import compare_runs
+from shardledger_cli.figures import run_report as fetch_report
 from shardledger_cli.output import atomic_output, equation, print_json
 from shardledger_cli.parsing import json_help
-from shardledger_cli.run_data import RunData, load_run
 
 __all__ = ["print_costs", "register", "run_report", "run_report_json"]
 
 DEFAULT_LAST: Final = 20
+# (key, label as report 1's table names it), in its row order; then the rest we add.
+FIELD_METRICS: Final = (
+    ("missing_rate", "shard missing rate"),
+    ("silent_empty_share", "silent empty-output share"),
+    ("truncations", "output truncations"),
+    ("reclaims", "preemptions / reclaims"),
+    ("hangs", "hangs needing intervention"),
+    ("fingerprint_drift", "fingerprint drift"),
+    ("first_pass_reconciliation_rate", "first-pass reconciliation rate"),
+    ("first_pass_completion_rate", "first-pass completion rate"),
+    ("silent_error_rate", "first-pass silent error rate"),
+)
 
 DESCRIPTION: Final = """\
 One run's report: the ledger equation, first pass against now, what the
@@ -86,22 +104,29 @@ def run_report(args: argparse.Namespace) -> int:
         if args.html:
             raise CommandError("--html reports one run; leave out --by", EXIT_USAGE)
         names = args.runs or _recent(client, args.namespace, args.last)
-        runs = [load_run(client, r, namespace=args.namespace) for r in names]
-        return _print_by(runs, args.by, as_json=args.json)
+        if not names:
+            raise CommandError(
+                f"no runs in namespace {args.namespace or 'default'!r} to compare", EXIT_PROBLEMS
+            )
+        groups = compare_runs(client, list(names), args.by, namespace=args.namespace)
+        return _print_by(groups, len(names), args.by, as_json=args.json)
     if len(args.runs) != 1:
         raise CommandError("name one RUN (or compare several with --by LABEL)", EXIT_USAGE)
-    data = load_run(client, args.runs[0], namespace=args.namespace)
+    report = run_report_json(client, args.runs[0], namespace=args.namespace)
     if args.html:
         from shardledger_cli.html_report import render_html
 
-        recent = [r for r in _recent(client, args.namespace, args.last) if r != data.run_id]
-        history = [load_run(client, r, namespace=args.namespace) for r in reversed(recent)]
-        page = render_html(data, history=history)
+        run_id = report["run_id"]
+        views = [json.loads(v.view_json) for v in client.shards(run_id, namespace=args.namespace)]
+        recent = [r for r in _recent(client, args.namespace, args.last) if r != run_id]
+        history = [
+            json.loads(client.summary(r, namespace=args.namespace)) for r in reversed(recent)
+        ]
+        page = render_html(report, views, history=history)
         with atomic_output(args.html) as out:
             out.write(page)
         print(f"wrote {args.html} ({len(page)} bytes, no external resources)")
         return EXIT_OK
-    report = run_report_json(data)
     if args.json:
         print_json(report)
     else:
@@ -109,17 +134,9 @@ def run_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def run_report_json(data: RunData) -> dict[str, Any]:
+def run_report_json(client: Any, run_id: str, *, namespace: str = "") -> dict[str, Any]:
     """Returns the one-run report as the JSON object `report RUN --json` prints."""
-    s = data.summary
-    return {
-        "run_id": data.run_id,
-        "namespace": s["namespace"],
-        "labels": data.tables.labels,
-        "summary": s,
-        "costs": run_costs(data),
-        "checkpoint_advice": checkpoint_advice_of(data).as_json(),
-    }
+    return fetch_report(client, run_id, namespace=namespace)
 
 
 def _pct(x: float) -> str:
@@ -154,17 +171,27 @@ def _print_run(r: dict[str, Any]) -> None:
 def print_costs(c: dict[str, Any], a: dict[str, Any]) -> None:
     """Prints what the failures cost and the checkpoint advice (report and status --costs)."""
     print("what failures cost (report 1, §4.3)")
-    print(f"  GPU time         {_hours(c['gpu_s'])}, of which counted {_hours(c['counted_gpu_s'])}")
+    print(
+        f"  GPU time         {_hours(c['gpu_s'])}: counted {_hours(c['counted_gpu_s'])},"
+        f" still running {_hours(c['running_gpu_s'])}"
+    )
     lost = c["lost_gpu_s"]
     print(
-        f"  recomputed       {_hours(c['recomputed_gpu_s'])}: reruns {_hours(lost['reruns'])},"
-        f" duplicates {_hours(lost['duplicates'])}, failed verification"
-        f" {_hours(lost['silent'])}, hung {_hours(lost['hung'])}"
+        f"  did not count    {_hours(c['not_counted_gpu_s'])}: reruns after a failure"
+        f" {_hours(lost['reruns'])}, failed verification {_hours(lost['silent'])},"
+        f" duplicates {_hours(lost['duplicates'])}, zombies {_hours(lost['zombies'])},"
+        f" hung {_hours(lost['hung'])}"
     )
     print(
-        f"  hangs            {c['hangs']}, {c['hang_lost_s']:.1f} s lost before they were stopped"
+        f"  hangs            {c['hangs']}, {c['hang_lost_s']:.1f} s of work lost since their"
+        " last checkpoint"
     )
-    print(f"  did not count    {_pct(c['not_counted_share'])} of the run's GPU time")
+    print(f"  share            {_pct(c['not_counted_share'])} of the run's GPU time did not count")
+    if c["gpus_unknown_attempts"]:
+        print(
+            f"  note             {c['gpus_unknown_attempts']} attempts did not say how many GPUs"
+            " they held: counted as one each"
+        )
     print("checkpoint interval (report 1, §3.2: minimise p·t/2 + (T/t)·w)")
     T, w, p = a["shard_duration_s"], a["checkpoint_write_s"], a["reclaim_probability"]
     print(
@@ -185,8 +212,7 @@ def _num(x: float | None, unit: str) -> str:
     return "unknown" if x is None else f"{x:.4g}{' ' + unit if unit else ''}".rstrip()
 
 
-def _print_by(runs: Sequence[RunData], label: str, *, as_json: bool) -> int:
-    groups = [g.as_json(label) for g in by_label(runs, label)]
+def _print_by(groups: Sequence[dict[str, Any]], runs: int, label: str, *, as_json: bool) -> int:
     if as_json:
         for g in groups:
             print(json.dumps(g, sort_keys=True))
@@ -197,12 +223,14 @@ def _print_by(runs: Sequence[RunData], label: str, *, as_json: bool) -> int:
     table = Table(
         f"by {label}",
         *(Column(g["value"], justify="right") for g in groups),
-        title=f"{len(runs)} runs (report 1, §2.2; docs/metrics.md)",
+        title=f"{runs} runs (report 1, §2.2; docs/metrics.md)",
     )
     table.add_row("runs", *(str(len(g["runs"])) for g in groups))
     table.add_row("shards", *(str(g["shards"]) for g in groups))
     for key, name in FIELD_METRICS:
         cells = [_pct(g[key]) if key.endswith(("rate", "share")) else str(g[key]) for g in groups]
         table.add_row(name, *cells)
+    table.add_row("GPU time", *(_hours(g["gpu_s"]) for g in groups))
+    table.add_row("GPU time not counted", *(_hours(g["lost_gpu_s"]) for g in groups))
     Console(markup=False, highlight=False).print(table)
     return EXIT_OK

@@ -30,7 +30,7 @@ its "lifecycle" object says whether the run is settled and since when.
 
 --costs adds what the failures cost in GPU time and the checkpoint interval
 the run's numbers advise (report 1, §4.3 and §3.2; docs/metrics.md), under the
-keys "costs" and "checkpoint_advice"; it reads every event of the run.
+keys "costs" and "checkpoint_advice", as the server keeps them (GetRunReport).
 
 
 exit codes: 0 every planned shard is verified; 1 some shard is not;
@@ -170,9 +170,8 @@ def run_status(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = json.loads(client.summary(args.run, namespace=args.namespace))
     if getattr(args, "costs", False):
         from shardledger_cli.commands.field_report import print_costs, run_report_json
-        from shardledger_cli.run_data import load_run
 
-        extra = run_report_json(load_run(client, args.run, namespace=args.namespace))
+        extra = run_report_json(client, args.run, namespace=args.namespace)
         summary |= {k: extra[k] for k in ("costs", "checkpoint_advice")}
     fmt = output_format(args)
     if fmt == "json":

@@ -126,7 +126,7 @@ class ShardPlanned(_message.Message):
     def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., input_version_id: _Optional[str] = ..., input_etag: _Optional[str] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
-    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels", "rank", "world_size", "local_rank", "launch_id", "restart_count")
+    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels", "rank", "world_size", "local_rank", "launch_id", "restart_count", "gpu_count")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class AttemptStarted(_message.Message):
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     host: str
     pid: int
     heartbeat_timeout: _duration_pb2.Duration
@@ -167,7 +168,8 @@ class AttemptStarted(_message.Message):
     local_rank: int
     launch_id: str
     restart_count: int
-    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    gpu_count: int
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., gpu_count: _Optional[int] = ...) -> None: ...
 
 class SchedulerIdentity(_message.Message):
     __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
@@ -867,3 +869,218 @@ class GetPublicKeyResponse(_message.Message):
     public_key_pem: str
     key_id: str
     def __init__(self, public_key_pem: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
+
+class GetRunReportRequest(_message.Message):
+    __slots__ = ("namespace", "run_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class GetRunReportResponse(_message.Message):
+    __slots__ = ("report", "as_of_time")
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_TIME_FIELD_NUMBER: _ClassVar[int]
+    report: RunReport
+    as_of_time: _timestamp_pb2.Timestamp
+    def __init__(self, report: _Optional[_Union[RunReport, _Mapping]] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RunReport(_message.Message):
+    __slots__ = ("namespace", "run_id", "labels", "costs", "checkpoint_advice", "first_pass_silent_forms", "first_pass_loud_failures")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class FirstPassSilentFormsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class FirstPassLoudFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ADVICE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_SILENT_FORMS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_LOUD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_id: str
+    labels: _containers.ScalarMap[str, str]
+    costs: RunCosts
+    checkpoint_advice: CheckpointAdvice
+    first_pass_silent_forms: _containers.ScalarMap[str, int]
+    first_pass_loud_failures: _containers.ScalarMap[str, int]
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., costs: _Optional[_Union[RunCosts, _Mapping]] = ..., checkpoint_advice: _Optional[_Union[CheckpointAdvice, _Mapping]] = ..., first_pass_silent_forms: _Optional[_Mapping[str, int]] = ..., first_pass_loud_failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class RunCosts(_message.Message):
+    __slots__ = ("gpu_s", "counted_gpu_s", "running_gpu_s", "lost_gpu_s", "not_counted_gpu_s", "not_counted_share", "attempts", "hangs", "hang_lost_s", "gpus_unknown_attempts", "clock", "recomputed_gpu_s")
+    class LostGpuSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AttemptsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ClockEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    GPU_S_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_GPU_S_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_GPU_S_FIELD_NUMBER: _ClassVar[int]
+    LOST_GPU_S_FIELD_NUMBER: _ClassVar[int]
+    NOT_COUNTED_GPU_S_FIELD_NUMBER: _ClassVar[int]
+    NOT_COUNTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    HANGS_FIELD_NUMBER: _ClassVar[int]
+    HANG_LOST_S_FIELD_NUMBER: _ClassVar[int]
+    GPUS_UNKNOWN_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_GPU_S_FIELD_NUMBER: _ClassVar[int]
+    gpu_s: float
+    counted_gpu_s: float
+    running_gpu_s: float
+    lost_gpu_s: _containers.ScalarMap[str, float]
+    not_counted_gpu_s: float
+    not_counted_share: float
+    attempts: _containers.ScalarMap[str, int]
+    hangs: int
+    hang_lost_s: float
+    gpus_unknown_attempts: int
+    clock: _containers.ScalarMap[str, int]
+    recomputed_gpu_s: float
+    def __init__(self, gpu_s: _Optional[float] = ..., counted_gpu_s: _Optional[float] = ..., running_gpu_s: _Optional[float] = ..., lost_gpu_s: _Optional[_Mapping[str, float]] = ..., not_counted_gpu_s: _Optional[float] = ..., not_counted_share: _Optional[float] = ..., attempts: _Optional[_Mapping[str, int]] = ..., hangs: _Optional[int] = ..., hang_lost_s: _Optional[float] = ..., gpus_unknown_attempts: _Optional[int] = ..., clock: _Optional[_Mapping[str, int]] = ..., recomputed_gpu_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointAdvice(_message.Message):
+    __slots__ = ("shard_duration_s", "checkpoint_write_s", "reclaim_probability", "attempts", "interval_s", "interval_steps", "expected_waste_s", "reason")
+    SHARD_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WASTE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    shard_duration_s: float
+    checkpoint_write_s: float
+    reclaim_probability: float
+    attempts: int
+    interval_s: float
+    interval_steps: int
+    expected_waste_s: float
+    reason: str
+    def __init__(self, shard_duration_s: _Optional[float] = ..., checkpoint_write_s: _Optional[float] = ..., reclaim_probability: _Optional[float] = ..., attempts: _Optional[int] = ..., interval_s: _Optional[float] = ..., interval_steps: _Optional[int] = ..., expected_waste_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CompareRunsRequest(_message.Message):
+    __slots__ = ("namespace", "run_ids", "label")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RUN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    run_ids: _containers.RepeatedScalarFieldContainer[str]
+    label: str
+    def __init__(self, namespace: _Optional[str] = ..., run_ids: _Optional[_Iterable[str]] = ..., label: _Optional[str] = ...) -> None: ...
+
+class CompareRunsResponse(_message.Message):
+    __slots__ = ("groups", "as_of_time")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_TIME_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[LabelGroup]
+    as_of_time: _timestamp_pb2.Timestamp
+    def __init__(self, groups: _Optional[_Iterable[_Union[LabelGroup, _Mapping]]] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class LabelGroup(_message.Message):
+    __slots__ = ("label", "value", "runs", "shards", "first_pass_verified", "first_pass_completion_rate", "first_attempt_verified", "first_pass_reconciliation_rate", "missing", "missing_rate", "silent_errors", "silent_error_rate", "silent_by_form", "silent_empty", "silent_empty_share", "truncations", "loud_failures", "reclaims", "hangs", "fingerprints", "fingerprint_drift", "gpu_s", "gpu_s_by_bucket", "lost_gpu_s")
+    class SilentByFormEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoudFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class GpuSByBucketEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_COMPLETION_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ATTEMPT_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PASS_RECONCILIATION_RATE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_BY_FORM_FIELD_NUMBER: _ClassVar[int]
+    SILENT_EMPTY_FIELD_NUMBER: _ClassVar[int]
+    SILENT_EMPTY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOUD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    HANGS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_DRIFT_FIELD_NUMBER: _ClassVar[int]
+    GPU_S_FIELD_NUMBER: _ClassVar[int]
+    GPU_S_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    LOST_GPU_S_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    value: str
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    shards: int
+    first_pass_verified: int
+    first_pass_completion_rate: float
+    first_attempt_verified: int
+    first_pass_reconciliation_rate: float
+    missing: int
+    missing_rate: float
+    silent_errors: int
+    silent_error_rate: float
+    silent_by_form: _containers.ScalarMap[str, int]
+    silent_empty: int
+    silent_empty_share: float
+    truncations: int
+    loud_failures: _containers.ScalarMap[str, int]
+    reclaims: int
+    hangs: int
+    fingerprints: int
+    fingerprint_drift: int
+    gpu_s: float
+    gpu_s_by_bucket: _containers.ScalarMap[str, float]
+    lost_gpu_s: float
+    def __init__(self, label: _Optional[str] = ..., value: _Optional[str] = ..., runs: _Optional[_Iterable[str]] = ..., shards: _Optional[int] = ..., first_pass_verified: _Optional[int] = ..., first_pass_completion_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., first_pass_reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., missing_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., silent_by_form: _Optional[_Mapping[str, int]] = ..., silent_empty: _Optional[int] = ..., silent_empty_share: _Optional[float] = ..., truncations: _Optional[int] = ..., loud_failures: _Optional[_Mapping[str, int]] = ..., reclaims: _Optional[int] = ..., hangs: _Optional[int] = ..., fingerprints: _Optional[int] = ..., fingerprint_drift: _Optional[int] = ..., gpu_s: _Optional[float] = ..., gpu_s_by_bucket: _Optional[_Mapping[str, float]] = ..., lost_gpu_s: _Optional[float] = ...) -> None: ...

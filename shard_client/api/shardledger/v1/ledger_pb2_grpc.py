@@ -90,6 +90,16 @@ class LedgerServiceStub:
                 request_serializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyRequest.SerializeToString,
                 response_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyResponse.FromString,
                 _registered_method=True)
+        self.GetRunReport = channel.unary_unary(
+                '/shardledger.v1.LedgerService/GetRunReport',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.GetRunReportRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetRunReportResponse.FromString,
+                _registered_method=True)
+        self.CompareRuns = channel.unary_unary(
+                '/shardledger.v1.LedgerService/CompareRuns',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.CompareRunsRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.CompareRunsResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServiceServicer:
@@ -176,6 +186,23 @@ class LedgerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunReport(self, request, context):
+        """GetRunReport returns a run's field figures: GPU time and what failures cost, and
+        the checkpoint interval its numbers advise (docs/metrics.md), from projections the
+        server keeps (never a download of every event).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompareRuns(self, request, context):
+        """CompareRuns returns report 1's platform table: the first-pass figures and GPU time
+        of the shards of several runs, grouped by the values of one label.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +260,16 @@ def add_LedgerServiceServicer_to_server(servicer, server):
                     servicer.GetPublicKey,
                     request_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyRequest.FromString,
                     response_serializer=shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyResponse.SerializeToString,
+            ),
+            'GetRunReport': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunReport,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.GetRunReportRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.GetRunReportResponse.SerializeToString,
+            ),
+            'CompareRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompareRuns,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.CompareRunsRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.CompareRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +570,60 @@ class LedgerService:
             '/shardledger.v1.LedgerService/GetPublicKey',
             shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyRequest.SerializeToString,
             shardledger_dot_v1_dot_ledger__pb2.GetPublicKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunReport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardledger.v1.LedgerService/GetRunReport',
+            shardledger_dot_v1_dot_ledger__pb2.GetRunReportRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.GetRunReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompareRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardledger.v1.LedgerService/CompareRuns',
+            shardledger_dot_v1_dot_ledger__pb2.CompareRunsRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.CompareRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,
