@@ -14,10 +14,16 @@ from ledger_server.config import ServerConfig
 from ledger_server.server import RunningServer, create_server
 from shard_client import Ledger
 from shard_client.client import LedgerClient
+from tests import isolation
 
 # The in-process servers log through structlog; keep those lines on stderr so that
 # tests reading a command's stdout see only what the command printed.
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The default-address guard (tests/isolation.py): its hooks and its fixture.
+    config.pluginmanager.register(isolation, "shardledger-default-address-guard")
 
 
 @pytest.fixture
