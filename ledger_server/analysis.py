@@ -24,6 +24,7 @@ from ledger_server.events import (
     ShardPlanned,
     payload_dict,
 )
+from ledger_server.field import span_of
 from shard_client.labels import WELL_KNOWN_LABELS
 
 __all__ = ["RunTables", "fold_run"]
@@ -40,7 +41,13 @@ HANG_TAG: Final = "timeout"
 
 @dataclass(slots=True)
 class AttemptRow:
-    """One attempt as the events tell it; times are the ledger's receive times (µs)."""
+    """One attempt as the events tell it; times are the ledger's receive times (µs).
+
+    ``last_us`` is the last event the attempt itself sent (never a verdict on its
+    commits); its span (``duration_s``) is ledger_server.field's: from its started
+    event to its failed event, else its latest commit, on the job's clock where
+    both carry it.
+    """
 
     run_id: str
     shard_id: str
@@ -63,6 +70,22 @@ class AttemptRow:
     failed_tag: str = ""
     failed_message: str = ""
     failed_us: int | None = None
+    client_started_us: int = 0
+    ended_us: int = 0
+    client_ended_us: int = 0
+    world_size: int = 0
+    gpu_count: int = 0
+
+    def span(self) -> tuple[int, str]:
+        """Returns the attempt's span (µs) and the clock it was read on (field.span_of)."""
+        return span_of(
+            started_us=self.started_us,
+            last_us=self.last_us,
+            ended_us=self.ended_us,
+            client_started_us=self.client_started_us,
+            client_ended_us=self.client_ended_us,
+            one_process=self.world_size <= 1,
+        )
 
     def row(self) -> dict[str, Any]:
         """Returns the attempt as a flat row (labels as JSON and one column each well-known)."""
@@ -73,7 +96,8 @@ class AttemptRow:
             "started_sequence": self.started_sequence,
             "started_us": self.started_us,
             "last_us": self.last_us,
-            "duration_s": (self.last_us - self.started_us) / 1e6,
+            "duration_s": self.span()[0] / 1e6,
+            "clock": self.span()[1],
             "host": self.host,
             "pid": self.pid,
             "fingerprint": self.fingerprint,
@@ -86,6 +110,7 @@ class AttemptRow:
             "checkpoints": self.checkpoints,
             "checkpoint_write_s": self.checkpoint_write_us / 1e6,
             "commits": self.commits,
+            "gpu_count": self.gpu_count or None,
             "failed_tag": self.failed_tag or None,
             "failed_message": self.failed_message or None,
         }
@@ -165,13 +190,16 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
     e, now = recorded.event, recorded.receive_time_us
     p = e.payload
     attempt = out.attempts.get(e.attempt_id)
-    if attempt is not None:
-        attempt.last_us = max(attempt.last_us, now)
+    if attempt is not None and not isinstance(p, ArtifactVerified):
+        attempt.last_us = max(attempt.last_us, now)  # a verdict is no event of the attempt
     where = {"run_id": e.run_id, "shard_id": e.shard_id, "attempt_id": e.attempt_id or None}
     if isinstance(p, ShardPlanned):
         out.labels = out.labels or dict(p.labels)
         out.plans.setdefault(e.shard_id, _plan_row(e.run_id, e.shard_id, p))
     elif isinstance(p, AttemptStarted):
+        if attempt is not None:  # another rank of a multi-rank attempt
+            attempt.gpu_count += p.gpu_count
+            return
         out.attempts[e.attempt_id] = AttemptRow(
             run_id=e.run_id,
             shard_id=e.shard_id,
@@ -185,6 +213,9 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
             last_us=now,
             timeout_us=p.heartbeat_timeout_us,
             progress_us=now,
+            client_started_us=e.client_time_us,
+            world_size=p.world_size,
+            gpu_count=p.gpu_count,
         )
     elif isinstance(p, Heartbeat) and attempt is not None:
         attempt.heartbeats += 1
@@ -212,6 +243,8 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
         if attempt is not None:
             attempt.commits += 1
             attempt.progress_us = now
+            if not attempt.failed_tag:  # an attempt that ends cleanly ends at its last commit
+                attempt.ended_us, attempt.client_ended_us = now, e.client_time_us
         out.commits[(e.shard_id, p.path, p.blake3_hex)] = e.attempt_id
         out.artifacts.append(
             where
@@ -227,7 +260,9 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
         )
     elif isinstance(p, ArtifactVerified):
         out.first_verdict_sequence = out.first_verdict_sequence or recorded.sequence
-        owner = out.commits.get((e.shard_id, p.path, p.blake3_hex))
+        # The attempt the verdict names judged its own commit; an older verifier named
+        # none, and then it is the attempt that committed those bytes there last.
+        owner = e.attempt_id or out.commits.get((e.shard_id, p.path, p.blake3_hex))
         out.verdicts.append(
             where
             | {
@@ -243,6 +278,8 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
             }
         )
     elif isinstance(p, AttemptFailed) and attempt is not None:
+        if not attempt.failed_tag:
+            attempt.ended_us, attempt.client_ended_us = now, e.client_time_us
         attempt.failed_tag, attempt.failed_message = p.tag, p.message
         attempt.failed_us = now
 

@@ -49,6 +49,7 @@ __all__ = [
     "open_part",
     "run_report",
     "silent_form",
+    "span_of",
 ]
 
 # Every field counter starts with this, so the run summary's prefixes never see them.
@@ -131,6 +132,24 @@ def is_open(record: ShardRecord, attempt: Attempt) -> bool:
     )
 
 
+def span_of(
+    *,
+    started_us: int,
+    last_us: int,
+    ended_us: int,
+    client_started_us: int,
+    client_ended_us: int,
+    one_process: bool,
+) -> tuple[int, str]:
+    """attempt_span's rule on plain numbers (the export's attempts table uses it too)."""
+    if ended_us:
+        job = client_ended_us - client_started_us
+        if client_started_us and client_ended_us and job >= 0 and one_process:
+            return job, "job"
+        return max(0, ended_us - started_us), "ledger"
+    return max(0, last_us - started_us), "ledger"
+
+
 def attempt_span(attempt: Attempt) -> tuple[int, str]:
     """Returns the attempt's span in µs and the clock it was read on ("job" or "ledger").
 
@@ -140,13 +159,14 @@ def attempt_span(attempt: Attempt) -> tuple[int, str]:
     or the receive time of a late spool drain: where both ends carry the job's own
     clock (one process: skew between hosts cancels) the job's clock is used.
     """
-    if attempt.ended_us:
-        job = attempt.client_ended_us - attempt.client_started_us
-        one_process = attempt.world_size <= 1
-        if attempt.client_started_us and attempt.client_ended_us and job >= 0 and one_process:
-            return job, "job"
-        return max(0, attempt.ended_us - attempt.started_us), "ledger"
-    return max(0, attempt.last_seen_us - attempt.started_us), "ledger"
+    return span_of(
+        started_us=attempt.started_us,
+        last_us=attempt.last_seen_us,
+        ended_us=attempt.ended_us,
+        client_started_us=attempt.client_started_us,
+        client_ended_us=attempt.client_ended_us,
+        one_process=attempt.world_size <= 1,
+    )
 
 
 def attempt_gpus(record: ShardRecord, attempt: Attempt) -> tuple[int, bool]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,9 +123,12 @@ def test_the_three_documented_queries_answer_the_field_reports_questions(nights:
     assert {(r["run_id"], r["batch"], r["missing"]) for r in missing} >= {("night-a", 0, 1)}
     assert silent["A"]["silent"] == 0 and silent["D"]["silent"] == 2
     assert silent["D"]["shards"] == 4 and silent["D"]["silent_rate"] == 0.5
-    # One environment; s1 gave a result on night-a and an empty file on night-d.
+    # One environment. The outputs that passed: s0-s2 of night-a, s0 and the rerun s3 of
+    # night-d. s1 gave a result on night-a and an empty file on night-d, and s2 was
+    # truncated there: failed verification is a silent error, not drift (the query once
+    # counted it as drifted 1, with 7 outputs).
     [group] = drift
-    assert (group["outputs"], group["inputs"], group["drifted"]) == (7, 4, 1)
+    assert (group["outputs"], group["inputs"], group["drifted"]) == (5, 4, 0)
 
 
 def test_a_file_that_is_not_an_analysis_database_is_refused_untouched(
@@ -151,3 +155,35 @@ def test_unknown_run_and_both_targets_are_refused(
     assert not out.exists()
     code, _, err = run_cli(capsys, "export", "nope", "--sqlite", str(out), "-o", "x.jsonl")
     assert code == EXIT_USAGE and "not allowed with" in err
+
+
+def test_a_repair_keeps_the_first_pass_silent_errors_and_durations_end_at_the_commit(
+    nights: Path, capsys: pytest.CaptureFixture[str], target: str, tmp_path: Path
+) -> None:
+    """The issue's night: silent errors by provider read {0} after repair, and duration_s grew
+    with every later verify. The first pass is history; an attempt ends at its own end."""
+    db = sqlite_utils.Database(nights)
+    before = dict(
+        db.execute("select attempt_id, duration_s from attempts where run_id='night-d'").fetchall()
+    )
+    # Rerun the two shards that failed verification, verify again, then verify once more
+    # after an idle wait: none of it may move an attempt's span.
+    play_night(capsys, target, tmp_path / "out", "night-d", ["ok", "ok"], shard_ids=["s1", "s2"])
+    time.sleep(1.0)
+    code, _, err = run_cli(
+        capsys, "verify", "night-d", "--root", str(tmp_path / "out"), "--server", target
+    )
+    assert code in (0, 1), err
+    code, _, err = run_cli(capsys, "export", "night-d", "--sqlite", str(nights), "--server", target)
+    assert code == EXIT_OK, err
+
+    silent = {r["provider"]: r for r in db.query(doc_queries()["Silent errors by provider"])}
+    assert (silent["D"]["silent"], silent["D"]["shards"]) == (2, 4)  # the first pass's two
+    now = dict(db.execute("select shard_id, silent from shards where run_id='night-d'").fetchall())
+    assert now == {"s0": 0, "s1": 0, "s2": 0, "s3": 0}  # repaired: no silent error now
+    after = dict(
+        db.execute("select attempt_id, duration_s from attempts where run_id='night-d'").fetchall()
+    )
+    assert len(after) == len(before) + 2
+    assert {a: after[a] for a in before} == before  # verdicts and an idle second never extend
+    assert max(after.values()) < 1.0  # the jobs take milliseconds; the idle wait was 1 s

@@ -61,6 +61,8 @@ RPCS = (
     "GetInclusionProof",
     "GetConsistencyProof",
     "GetPublicKey",
+    "GetRunReport",
+    "CompareRuns",
 )
 # The token failures the interceptor answers before any handler runs.
 UNAUTHENTICATED_CALLERS = {
@@ -240,6 +242,8 @@ def _request(world: World, rpc: str, *, run_id: str = RUN, namespace: str = NS) 
         )
     if rpc == "GetConsistencyProof":
         return pb.GetConsistencyProofRequest(namespace=namespace, run_id=run_id, old_size=1)
+    if rpc == "CompareRuns":
+        return pb.CompareRunsRequest(namespace=namespace, run_ids=[run_id], label="provider")
     cls: type[Message] = getattr(pb, f"{rpc}Request")
     return cls(namespace=namespace, run_id=run_id)
 

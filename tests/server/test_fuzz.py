@@ -613,6 +613,8 @@ def _valid_request(method: str) -> bytes:
         fields["event_id"] = "e" * 32
     if method == "TailEvents":
         fields["run_id"] = "no-such-run"  # a live tail would only wait for new events
+    if method == "CompareRuns":
+        fields = {"run_ids": [SEED_RUN], "label": "provider"}
     cls: type[Message] = getattr(pb, f"{method}Request")
     return cls(**fields).SerializeToString()
 

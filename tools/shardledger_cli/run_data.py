@@ -90,6 +90,7 @@ def shard_rows(data: RunData) -> list[dict[str, Any]]:
             "fingerprint": view["fingerprint"] or None,
             "first_pass": view["first_pass"],
             "silent": silent(view),
+            "first_pass_silent": view["first_pass"] == "silent",
             "failed_reasons": json.dumps(sorted(set(verdicts.get(sid, [])))),
             "duplicates": json.dumps(view["duplicates"]),
             "repaired": view["repaired"],
