@@ -47,6 +47,7 @@ __all__ = [
     "compare",
     "contributions",
     "open_part",
+    "open_part_of",
     "run_report",
     "silent_form",
     "span_of",
@@ -175,7 +176,11 @@ def attempt_gpus(record: ShardRecord, attempt: Attempt) -> tuple[int, bool]:
     A ``gpus`` label (the attempt's over the plan's) wins; then what its started
     events said (gpu_count, summed over the ranks of a multi-rank attempt).
     """
-    raw = (record.labels | attempt.labels).get(GPUS_LABEL, "")
+    return _gpus_of(attempt, record.labels)
+
+
+def _gpus_of(attempt: Attempt, plan_labels: Mapping[str, str]) -> tuple[int, bool]:
+    raw = (dict(plan_labels) | attempt.labels).get(GPUS_LABEL, "")
     if raw.isdigit() and int(raw) > 0:
         return int(raw), True
     if attempt.gpus > 0:
@@ -361,16 +366,27 @@ def open_part(record: ShardRecord, now_us: int) -> OpenPart | None:
     attempt = record.attempts.get(record.latest_attempt)
     if attempt is None or not is_open(record, attempt):
         return None
+    return open_part_of(attempt, record.labels, deadline_us(record), now_us)
+
+
+def open_part_of(
+    attempt: Attempt, plan_labels: Mapping[str, str], deadline: int | None, now_us: int
+) -> OpenPart:
+    """open_part for an attempt known to be open, its plan's labels and the shard's deadline.
+
+    The report reads running shards this way (a shard whose stored state is running
+    has an open latest attempt, and its deadline is a stored column), so it builds
+    the latest attempt alone instead of the whole record.
+    """
     span_us, _ = attempt_span(attempt)
-    gpus, known = attempt_gpus(record, attempt)
-    deadline = deadline_us(record)
+    gpus, known = _gpus_of(attempt, plan_labels)
     stale = deadline is not None and deadline < now_us
     lost = (deadline or now_us) - (attempt.saved_us or attempt.started_us) if stale else 0
     return OpenPart(
         bucket="hung" if stale else "running",
         gpu_us=span_us * gpus,
         gpus_known=known,
-        labels=_labels(record, attempt),
+        labels=dict(plan_labels) | attempt.labels,
         first_pass=attempt.first_pass,
         hang_lost_us=max(0, lost),
     )

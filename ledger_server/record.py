@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import orjson
+
 from ledger_server.events import ShardPlanned
 from ledger_server.states import ShardState
 from shard_client.canonical import legacy_json
@@ -298,6 +300,28 @@ def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | N
             latest.last_seen_us = max(latest.last_seen_us, beat_us)
             latest.last_step = max(latest.last_step, beat_step if beat_step is not None else -1)
     return out
+
+
+def latest_attempt_from_row(
+    record: str | bytes, beat_us: int | None
+) -> tuple[Attempt | None, dict[str, str]]:
+    """Returns a stored record's latest attempt (beat columns folded in) and the plan's labels.
+
+    The report's cheap read of a running shard: one parse (orjson where the text
+    allows, as chain.parse_row) and one attempt built, not the whole record.
+    """
+    try:
+        d = orjson.loads(record)
+    except orjson.JSONDecodeError:
+        d = json.loads(record)
+    raw = d["attempts"].get(d["latest_attempt"])
+    labels: dict[str, str] = d.get("labels", {})
+    if raw is None:
+        return None, labels
+    attempt = _attempt_from(raw)
+    if beat_us is not None:
+        attempt.last_seen_us = max(attempt.last_seen_us, beat_us)
+    return attempt, labels
 
 
 def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:

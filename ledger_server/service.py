@@ -20,7 +20,7 @@ from ledger_server.errors import (
     RunNotFound,
 )
 from ledger_server.events import Event, RecordedEvent
-from ledger_server.record import record_from_row
+from ledger_server.record import latest_attempt_from_row, record_from_row
 from ledger_server.states import QUERY_STATES, ShardState, canonical_query, stored_states
 from ledger_server.store.base import RunRow, ShardRow, Store
 from ledger_server.summary import matches, run_summary, shard_view
@@ -181,9 +181,10 @@ class LedgerService:
         parts = []
         for row in view.iter_shards(run.run_pk, states=[ShardState.RUNNING.value]):
             assert row.record is not None
-            part = figures.open_part(record_from_row(row.record, row.beat_us, row.beat_step), at)
-            if part is not None:
-                parts.append(part)
+            # A running shard's latest attempt is open: it alone is built, not the record.
+            attempt, labels = latest_attempt_from_row(row.record, row.beat_us)
+            if attempt is not None:
+                parts.append(figures.open_part_of(attempt, labels, row.deadline_us, at))
         return parts
 
     def shards(

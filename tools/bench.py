@@ -8,7 +8,8 @@
     python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
     python -m tools.bench fleet     1,000 / 5,000 / 10,000 open channels at the SDK's cadence + readers
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
-    python -m tools.bench all       everything; JSON lands in bench-results/ingest.json
+    python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
+    python -m tools.bench all       everything but report; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
 """
@@ -43,6 +44,7 @@ from shard_client.client import LedgerClient
 from tools.bench_coalesce import bench_coalesce
 from tools.bench_fleet import bench_fleet
 from tools.bench_peers import bench_peers
+from tools.bench_report import bench_report
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -487,6 +489,7 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "coalesce": bench_coalesce,
     "fleet": bench_fleet,
     "peers": bench_peers,
+    "report": bench_report,
 }
 # How long each driven benchmark runs unless --seconds says otherwise.
 DEFAULT_SECONDS = {"unary": 5.0, "batched": 5.0, "coalesce": 10.0, "fleet": 30.0, "peers": 5.0}
@@ -550,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--connections must be positive numbers")
     global id_style
     id_style = args.ids
-    names = list(BENCHES) if args.which == "all" else [args.which]
+    names = [n for n in BENCHES if n != "report"] if args.which == "all" else [args.which]
     report: dict[str, Any] = {"env": _env()}
     for name in names:
         print(f"== {name}", flush=True)
