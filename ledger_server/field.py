@@ -324,7 +324,8 @@ def _first_pass_attempt(
     truncated = sum(
         1
         for name in (required_outputs(record, attempt) or tuple(attempt.artifacts))
-        if (v := attempt.verdicts.get(name)) is not None
+        if name not in attempt.after_pass  # a commit the first pass never saw
+        and (v := attempt.verdicts.get(name)) is not None
         and v[0] == "failed"
         and v[1] in TRUNCATED_REASONS
     )
