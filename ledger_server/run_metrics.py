@@ -2,14 +2,17 @@
 
 Label cardinality is bounded: only runs updated inside the active window, plus
 the K most recently updated finished runs, are exported, never every run the
-ledger has ever seen.
+ledger has ever seen. The field figures (GPU time by cost bucket, first pass by
+the well-known labels) keep at most `RunExport.max_label_values` values of each
+label per run, the rest summed as "(other)".
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -18,14 +21,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ledger_server import field
+from ledger_server.record import Attempt, latest_attempt_from_row
 from ledger_server.service import LedgerService
 from ledger_server.states import ShardState
 from ledger_server.store.base import RunRow
 from ledger_server.summary import DUPLICATE_KINDS
+from shard_client.labels import WELL_KNOWN_LABELS
 from shard_client.vocabulary import FAILURE_TAGS
 
 __all__ = [
+    "FIRST_PASS_FIGURES",
+    "OTHER_VALUE",
     "RUN_FAMILIES",
+    "SERIES_PER_LABEL_VALUE",
     "SERIES_PER_RUN",
     "SHARD_STATES",
     "VERIFY_FAILED_TAG",
@@ -41,6 +50,21 @@ log = structlog.get_logger("shardledger.metrics")
 SHARD_STATES: Final = ("verified", "failed", "missing", "running", "stale", "unverified")
 # verify_failed shards are exported under one tag, because verify reasons are free text.
 VERIFY_FAILED_TAG: Final = "verify_failed"
+# CompareRuns' integer figures, exported per value of each well-known label. hangs and
+# reclaims count first-pass attempts, truncations count outputs, the rest count shards.
+FIRST_PASS_FIGURES: Final = (
+    "shards",
+    "first_pass_verified",
+    "first_attempt_verified",
+    "silent_errors",
+    "missing",
+    "hangs",
+    "reclaims",
+    "truncations",
+)
+# The label values past RunExport.max_label_values, summed (a run's "(none)" is kept:
+# it is the shards without the label, which no other value could hold).
+OTHER_VALUE: Final = "(other)"
 _US: Final = 1_000_000
 
 
@@ -54,86 +78,129 @@ class RunExport:
     finished_runs: int = 50
     # A hard cap on active runs, so a burst of tiny runs cannot explode the series count.
     max_active_runs: int = 500
-    # Running shards read per run for the heartbeat age; beyond it the age is a lower bound.
-    heartbeat_scan_limit: int = 10_000
+    # Running shards read per run, for the heartbeat age and the open attempts' GPU time;
+    # beyond it the age is a bound and the running and hung GPU-seconds undercount.
+    running_scan_limit: int = 10_000
+    # Values of each well-known label exported per run, most shards first; the rest are
+    # summed as "(other)". 0 exports no per-label series.
+    max_label_values: int = 10
+
+    def series_per_run(self) -> int:
+        """Returns the most series one exported run can have, its label values included."""
+        values = self.max_label_values + 2 if self.max_label_values > 0 else 0  # (none), (other)
+        return SERIES_PER_RUN + len(WELL_KNOWN_LABELS) * values * SERIES_PER_LABEL_VALUE
 
 
-# The per-run families: shardledger_run_<key>{namespace, run_id[, extra label]}, all
+# The per-run families: shardledger_run_<key>{namespace, run_id, *extra labels}, all
 # gauges except events_total (a counter: a run's chain only grows, and a restarted
 # server reads the same value back from the store, so rate() never sees a reset).
-RUN_FAMILIES: Final[dict[str, tuple[str, str | None]]] = {
+RUN_FAMILIES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "shards": (
         "Shards by state; the states partition the submitted shards"
         " (failed includes verify_failed, unverified is committed).",
-        "state",
+        ("state",),
     ),
-    "submitted_shards": ("Planned shards (the sum of every state).", None),
+    "submitted_shards": ("Planned shards (the sum of every state).", ()),
     "failed_shards": (
         "Failed shards by failure tag (verify_failed: an artifact failed verification).",
-        "tag",
+        ("tag",),
     ),
     "duplicate_shards": (
         "Shards with duplicate commits, by kind (wasted, nondeterministic, zombie).",
-        "kind",
+        ("kind",),
     ),
-    "completion_ratio": ("Verified shards over submitted shards.", None),
+    "completion_ratio": ("Verified shards over submitted shards.", ()),
     "silent_error_ratio": (
         "Shards that reported success but did not verify, over submitted shards.",
-        None,
+        (),
     ),
     "first_pass_completion_ratio": (
         "Shards verified by an attempt of the run's first pass, over submitted shards"
         " (history: reruns never change it).",
-        None,
+        (),
     ),
     "first_pass_silent_error_ratio": (
         "Shards whose first pass reported success but did not verify, over submitted shards.",
-        None,
+        (),
     ),
     "first_pass_reconciliation_ratio": (
         "Shards verified on their very first attempt, over submitted shards.",
-        None,
+        (),
     ),
-    "recomputed_ratio": ("Shards that ran more than once or after the first pass.", None),
-    "repaired_shards": ("Shards whose rerun replaced a failed or missing result.", None),
-    "numeric_shards": ("Shards whose latest attempt reported NaN or infinite metrics.", None),
-    "late_attempts": ("Attempts whose events arrived late from a spool.", None),
+    "recomputed_ratio": ("Shards that ran more than once or after the first pass.", ()),
+    "repaired_shards": ("Shards whose rerun replaced a failed or missing result.", ()),
+    "numeric_shards": ("Shards whose latest attempt reported NaN or infinite metrics.", ()),
+    "late_attempts": ("Attempts whose events arrived late from a spool.", ()),
     "oldest_heartbeat_timestamp_seconds": (
         "Unix time of the oldest last-seen among running and stale shards (absent when none).",
-        None,
+        (),
     ),
     "last_event_timestamp_seconds": (
         "Unix time the run's last event was received (server clock).",
-        None,
+        (),
     ),
     "submission_closed": (
         "1 once the planner declared the run's submission complete (plan --close).",
-        None,
+        (),
     ),
     "settled": (
         "1 while the run is settled: submission closed and no shard running, stale"
         " or awaiting verification.",
-        None,
+        (),
     ),
     "settled_timestamp_seconds": (
         "Unix time the run settled, from stored events (absent while it is not settled).",
-        None,
+        (),
     ),
-    "events": ("Events in the run's chain.", None),
+    "events": ("Events in the run's chain.", ()),
+    # A gauge, not a counter: when an attempt ends its GPU time moves from running to
+    # the bucket it ends in, and a bucket can change when a later verdict moves the
+    # shard's counted attempt.
+    "gpu_seconds": (
+        "GPU-seconds of the run's attempts by cost bucket (running, hung, counted, zombies,"
+        " silent, duplicates, reruns; docs/metrics.md); open attempts count up to now.",
+        ("bucket",),
+    ),
+    "first_pass_shards": (
+        "First-pass figures by value of a well-known label (provider, pool, region, image):"
+        " hangs and reclaims count attempts, truncations outputs, the rest shards; at most"
+        " RunExport.max_label_values values per label, the rest summed as (other).",
+        ("label", "value", "figure"),
+    ),
+    "gpu_seconds_by_label": (
+        "GPU-seconds by cost bucket and value of a well-known label (provider, pool, region,"
+        " image); at most RunExport.max_label_values values per label, the rest as (other).",
+        ("label", "value", "bucket"),
+    ),
 }
 _COUNTERS: Final = frozenset({"events"})
-# Series one exported run adds at most: a bound the docs multiply by the runs kept.
+# One series per (label, value, figure or bucket): bounded by RunExport.series_per_run().
+_LABEL_FAMILIES: Final = ("first_pass_shards", "gpu_seconds_by_label")
+# Series one exported run adds at most, without the per-label families (a run whose
+# shards have no well-known label has none): the docs multiply it by the runs kept.
 SERIES_PER_RUN: Final = (
-    len(SHARD_STATES) + len(FAILURE_TAGS) + 1 + len(DUPLICATE_KINDS) + len(RUN_FAMILIES) - 3
+    len(RUN_FAMILIES)
+    - 4  # shards, failed_shards, duplicate_shards, gpu_seconds: counted by their values
+    - len(_LABEL_FAMILIES)
+    + len(SHARD_STATES)
+    + len(FAILURE_TAGS)
+    + 1  # verify_failed
+    + len(DUPLICATE_KINDS)
+    + len(field.COST_BUCKETS)
 )
+# Series one value of one well-known label adds: a figure each, a bucket each.
+SERIES_PER_LABEL_VALUE: Final = len(FIRST_PASS_FIGURES) + len(field.COST_BUCKETS)
+# One sample of a run's field figures: its family, label values and value.
+_FieldSample = tuple[str, list[str], float]
+# What the scan keeps of a running shard's latest attempt: it, the plan's labels, its deadline.
+_Open = tuple[Attempt, dict[str, str], int | None]
 
 
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
     for key, (doc, extra) in RUN_FAMILIES.items():
         family = CounterMetricFamily if key in _COUNTERS else GaugeMetricFamily
-        labels = ["namespace", "run_id", *([extra] if extra else [])]
-        out[key] = family(f"shardledger_run_{key}", doc, labels=labels)
+        out[key] = family(f"shardledger_run_{key}", doc, labels=["namespace", "run_id", *extra])
     return out
 
 
@@ -162,7 +229,7 @@ class RunCollector(Collector):
             "shardledger_metrics_exported_runs", "Runs with per-run series.", labels=["kind"]
         )
         try:
-            families, ledger_last, counts = self._collect_runs()
+            families, ledger_last, counts, field_failed = self._collect_runs()
         except Exception as exc:  # a scrape must still answer, so failure is a series, not a 500
             log.error("metrics_collect_failed", error=str(exc))
             up.add_metric([], 0.0)
@@ -173,6 +240,13 @@ class RunCollector(Collector):
             exported.add_metric([kind], float(count))
         yield up
         yield exported
+        failed = GaugeMetricFamily(
+            "shardledger_metrics_field_failed_runs",
+            "Exported runs whose field figures (GPU time, first pass by label) failed in the"
+            " last collection; their other series are exported.",
+        )
+        failed.add_metric([], float(field_failed))
+        yield failed
         yield from families.values()
         if ledger_last is not None:
             last = GaugeMetricFamily(
@@ -190,22 +264,27 @@ class RunCollector(Collector):
 
     def _collect_runs(
         self,
-    ) -> tuple[dict[str, GaugeMetricFamily | CounterMetricFamily], float | None, dict[str, int]]:
+    ) -> tuple[
+        dict[str, GaugeMetricFamily | CounterMetricFamily], float | None, dict[str, int], int
+    ]:
         now_us = self.ledger.clock()
         e = self.export
         # One more than can be exported: the newest-first order puts every active run ahead.
         rows = self.ledger.list_runs(None, limit=e.max_active_runs + e.finished_runs + 1)
         active, finished = self.select_runs(rows, now_us)
         families = _families()
+        field_failed = 0
         for run in (*active, *finished):
-            self._add_run(families, run, now_us)
+            field_failed += not self._add_run(families, run, now_us)
         # A timestamp, not an age: it survives restarts and `time() - x` ages it in the rule.
         ledger_last = rows[0].updated_us / _US if rows else None
-        return families, ledger_last, {"active": len(active), "finished": len(finished)}
+        counts = {"active": len(active), "finished": len(finished)}
+        return families, ledger_last, counts, field_failed
 
     def _add_run(
         self, f: dict[str, GaugeMetricFamily | CounterMetricFamily], run: RunRow, now_us: int
-    ) -> None:
+    ) -> bool:
+        """Adds one run's series; returns False when its field figures had to be left out."""
         s = self.ledger.summary(run.namespace, run.run_id, now=now_us)
         key = [run.namespace, run.run_id]
         for state in SHARD_STATES:
@@ -234,45 +313,110 @@ class RunCollector(Collector):
         f["settled"].add_metric(key, 1.0 if life["settled"] else 0.0)
         if life["settled"]:
             f["settled_timestamp_seconds"].add_metric(key, life["settled_at_us"] / _US)
+        opened: list[_Open] = []
         if s["running"] or s["stale"]:
-            oldest = self._oldest_last_seen(run.run_pk)
+            oldest, opened = self._scan_running(run.run_pk)
             if oldest is not None:
                 f["oldest_heartbeat_timestamp_seconds"].add_metric(key, oldest / _US)
+        try:
+            samples = self._field_samples(run, opened, now_us)
+        except Exception as exc:  # the field figures are new: the run's other series stay
+            log.error("metrics_field_failed", run_id=run.run_id, error=str(exc))
+            return False
+        for family, labels, value in samples:
+            f[family].add_metric([*key, *labels], value)
+        return True
 
-    def _oldest_last_seen(self, run_pk: int) -> int | None:
-        """Returns the earliest last-seen time among the run's running shards.
+    def _scan_running(self, run_pk: int) -> tuple[int | None, list[_Open]]:
+        """Returns the oldest last-seen time among the run's running shards, and their attempts.
 
-        A shard's last-seen time is its record's, or the heartbeat row's when a later
-        heartbeat moved it (the larger of the two). Parsing every record cost ~10 µs a
-        shard, 108 ms a scrape at 10,000 running shards and 450 ms under a fleet's load,
-        all of it holding the GIL the appends need. A shard with a heartbeat row was
-        seen at or after its `beat_us`, so those rows are taken in `beat_us` order and
-        parsed only while one could still be the oldest: usually one parse.
+        One read of the running shards serves the heartbeat age and the open attempts'
+        GPU time: each row's latest attempt alone is parsed (heartbeat columns folded
+        in), never the whole record.
         """
         rows = self.ledger.store.read().iter_shards(run_pk, states=[ShardState.RUNNING.value])
         oldest: int | None = None
-        beats: list[tuple[int, bytes | None]] = []
+        opened: list[_Open] = []
         for index, row in enumerate(rows):
-            if index >= self.export.heartbeat_scan_limit:
+            if index >= self.export.running_scan_limit:
                 break
-            if row.beat_us is not None:
-                beats.append((row.beat_us, row.record))
+            if row.record is None:
                 continue
-            seen = _last_seen_us(row.record, None)
-            if seen is not None and (oldest is None or seen < oldest):
-                oldest = seen
-        beats.sort(key=lambda beat: beat[0])
-        for beat_us, record in beats:
-            if oldest is not None and beat_us >= oldest:
-                break  # this shard and every later one was seen at or after `oldest`
-            seen = _last_seen_us(record, beat_us)
-            if seen is not None and (oldest is None or seen < oldest):
-                oldest = seen
-        return oldest
+            attempt, plan_labels = latest_attempt_from_row(row.record, row.beat_us)
+            if attempt is None:
+                continue
+            if oldest is None or attempt.last_seen_us < oldest:
+                oldest = attempt.last_seen_us
+            opened.append((attempt, plan_labels, row.deadline_us))
+        return oldest, opened
+
+    def _oldest_last_seen(self, run_pk: int) -> int | None:
+        """Returns the earliest last-seen time among the run's running shards."""
+        return self._scan_running(run_pk)[0]
+
+    def _field_samples(self, run: RunRow, opened: list[_Open], now_us: int) -> list[_FieldSample]:
+        """Returns the run's field-figure samples: LedgerService.report's and compare's figures.
+
+        The run's summed counters plus its open attempts at now_us, added once and
+        handed to field.compare for each label, so a scrape reads the running shards
+        once, not once per label.
+        """
+        total = Counter(self.ledger.store.read().counters(run.run_pk))
+        for attempt, plan_labels, deadline in opened:
+            field.add_open(total, field.open_part_of(attempt, plan_labels, deadline, now_us))
+        costs = field.costs(total)
+        gpu_s = {
+            "counted": costs["counted_gpu_s"],
+            "running": costs["running_gpu_s"],
+            **costs["lost_gpu_s"],
+        }
+        out: list[_FieldSample] = [
+            ("gpu_seconds", [bucket], float(gpu_s[bucket])) for bucket in field.COST_BUCKETS
+        ]
+        if self.export.max_label_values <= 0:
+            return out
+        for label in WELL_KNOWN_LABELS:
+            groups = field.compare([(run.run_id, total, ())], label)
+            for g in _bounded(groups, self.export.max_label_values):
+                value = [label, g["value"]]
+                for figure in FIRST_PASS_FIGURES:
+                    out.append(("first_pass_shards", [*value, figure], float(g[figure])))
+                for bucket in field.COST_BUCKETS:
+                    gpu = float(g["gpu_s_by_bucket"][bucket])
+                    out.append(("gpu_seconds_by_label", [*value, bucket], gpu))
+        return out
+
+
+def _bounded(groups: Sequence[dict[str, Any]], most: int) -> list[dict[str, Any]]:
+    """Returns a label's groups with at most `most` values, the rest summed as "(other)".
+
+    The values with the most shards (then GPU time) are kept; "(none)", the shards
+    without the label, is kept too. A label that no shard has gives no groups.
+    """
+    named = [g for g in groups if g["value"] != field.NO_LABEL]
+    if not named:
+        return []
+    named.sort(key=lambda g: (-g["shards"], -g["gpu_s"], g["value"]))
+    kept = [*named[:most], *(g for g in groups if g["value"] == field.NO_LABEL)]
+    rest = named[most:]
+    if rest:
+        kept.append(
+            {
+                "value": OTHER_VALUE,
+                **{figure: sum(g[figure] for g in rest) for figure in FIRST_PASS_FIGURES},
+                "gpu_s_by_bucket": {
+                    b: sum(g["gpu_s_by_bucket"][b] for g in rest) for b in field.COST_BUCKETS
+                },
+            }
+        )
+    return kept
 
 
 def _last_seen_us(record: bytes | None, beat_us: int | None) -> int | None:
-    # json.loads of the stored record, not ShardRecord.from_json: only one field is needed.
+    """Returns one stored row's last-seen time, read alone (the scan's exactness reference).
+
+    The scan takes it from the latest attempt it parses for the GPU time anyway.
+    """
     # A heartbeat after the record was written moved beat_us instead (see record_from_row).
     if record is None:
         return None
