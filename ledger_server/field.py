@@ -360,6 +360,8 @@ class OpenPart:
     labels: dict[str, str]
     first_pass: bool
     hang_lost_us: int
+    # The shard's labels (its first attempt's over the plan's): shard figures go there.
+    shard_labels: dict[str, str] = field(default_factory=dict)
 
 
 def open_part(record: ShardRecord, now_us: int) -> OpenPart | None:
@@ -367,11 +369,23 @@ def open_part(record: ShardRecord, now_us: int) -> OpenPart | None:
     attempt = record.attempts.get(record.latest_attempt)
     if attempt is None or not is_open(record, attempt):
         return None
-    return open_part_of(attempt, record.labels, deadline_us(record), now_us)
+    attempts = _by_start(record)
+    return open_part_of(
+        attempt,
+        record.labels,
+        deadline_us(record),
+        now_us,
+        shard_labels=_labels(record, attempts[0]),
+    )
 
 
 def open_part_of(
-    attempt: Attempt, plan_labels: Mapping[str, str], deadline: int | None, now_us: int
+    attempt: Attempt,
+    plan_labels: Mapping[str, str],
+    deadline: int | None,
+    now_us: int,
+    *,
+    shard_labels: Mapping[str, str] | None = None,
 ) -> OpenPart:
     """open_part for an attempt known to be open, its plan's labels and the shard's deadline.
 
@@ -390,6 +404,7 @@ def open_part_of(
         labels=dict(plan_labels) | attempt.labels,
         first_pass=attempt.first_pass,
         hang_lost_us=max(0, lost),
+        shard_labels=dict(shard_labels if shard_labels is not None else plan_labels),
     )
 
 
@@ -401,7 +416,9 @@ def add_open(counters: Counter[str], part: OpenPart) -> None:
     counters[_k("gpus_unknown")] += not part.gpus_known
     _add(counters, part.labels, f"gpu.{part.bucket}", part.gpu_us)
     if part.bucket == "hung" and part.first_pass:
+        # Stale is a hang of the attempt (its labels) and a missing shard (the shard's).
         _add(counters, part.labels, "stale")
+        _add(counters, part.shard_labels, "stale_shard")
     if part.bucket == "hung":
         counters[_k("hangs")] += 1
         counters[_k("hang_lost")] += part.hang_lost_us
@@ -551,7 +568,7 @@ def _group_json(label: str, g: Group) -> dict[str, Any]:
     loud = {k[5:]: v for k, v in sorted(n.items()) if k.startswith("loud.") and v}
     reclaims = sum(loud.get(t, 0) for t in RECLAIM_TAGS)
     hangs = loud.get(FailureTag.TIMEOUT, 0) + n["stale"]
-    missing = n["missing"] + n["stale"]
+    missing = n["missing"] + n["stale_shard"]
     gpu = {b: n[f"gpu.{b}"] / 1e6 for b in COST_BUCKETS}
     return {
         "label": label,

@@ -304,8 +304,9 @@ def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | N
 
 def latest_attempt_from_row(
     record: str | bytes, beat_us: int | None
-) -> tuple[Attempt | None, dict[str, str]]:
-    """Returns a stored record's latest attempt (beat columns folded in) and the plan's labels.
+) -> tuple[Attempt | None, dict[str, str], dict[str, str]]:
+    """Returns a stored record's latest attempt (beat columns folded in), the plan's labels
+    and the shard's own: its first attempt's over the plan's (where the shard first ran).
 
     The report's cheap read of a running shard: one parse (orjson where the text
     allows, as chain.parse_row) and one attempt built, not the whole record.
@@ -314,14 +315,16 @@ def latest_attempt_from_row(
         d = orjson.loads(record)
     except orjson.JSONDecodeError:
         d = json.loads(record)
-    raw = d["attempts"].get(d["latest_attempt"])
+    attempts = d["attempts"]
+    raw = attempts.get(d["latest_attempt"])
     labels: dict[str, str] = d.get("labels", {})
     if raw is None:
-        return None, labels
+        return None, labels, labels
+    first = min(attempts.values(), key=lambda a: a["started_seq"])
     attempt = _attempt_from(raw)
     if beat_us is not None:
         attempt.last_seen_us = max(attempt.last_seen_us, beat_us)
-    return attempt, labels
+    return attempt, labels, labels | first.get("labels", {})
 
 
 def plan_line_for(shard_id: str, plan: ShardPlanned) -> str:

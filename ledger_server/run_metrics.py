@@ -193,7 +193,7 @@ SERIES_PER_LABEL_VALUE: Final = len(FIRST_PASS_FIGURES) + len(field.COST_BUCKETS
 # One sample of a run's field figures: its family, label values and value.
 _FieldSample = tuple[str, list[str], float]
 # What the scan keeps of a running shard's latest attempt: it, the plan's labels, its deadline.
-_Open = tuple[Attempt, dict[str, str], int | None]
+_Open = tuple[Attempt, dict[str, str], dict[str, str], int | None]
 
 
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -342,12 +342,12 @@ class RunCollector(Collector):
                 break
             if row.record is None:
                 continue
-            attempt, plan_labels = latest_attempt_from_row(row.record, row.beat_us)
+            attempt, plan_labels, shard_labels = latest_attempt_from_row(row.record, row.beat_us)
             if attempt is None:
                 continue
             if oldest is None or attempt.last_seen_us < oldest:
                 oldest = attempt.last_seen_us
-            opened.append((attempt, plan_labels, row.deadline_us))
+            opened.append((attempt, plan_labels, shard_labels, row.deadline_us))
         return oldest, opened
 
     def _oldest_last_seen(self, run_pk: int) -> int | None:
@@ -362,8 +362,11 @@ class RunCollector(Collector):
         once, not once per label.
         """
         total = Counter(self.ledger.store.read().counters(run.run_pk))
-        for attempt, plan_labels, deadline in opened:
-            field.add_open(total, field.open_part_of(attempt, plan_labels, deadline, now_us))
+        for attempt, plan_labels, shard_labels, deadline in opened:
+            part = field.open_part_of(
+                attempt, plan_labels, deadline, now_us, shard_labels=shard_labels
+            )
+            field.add_open(total, part)
         costs = field.costs(total)
         gpu_s = {
             "counted": costs["counted_gpu_s"],

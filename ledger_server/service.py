@@ -182,9 +182,13 @@ class LedgerService:
         for row in view.iter_shards(run.run_pk, states=[ShardState.RUNNING.value]):
             assert row.record is not None
             # A running shard's latest attempt is open: it alone is built, not the record.
-            attempt, labels = latest_attempt_from_row(row.record, row.beat_us)
+            attempt, labels, shard_labels = latest_attempt_from_row(row.record, row.beat_us)
             if attempt is not None:
-                parts.append(figures.open_part_of(attempt, labels, row.deadline_us, at))
+                parts.append(
+                    figures.open_part_of(
+                        attempt, labels, row.deadline_us, at, shard_labels=shard_labels
+                    )
+                )
         return parts
 
     def shards(
