@@ -408,20 +408,22 @@ def open_part_of(
     )
 
 
-def add_open(counters: Counter[str], part: OpenPart) -> None:
+def add_open(counters: Counter[str], part: OpenPart, *, by_label: bool = True) -> None:
     """Adds an open part to summed counters as if it had ended at this moment."""
     counters[_k("gpu", part.bucket)] += part.gpu_us
     counters[_k("attempts", part.bucket)] += 1
     counters[_k("clock", "ledger")] += 1
     counters[_k("gpus_unknown")] += not part.gpus_known
+    if part.bucket == "hung":
+        counters[_k("hangs")] += 1
+        counters[_k("hang_lost")] += part.hang_lost_us
+    if not by_label:
+        return
     _add(counters, part.labels, f"gpu.{part.bucket}", part.gpu_us)
     if part.bucket == "hung" and part.first_pass:
         # Stale is a hang of the attempt (its labels) and a missing shard (the shard's).
         _add(counters, part.labels, "stale")
         _add(counters, part.shard_labels, "stale_shard")
-    if part.bucket == "hung":
-        counters[_k("hangs")] += 1
-        counters[_k("hang_lost")] += part.hang_lost_us
 
 
 # --- the figures -------------------------------------------------------------------
@@ -492,7 +494,7 @@ def run_report(
     """Returns a run's field figures: costs, checkpoint advice, first pass by each label."""
     total = Counter(counters)
     for part in open_parts:
-        add_open(total, part)
+        add_open(total, part, by_label=False)  # the run's own figures: no label's
     return {
         "labels": dict(labels),
         "costs": costs(total),

@@ -302,6 +302,26 @@ def record_from_row(record: str | bytes, beat_us: int | None, beat_step: int | N
     return out
 
 
+_OPEN_ATTEMPT_FIELDS: Final = frozenset(
+    {
+        "attempt_id",
+        "started_seq",
+        "host",
+        "pid",
+        "timeout_us",
+        "fingerprint_digest",
+        "last_seen_us",
+        "first_pass",
+        "world_size",
+        "started_us",
+        "client_started_us",
+        "gpus",
+        "labels",
+        "saved_us",
+    }
+)
+
+
 def latest_attempt_from_row(
     record: str | bytes, beat_us: int | None
 ) -> tuple[Attempt | None, dict[str, str], dict[str, str]]:
@@ -321,7 +341,9 @@ def latest_attempt_from_row(
     if raw is None:
         return None, labels, labels
     first = min(attempts.values(), key=lambda a: a["started_seq"])
-    attempt = _attempt_from(raw)
+    # The fields a running attempt's figures read; the rest (artifacts, verdicts, ranks)
+    # stay unbuilt: a report reads every running shard of a run this way.
+    attempt = Attempt(**{k: v for k, v in raw.items() if k in _OPEN_ATTEMPT_FIELDS})
     if beat_us is not None:
         attempt.last_seen_us = max(attempt.last_seen_us, beat_us)
     return attempt, labels, labels | first.get("labels", {})

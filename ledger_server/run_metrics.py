@@ -192,7 +192,8 @@ SERIES_PER_RUN: Final = (
 SERIES_PER_LABEL_VALUE: Final = len(FIRST_PASS_FIGURES) + len(field.COST_BUCKETS)
 # One sample of a run's field figures: its family, label values and value.
 _FieldSample = tuple[str, list[str], float]
-# What the scan keeps of a running shard's latest attempt: it, the plan's labels, its deadline.
+# What the scan keeps of a running shard's latest attempt: it, the plan's and the shard's
+# labels, its deadline.
 _Open = tuple[Attempt, dict[str, str], dict[str, str], int | None]
 
 
