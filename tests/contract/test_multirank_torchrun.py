@@ -1,14 +1,19 @@
 """Multi-rank shards with real torchrun jobs (Gloo on the CPU) against a real ledger server.
 
-Each test starts `torchrun --standalone` with the job in tests/helpers/ddp_shard_job.py
+Each test starts torchrun on one node with the job in tests/helpers/ddp_shard_job.py
 and reads what a user would: the shard's view (`shards --json`), the resume list,
-`verify`, and the processes left behind. Timeouts are a few seconds.
+`verify`, and the processes left behind. The shard's own timeouts (heartbeats, the
+watchdog) are a few seconds; the bounds on a launch are derived from how long one takes
+on this machine now (`launch_s`), measured once per module.
+
+Nothing is retried: each launch has a rendezvous of its own (a new id, a store on a port
+the agent binds itself), on 127.0.0.1 for the store and Gloo alike, and each elastic
+restart opens its process group under a store prefix of its own (ddp_shard_job.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -16,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +40,59 @@ JOB = Path(__file__).resolve().parents[1] / "helpers" / "ddp_shard_job.py"
 RUN, SHARD = "night-ddp", "shard-ddp"
 OUTPUTS = ("weights.rank{rank}", "results.jsonl")
 
+# A launch that only joins a 2-rank Gloo group and leaves: what start-up costs here.
+PROBE_JOB = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def torchrun(nproc: int, restarts: int, script: Path, *args: str) -> list[str]:
+    """Returns the argv of a one-node torchrun launch with a rendezvous of its own."""
+    return [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"),
+        *("--nproc-per-node", str(nproc), "--max-restarts", str(restarts)),
+        # A new id, and a store the agent binds on port 0 itself (so no other process can
+        # take a port picked for it in between); 127.0.0.1, not the host's name or
+        # localhost (which may try ::1 first), for the store the workers are sent to too.
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"),
+        *("--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1"),
+        *("--monitor-interval", "0.2", "--shutdown-timeout", "2"),
+        *(str(script), *args),
+    ]
+
+
+def launch_environment(**env: str) -> dict[str, str]:
+    """Returns the environment of a launch: Gloo and the store on loopback, one thread a rank."""
+    loopback = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+    return {**os.environ, **loopback, **env}
+
+
+@pytest.fixture(scope="module")
+def launch_s(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """Returns the seconds one 2-rank launch (start, join the group, leave) takes here now."""
+    script = tmp_path_factory.mktemp("probe") / "probe.py"
+    script.write_text(PROBE_JOB)
+    start = time.monotonic()
+    done = subprocess.run(
+        torchrun(2, 0, script),
+        env=launch_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return time.monotonic() - start
+
 
 @pytest.fixture
-def ddp(server: RunningServer, client: LedgerClient, tmp_path: Path) -> Iterator[_Ddp]:
+def ddp(
+    server: RunningServer, client: LedgerClient, tmp_path: Path, launch_s: float
+) -> Iterator[_Ddp]:
     client.append([planned(RUN, SHARD, outputs=OUTPUTS)])
-    launcher = _Ddp(f"127.0.0.1:{server.port}", client, tmp_path)
+    launcher = _Ddp(f"127.0.0.1:{server.port}", client, tmp_path, launch_s)
     yield launcher
     launcher.cleanup()
 
@@ -47,49 +100,30 @@ def ddp(server: RunningServer, client: LedgerClient, tmp_path: Path) -> Iterator
 class _Ddp:
     """Starts torchrun jobs of the test and reads the shard back."""
 
-    def __init__(self, target: str, client: LedgerClient, tmp: Path) -> None:
+    def __init__(self, target: str, client: LedgerClient, tmp: Path, launch_s: float) -> None:
         self.target, self.client, self.tmp = target, client, tmp
         self.out = tmp / "out"
         self.diag = tmp / "diag"
         self.procs: list[subprocess.Popen[str]] = []
         self.run_id = RUN
-
-    def fresh_run(self, run_id: str) -> None:
-        """Plans the shard again in a new run, which the next launches use."""
-        self.client.append([planned(run_id, SHARD, outputs=OUTPUTS)])
-        self.run_id = run_id
+        # A job is a launch and six short steps; a restart is a second launch. Ten launches'
+        # time is a bound a healthy job never nears, however loaded the machine.
+        self.deadline_s = 30 + 10 * launch_s
+        # The SDK's watchdog, where a test does not set it short on purpose: no step of this
+        # job takes as long as a launch, so three launches' time is a hang, not a slow step.
+        self.hang_s = max(30.0, 3 * launch_s)
 
     def start(
         self, mode: str, *, nproc: int = 2, restarts: int = 0, **env: str
     ) -> subprocess.Popen[str]:
-        environ = dict(
-            os.environ,
-            OMP_NUM_THREADS="1",
-            SHARDLEDGER_DIAG_DIR=str(self.diag),
-            SHARDLEDGER_KILL_GRACE="1",
-            SHARDLEDGER_HANG_TIMEOUT="30",
-        )
-        environ.update(env)
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "--max-restarts",
-            str(restarts),
-            "--monitor-interval",
-            "0.2",
-            "--shutdown-timeout",
-            "2",
-            str(JOB),
-            self.target,
-            self.run_id,
-            SHARD,
-            str(self.out),
-            mode,
-        ]
+        defaults = {
+            "SHARDLEDGER_DIAG_DIR": str(self.diag),
+            "SHARDLEDGER_KILL_GRACE": "1",
+            "SHARDLEDGER_HANG_TIMEOUT": str(self.hang_s),
+            "DDP_PG_TIMEOUT": str(self.deadline_s),
+        }
+        environ = launch_environment(**(defaults | env))
+        argv = torchrun(nproc, restarts, JOB, self.target, self.run_id, SHARD, str(self.out), mode)
         # A session of its own, so that cleanup stops torchrun and every rank it started.
         proc = subprocess.Popen(
             argv,
@@ -104,7 +138,7 @@ class _Ddp:
 
     def run(self, mode: str, **kwargs: Any) -> tuple[int, str]:
         proc = self.start(mode, **kwargs)
-        output, _ = proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=self.deadline_s)
         return proc.returncode, output
 
     def view(self) -> dict[str, Any]:
@@ -114,8 +148,8 @@ class _Ddp:
         assert [v["shard_id"] for v in views] == [SHARD]
         return views[0]
 
-    def wait_for(self, what: str, predicate: Any, timeout: float = 60.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+    def wait_for(self, what: str, predicate: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + self.deadline_s
         while True:
             view = self.view()
             if predicate(view):
@@ -148,28 +182,6 @@ def _gone(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def _once_more(test: Callable[..., None]) -> Callable[..., None]:
-    """Runs a torchrun case a second time, in a fresh run, when its first try fails.
-
-    torchrun and Gloo have races of their own on a loaded 2-core machine (a peer slow
-    to connect, a restarted round hung in its rendezvous); a ledger defect fails both
-    tries. The first failure is printed, so a flaky pass stays visible in the log.
-    """
-
-    @functools.wraps(test)
-    def run(ddp: _Ddp, *args: Any, **kwargs: Any) -> None:
-        try:
-            test(ddp, *args, **kwargs)
-        except (AssertionError, subprocess.TimeoutExpired) as first:
-            print(f"torchrun case failed once, trying again in a fresh run: {first!r}")
-            ddp.stop_all()
-            ddp.fresh_run(f"{ddp.run_id}-again")
-            test(ddp, *args, **kwargs)
-
-    return run
-
-
-@_once_more
 def test_a_clean_two_rank_run_is_one_attempt_with_every_ranks_outputs_verified(
     ddp: _Ddp, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -196,7 +208,6 @@ def test_a_clean_two_rank_run_is_one_attempt_with_every_ranks_outputs_verified(
     assert "RANKS" in header and "\t0/2\t" in row  # both ranks finished: none alive
 
 
-@_once_more
 def test_a_rank_killed_mid_step_fails_the_attempt_stops_the_other_and_resumes_once(
     ddp: _Ddp,
 ) -> None:
@@ -218,7 +229,6 @@ def test_a_rank_killed_mid_step_fails_the_attempt_stops_the_other_and_resumes_on
     assert entries[0].reason in ("failed:nccl", "failed:preempted", "stale")
 
 
-@_once_more
 def test_a_stopped_rank_makes_the_attempt_stale_and_the_others_watchdog_ends_it_as_timeout(
     ddp: _Ddp,
 ) -> None:
@@ -239,12 +249,11 @@ def test_a_stopped_rank_makes_the_attempt_stale_and_the_others_watchdog_ends_it_
     assert "backward" in bundle.read_text()  # where rank 0 waited: the gradients' all-reduce
     # The frozen rank resumes (SIGCONT): the ledger refuses its heartbeat, and it stops too.
     os.kill(by_rank[1]["pid"], signal.SIGCONT)
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=ddp.deadline_s)
     assert all(_gone(r["pid"]) for r in view["ranks"])
     assert len([e for e in ddp.client.list_events(RUN) if e.WhichOneof("payload") == "failed"]) == 1
 
 
-@_once_more
 def test_watch_kill_stale_stops_every_rank_of_a_stale_attempt_and_records_timeout(
     ddp: _Ddp, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -258,7 +267,7 @@ def test_watch_kill_stale_stops_every_rank_of_a_stale_attempt_and_records_timeou
     assert [r["rank"] for r in action["ranks"]] == [0, 1]
     assert all("SIGTERM" in r["steps"] for r in action["ranks"])
     assert action["recorded_failed_timeout"] is True
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=ddp.deadline_s)
     assert all(_gone(pid) for pid in pids)
     view = ddp.view()
     assert (view["state"], view["detail"]) == ("failed", "timeout")
@@ -266,7 +275,6 @@ def test_watch_kill_stale_stops_every_rank_of_a_stale_attempt_and_records_timeou
     assert [e.failed.rank for e in failed] == [1]  # the silent rank's, once
 
 
-@_once_more
 def test_rank0_exiting_cleanly_while_rank1s_output_is_missing_is_incomplete(ddp: _Ddp) -> None:
     code, output = ddp.run("missing")
     assert code == 0, output  # every process exited 0: the launcher saw a success
@@ -276,22 +284,10 @@ def test_rank0_exiting_cleanly_while_rank1s_output_is_missing_is_incomplete(ddp:
     assert [(e.shard_id, e.reason) for e in ddp.resume()] == [(SHARD, "failed:incomplete")]
 
 
-@_once_more
 def test_an_elastic_restart_resumes_from_a_whole_checkpoint_and_old_commits_are_zombies(
     ddp: _Ddp, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for retry in range(3):
-        try:
-            code, output = ddp.run("restart", restarts=1)
-        except subprocess.TimeoutExpired as hung:
-            # torchrun's restarted round can hang in its own rendezvous on a slow machine.
-            code, output = -1, f"torchrun hung: {hung}"
-            ddp.stop_all()
-        if code == 0 or ("connectFullMesh" not in output and code != -1):
-            break
-        # The restarted round's Gloo mesh could not connect before the shard opened (a slow
-        # peer on a loaded machine: torch's, not the ledger's); once more, in a fresh run.
-        ddp.fresh_run(f"{RUN}-{retry + 1}")
+    code, output = ddp.run("restart", restarts=1)
     assert code == 0, output
     # Step 2's checkpoint lacks rank 1's part: both ranks resume from step 1, the newest whole one.
     assert "rank=0 resumed_from=1" in output and "rank=1 resumed_from=1" in output
@@ -336,7 +332,6 @@ def test_an_elastic_restart_resumes_from_a_whole_checkpoint_and_old_commits_are_
 
 
 @pytest.mark.slow
-@_once_more
 def test_a_four_rank_run_is_one_attempt(ddp: _Ddp) -> None:
     code, output = ddp.run("clean", nproc=4)
     assert code == 0, output

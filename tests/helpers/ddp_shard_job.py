@@ -17,7 +17,8 @@ MODE:
             rank 0 saves its part and both die hard (os._exit: nothing recorded, as
             after a node failure). torchrun restarts them (--max-restarts 1): a new
             attempt, which resumes from step 1, the newest checkpoint with every part.
-Timeouts come from the environment the test sets (SHARDLEDGER_HANG_TIMEOUT, ...).
+Timeouts come from the environment the test sets (SHARDLEDGER_HANG_TIMEOUT,
+DDP_PG_TIMEOUT, ...).
 """
 
 from __future__ import annotations
@@ -39,15 +40,40 @@ from shard_client import Ledger, keyed
 STEPS = 6
 
 
+def init_process_group(rank: int, world: int, restart: int, timeout: datetime.timedelta) -> None:
+    """Joins this round's Gloo group under a store prefix of the round's own.
+
+    torchrun's agent keeps one store for the whole launch, and a restarted round finds
+    the keys of the round before it there: the group's start barrier passed at once and
+    Gloo could read a dead peer's address (connectFullMesh failed, or the round hung).
+    """
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # The stores are public API, imported in torch.distributed without a re-export.
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not shared and rank == 0,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"round-{restart}", store),  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+
+
 def main() -> None:
     target, run_id, shard_id, out_dir, mode = sys.argv[1:6]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(out_dir)
-    # The collective's own timeout is long: the SDK's watchdog is what must notice a hang.
-    # A restarted round that cannot connect should say so soon, not in two minutes.
-    seconds = 30 if mode == "restart" else 120
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+    # The collective's own timeout is long (the test's bound on a launch): the SDK's
+    # watchdog is what must notice a hang.
+    timeout = datetime.timedelta(seconds=float(os.environ.get("DDP_PG_TIMEOUT", "120")))
+    init_process_group(rank, world, restart, timeout)
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
