@@ -21,9 +21,34 @@ from tests import isolation
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
+# What a test starts, known from the fixture that starts it: a test using one carries the
+# marker, so `-m postgres` (or `-m "not postgres"`) selects it whoever wrote it. Tests that
+# start their daemon without such a fixture carry the marker in their own module.
+MARKERS_BY_FIXTURE = {
+    "slurm_cluster": "slurm",
+    "pg_cluster": "postgres",
+    "pg_url": "postgres",
+    "s3_endpoint": "s3",
+    "go_client": "go",
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The default-address guard (tests/isolation.py): its hooks and its fixture.
     config.pluginmanager.register(isolation, "shardledger-default-address-guard")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        # A backend parameter ("sqlite", "postgres") asks for pg_url only when it is set up.
+        callspec = getattr(item, "callspec", None)
+        params = set(map(str, callspec.params.values())) if callspec is not None else set()
+        wanted = {marker for name, marker in MARKERS_BY_FIXTURE.items() if name in names}
+        if "postgres" in params:
+            wanted.add("postgres")
+        for marker in sorted(wanted - {m.name for m in item.iter_markers()}):
+            item.add_marker(marker)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ CHECK = ROOT / "tools" / "check_alerts.sh"
 RULES_DIR = ROOT / "deploy" / "prometheus"
 
 
+@pytest.mark.prometheus
 def test_alert_rules_pass_promtool_check_and_unit_tests() -> None:
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (apt-get install prometheus); CI installs it")

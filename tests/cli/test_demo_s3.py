@@ -24,6 +24,8 @@ from shardledger_cli.demo.faults import (
 )
 from shardledger_cli.demo.report import render
 
+pytestmark = pytest.mark.s3  # the demo starts its own local S3 endpoint
+
 ARGS = ["--storage", "s3", "--shards", "20", "--workers", "2", "--steps", "2", "--seed", "3"]
 
 

@@ -101,6 +101,7 @@ def _chromium(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run apt-installs it)")
 def test_headless_chromium_renders_the_figures_offline_and_saves_a_screenshot(
     page: Path, tmp_path: Path

@@ -36,6 +36,8 @@ from tests.builders import planned, run_cli
 
 pytest.importorskip("torch.distributed")
 
+pytestmark = pytest.mark.torchrun
+
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "ddp_shard_job.py"
 RUN, SHARD = "night-ddp", "shard-ddp"
 OUTPUTS = ("weights.rank{rank}", "results.jsonl")

@@ -40,6 +40,7 @@ RUN = "night"
 SCALE = 0.01  # 10-minute graces become 6 s, keep_firing_for 15m becomes 9 s
 
 pytestmark = [
+    pytest.mark.prometheus,
     pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed"),
     pytest.mark.usefixtures("quiet_logs"),
 ]

@@ -159,6 +159,7 @@ def test_a_settled_run_exports_its_lifecycle_and_settled_time(
     assert len(series) == SERIES_PER_RUN - 1
 
 
+@pytest.mark.prometheus
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_a_live_scrape_passes_promtool_check_metrics(
     client: LedgerClient, metrics_port: int

@@ -29,6 +29,8 @@ from tests.builders import planned, started
 from tests.pg import PgCluster
 from tests.server.test_replicas import ROOT, Load, Replica, assert_ledger_holds_exactly
 
+pytestmark = pytest.mark.postgres  # its `pair` fixture starts a primary and a standby
+
 
 @pytest.fixture
 def pair() -> Iterator[tuple[PgCluster, PgCluster]]:
