@@ -50,6 +50,10 @@ def _stopped(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
+# Reads 0.1 s apart that must find the dump's size unchanged before it is read.
+STABLE_READS: Final = 5
+
+
 def stack_dump(pid: int, attempt_id: str, diag_dir: Path, *, wait_s: float = STACK_WAIT_S) -> str:
     """Returns a stack dump of the process: py-spy if installed, else the SDK's faulthandler file."""
     if shutil.which("py-spy"):
@@ -68,12 +72,14 @@ def stack_dump(pid: int, attempt_id: str, diag_dir: Path, *, wait_s: float = STA
     except ProcessLookupError:
         return "(process already gone)"
     deadline = time.monotonic() + wait_s
-    size = before
+    size, still = before, 0
     while time.monotonic() < deadline:
         time.sleep(0.1)
         grown = stack_file.stat().st_size if stack_file.exists() else before
-        # faulthandler writes thread by thread: read once the file stops growing.
-        if grown > before and grown == size:
+        # faulthandler writes thread by thread, and on a loaded machine it can pause
+        # between threads: read once the file has not grown for half a second.
+        still = still + 1 if grown > before and grown == size else 0
+        if still >= STABLE_READS:
             break
         size = grown
     if size <= before:
