@@ -393,7 +393,9 @@ def open_part_of(
     has an open latest attempt, and its deadline is a stored column), so it builds
     the latest attempt alone instead of the whole record.
     """
-    span_us, _ = attempt_span(attempt)
+    # Open, it has no end yet (a commit of some outputs is none): to its last event, as
+    # the report reads it from the row (latest_attempt_from_row builds no ended_us).
+    span_us = max(0, attempt.last_seen_us - attempt.started_us)
     gpus, known = _gpus_of(attempt, plan_labels)
     stale = deadline is not None and deadline < now_us
     lost = (deadline or now_us) - (attempt.saved_us or attempt.started_us) if stale else 0
