@@ -60,8 +60,6 @@ class AttemptRow:
     labels: dict[str, str]
     last_us: int
     timeout_us: int = 0
-    # The last time it showed progress (a step advanced, a checkpoint, a commit).
-    progress_us: int = 0
     heartbeats: int = 0
     last_step: int = -1
     checkpoints: int = 0
@@ -212,7 +210,6 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
             labels=dict(p.labels),
             last_us=now,
             timeout_us=p.heartbeat_timeout_us,
-            progress_us=now,
             client_started_us=e.client_time_us,
             world_size=p.world_size,
             gpu_count=p.gpu_count,
@@ -220,13 +217,12 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
     elif isinstance(p, Heartbeat) and attempt is not None:
         attempt.heartbeats += 1
         if p.step > attempt.last_step:
-            attempt.last_step, attempt.progress_us = p.step, now
+            attempt.last_step = p.step
     elif isinstance(p, CheckpointSaved):
         if attempt is not None:
             attempt.checkpoints += 1
             attempt.checkpoint_write_us += p.write_us
             attempt.last_step = max(attempt.last_step, p.step)
-            attempt.progress_us = now
         out.checkpoints.append(
             where
             | {
@@ -242,7 +238,6 @@ def _fold_payload(out: RunTables, recorded: RecordedEvent) -> None:
     elif isinstance(p, ArtifactCommitted):
         if attempt is not None:
             attempt.commits += 1
-            attempt.progress_us = now
             if not attempt.failed_tag:  # an attempt that ends cleanly ends at its last commit
                 attempt.ended_us, attempt.client_ended_us = now, e.client_time_us
         out.commits[(e.shard_id, p.path, p.blake3_hex)] = e.attempt_id

@@ -12,20 +12,13 @@ from data; docs/metrics.md defines each input.
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-
 __all__ = [
-    "AttemptSpan",
     "CheckpointAdvice",
-    "advice_from",
     "advise",
     "checkpoint_advice",
-    "measure_events",
 ]
 
 RECLAIM_TAGS: Final = frozenset({"preempted", "killed"})
@@ -79,75 +72,6 @@ def advise(
         reason = "t* = sqrt(2·T·w/p) minimises p·t/2 + (T/t)·w"
     steps = max(1, round(t * steps_per_s)) if steps_per_s else None
     return CheckpointAdvice(T, w, p, attempts, t, steps, waste, reason)
-
-
-@dataclass(slots=True)
-class AttemptSpan:
-    """What the advice needs of one attempt: its ledger times, last step, ending, commits."""
-
-    started_us: int
-    last_us: int
-    last_step: int = -1
-    tag: str = ""
-    commits: int = 0
-
-
-def _us(ts: Any) -> int:
-    return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
-
-
-def measure_events(events: Iterable[pb.ShardEvent]) -> CheckpointAdvice:
-    """Returns the advice for a run from its events (as ListEvents returns them).
-
-    T is the median span (ledger receive times, from the started event to the
-    last commit) of attempts that committed and did not fail; w the median measured checkpoint write time; p the share
-    of ended attempts that were reclaimed (failed preempted or killed).
-    """
-    attempts: dict[str, AttemptSpan] = {}
-    writes: list[float] = []
-    for e in events:
-        now = _us(e.receive_time)
-        kind = e.WhichOneof("payload")
-        if kind == "started":
-            attempts[e.attempt_id] = AttemptSpan(now, now)
-            continue
-        a = attempts.get(e.attempt_id)
-        if a is None or kind == "verified":
-            continue  # a verdict names the attempt it judged; it is no event of the attempt
-        if not a.commits or kind == "artifact_committed":
-            a.last_us = max(a.last_us, now)  # an attempt that committed ends at its last commit
-        if kind == "heartbeat":
-            a.last_step = max(a.last_step, e.heartbeat.step)
-        elif kind == "checkpoint" and e.checkpoint.HasField("write_duration"):
-            writes.append(e.checkpoint.write_duration.ToNanoseconds() / 1e9)
-        elif kind == "artifact_committed":
-            a.commits += 1
-        elif kind == "failed":
-            # FAILURE_TAG_PREEMPTED -> "preempted": the tag names the server and CLI use.
-            name = pb.FailureTag.Name(e.failed.tag)
-            a.tag = name.removeprefix("FAILURE_TAG_").lower() or "unknown"
-    return advice_from(list(attempts.values()), writes)
-
-
-def advice_from(attempts: Sequence[AttemptSpan], writes: Sequence[float]) -> CheckpointAdvice:
-    """Returns the advice from attempt spans and measured checkpoint write times (seconds)."""
-    done = [a for a in attempts if a.commits and not a.tag]
-    ended = [a for a in attempts if a.tag or a.commits]
-    durations = [(a.last_us - a.started_us) / 1e6 for a in done]
-    rates = [
-        a.last_step / ((a.last_us - a.started_us) / 1e6)
-        for a in done
-        if a.last_step > 0 and a.last_us > a.started_us
-    ]
-    return advise(
-        shard_duration_s=statistics.median(durations) if durations else None,
-        checkpoint_write_s=statistics.median(writes) if writes else None,
-        reclaim_probability=(
-            sum(a.tag in RECLAIM_TAGS for a in ended) / len(ended) if ended else None
-        ),
-        attempts=len(ended),
-        steps_per_s=statistics.median(rates) if rates else None,
-    )
 
 
 def checkpoint_advice(
