@@ -50,8 +50,43 @@ def _stopped(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
-# Reads 0.1 s apart that must find the dump's size unchanged before it is read.
-STABLE_READS: Final = 5
+_USR1_BIT: Final = 1 << (signal.SIGUSR1 - 1)  # its bit in /proc's signal masks
+
+
+def _masks(pid: int) -> dict[str, dict[str, int]]:
+    """Returns each thread's signal masks (SigPnd, SigBlk; ShdPnd is the process's)."""
+    out: dict[str, dict[str, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            lines = (task / "status").read_text().splitlines()
+        except OSError:
+            continue  # the thread ended
+        fields = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+        out[task.name] = {
+            k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd", "SigBlk") if k in fields
+        }
+    return out
+
+
+def _dump_done(pid: int, blocked_before: set[str]) -> bool:
+    """Returns True once SIGUSR1 is delivered and its handler has returned in every thread.
+
+    faulthandler writes the whole dump inside the signal handler, and the kernel
+    blocks SIGUSR1 in the thread running it until it returns: the dump is complete
+    when the signal is pending nowhere and no thread that did not block it before
+    blocks it now. This is the kernel's state, not a guess from the file's growth,
+    which on a loaded machine can pause between threads for any length of time.
+    """
+    try:
+        masks = _masks(pid)
+    except OSError:
+        return True  # the process is gone: whatever it wrote is all there is
+    for tid, m in masks.items():
+        if (m.get("SigPnd", 0) | m.get("ShdPnd", 0)) & _USR1_BIT:
+            return False
+        if m.get("SigBlk", 0) & _USR1_BIT and tid not in blocked_before:
+            return False
+    return True
 
 
 def stack_dump(pid: int, attempt_id: str, diag_dir: Path, *, wait_s: float = STACK_WAIT_S) -> str:
@@ -68,20 +103,16 @@ def stack_dump(pid: int, attempt_id: str, diag_dir: Path, *, wait_s: float = STA
     stack_file = diag_dir / f"{attempt_id}.stack"
     before = stack_file.stat().st_size if stack_file.exists() else 0
     try:
+        blocked_before = {t for t, m in _masks(pid).items() if m.get("SigBlk", 0) & _USR1_BIT}
         os.kill(pid, signal.SIGUSR1)
-    except ProcessLookupError:
+    except (ProcessLookupError, FileNotFoundError):
         return "(process already gone)"
     deadline = time.monotonic() + wait_s
-    size, still = before, 0
     while time.monotonic() < deadline:
-        time.sleep(0.1)
-        grown = stack_file.stat().st_size if stack_file.exists() else before
-        # faulthandler writes thread by thread, and on a loaded machine it can pause
-        # between threads: read once the file has not grown for half a second.
-        still = still + 1 if grown > before and grown == size else 0
-        if still >= STABLE_READS:
+        time.sleep(0.02)
+        if _dump_done(pid, blocked_before):
             break
-        size = grown
+    size = stack_file.stat().st_size if stack_file.exists() else before
     if size <= before:
         return "(no stack dump: install py-spy, or run the job inside shard_client's shard context)"
     with stack_file.open("rb") as f:
