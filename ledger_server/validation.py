@@ -49,6 +49,9 @@ MAX_HEARTBEAT_TIMEOUT_US: Final = 7 * 24 * 3600 * 1_000_000
 MAX_WORLD_SIZE: Final = 65_536
 # The GPUs one process may say it holds (AttemptStarted.gpu_count).
 MAX_GPU_COUNT: Final = 4096
+# The most shards a close may announce: the run summary carries the count as int32
+# (RunLifecycle.expected_shards), so a larger one would make every summary unreadable.
+MAX_EXPECTED_SHARDS: Final = 2**31 - 1
 
 # The last microsecond a protobuf Timestamp may hold: 9999-12-31T23:59:59.999999Z.
 MAX_TIMESTAMP_US: Final = 253_402_300_799_999_999
@@ -210,7 +213,10 @@ def _check_payload(event: Event, row_format: int) -> Payload:
         if event.shard_id or event.attempt_id:
             raise InvalidEvent("shard_id", "must be empty (with attempt_id) for submission_closed")
         _check_text("submission_closed.reason", p.reason, 1024)
-        _check_size("submission_closed.expected_shards", p.expected_shards)
+        if not 0 <= p.expected_shards <= MAX_EXPECTED_SHARDS:
+            raise InvalidEvent(
+                "submission_closed.expected_shards", f"must be between 0 and {MAX_EXPECTED_SHARDS}"
+            )
         if not 0 <= p.submitted_until_us <= MAX_TIMESTAMP_US:
             raise InvalidEvent(
                 "submission_closed.submitted_until", "must be between 1970 and the year 10000"

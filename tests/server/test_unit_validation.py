@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ledger_server.errors import InvalidEvent, LimitExceeded
-from ledger_server.events import AttemptFailed, Event, Heartbeat, ShardPlanned
+from ledger_server.events import AttemptFailed, Event, Heartbeat, ShardPlanned, SubmissionClosed
 from ledger_server.validation import MAX_PAYLOAD_BYTES, validate
 
 DIGEST = "cd" * 32
@@ -43,6 +43,12 @@ BAD: list[tuple[Event, str, str]] = [
     (_event(Heartbeat(1, 1.5, {})), "heartbeat.progress", "must be a number in [0, 1]"),
     (_event(Heartbeat(1, 0.5, {"loss": float("nan")})), "heartbeat.metrics", "must be finite"),
     (_event(Heartbeat(-1, 0.5, {})), "heartbeat.step", "must not be negative"),
+    # The summary carries it as int32: 3e9 would make every GetRunSummary of the run fail.
+    (
+        _event(SubmissionClosed(expected_shards=3_000_000_000), shard_id="", attempt_id=""),
+        "submission_closed.expected_shards",
+        "must be between 0 and 2147483647",
+    ),
     (
         _event(Heartbeat(1, 0.5, {}, first_step=2, progress_calls=2)),
         "heartbeat.first_step",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
+from ledger_server.validation import MAX_EXPECTED_SHARDS
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.delivery import deliver
@@ -190,8 +191,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), EXIT_USAGE) from None
     if not args.close and (args.reason or args.expected or args.submitted_until):
         raise CommandError("--reason, --expected and --submitted-until go with --close", EXIT_USAGE)
-    if args.expected < 0:
-        raise CommandError("--expected must not be negative", EXIT_USAGE)
+    if not 0 <= args.expected <= MAX_EXPECTED_SHARDS:
+        raise CommandError(f"--expected must be between 0 and {MAX_EXPECTED_SHARDS:,}", EXIT_USAGE)
     if args.manifest is None and args.inputs is None:
         if not args.close:
             raise CommandError("give --manifest FILE, --inputs DIR or --close", EXIT_USAGE)
