@@ -16,6 +16,12 @@ A test that means the default address carries ``@pytest.mark.default_address``: 
 tripwire steps aside for it (the test may serve there itself), and where another process
 holds the port the test is skipped, since it would reach that process.
 
+Under pytest-xdist the controller holds the port and the workers ask it (over a Unix
+socket) at each test's start and end: a connection is the test's that was running in
+the worker whose process, or an ancestor of it, made the connection, else (the process
+gone) the test's that was running alone. One the controller cannot place (no worker's,
+while tests ran in several workers) fails the session, naming the tests running then.
+
 Before anything runs, the variables that point the SDK and the CLI at a ledger, a
 database or credentials are removed from the environment, so a developer's exported
 ``SHARDLEDGER_SERVER`` cannot stand in for the default address either.
@@ -24,14 +30,17 @@ database or credentials are removed from the environment, so a developer's expor
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
+import shutil
 import socket
+import tempfile
 import threading
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 
@@ -69,8 +78,8 @@ class Hit:
     process: str
 
 
-def _connecting_process(peer_port: int, port: int) -> str:
-    """Returns "pid N: command line" of the local process whose socket is peer_port (Linux)."""
+def _connecting_process(peer_port: int, port: int) -> tuple[int | None, str]:
+    """Returns the pid and "pid N: command line" of the local process whose socket is peer_port."""
     inode = ""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as fh:
@@ -81,7 +90,7 @@ def _connecting_process(peer_port: int, port: int) -> str:
                 ):
                     inode = cols[9]
     if not inode:
-        return "a process that had closed its end by then"
+        return None, "a process that had closed its end by then"
     wanted = f"socket:[{inode}]"
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -92,25 +101,47 @@ def _connecting_process(peer_port: int, port: int) -> str:
                     argv = (proc / "cmdline").read_bytes().split(b"\0")
                     command = " ".join(a.decode(errors="replace") for a in argv if a)
                     mine = " (this pytest process)" if int(proc.name) == os.getpid() else ""
-                    return f"pid {proc.name}{mine}: {command[:200]}"
-    return "an unknown process"
+                    return int(proc.name), f"pid {proc.name}{mine}: {command[:200]}"
+    return None, "an unknown process"
+
+
+def _ancestors(pid: int) -> Iterator[int]:
+    """Yields pid, its parent, and so on up to init (Linux /proc)."""
+    while pid > 1:
+        yield pid
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return
+        pid = int(stat.rpartition(")")[2].split()[1])
+
+
+BETWEEN: Final = "(between tests)"
 
 
 @dataclass
 class Tripwire:
-    """A listener on the default address that records who connects, and during which test."""
+    """A listener on the default address that records who connects, and during which test.
+
+    Tests run in owners: this process alone, or each xdist worker (by pid). A connection
+    is the current test's of the owner its process descends from; with a single owner,
+    every connection is that owner's.
+    """
 
     port: int
-    current: str = "(between tests)"
+    current: dict[int, str] = field(default_factory=dict)
     hits: list[Hit] = field(default_factory=list)
+    # Connections no owner could be found for: (hit, the tests running at the time).
+    unplaced: list[tuple[Hit, list[str]]] = field(default_factory=list)
     _socks: list[socket.socket] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _aside: int = 0  # marked tests running now, for which the port is let go
 
     def open(self) -> bool:
         """Listens on 127.0.0.1 (and [::1] where there is IPv6); False where the port is taken."""
-        socks = []
+        socks: list[socket.socket] = []
         for family, host in ((socket.AF_INET, DEFAULT_HOST), (socket.AF_INET6, "::1")):
             sock = socket.socket(family, socket.SOCK_STREAM)
             # SO_REUSEADDR binds past a closed ledger's TIME_WAIT, never beside a listener;
@@ -124,6 +155,8 @@ class Tripwire:
             except OSError:
                 sock.close()
                 if family == socket.AF_INET:
+                    for other in socks:
+                        other.close()
                     return False
                 continue  # no IPv6 loopback here: 127.0.0.1 is what the defaults name
             sock.setblocking(False)
@@ -146,16 +179,37 @@ class Tripwire:
             sock.close()
         self._socks = []
 
-    def drain(self) -> None:
-        """Accepts and records whatever connected and is not yet accepted."""
-        self._accept(timeout_s=0)
-
-    def take(self, nodeid: str) -> list[Hit]:
-        """Returns and forgets the connections made during the test nodeid."""
+    def step_aside(self) -> None:
+        """Lets the port go while a marked test runs (the first of them closes it)."""
         with self._lock:
+            self._aside += 1
+            if self._aside == 1:
+                self.close()
+
+    def resume(self) -> bool:
+        """Listens again once no marked test runs; False where something kept the port."""
+        with self._lock:
+            self._aside -= 1
+            return self._aside > 0 or self.open()
+
+    def begin(self, owner: int, nodeid: str) -> None:
+        """Marks nodeid as the owner's current test; what arrived before is not its."""
+        with self._lock:
+            self.drain()
+            self.current[owner] = nodeid
+
+    def end(self, owner: int, nodeid: str) -> list[Hit]:
+        """Returns and forgets the connections made during nodeid; the owner is between tests."""
+        with self._lock:
+            self.drain()
+            self.current[owner] = BETWEEN
             mine = [hit for hit in self.hits if hit.nodeid == nodeid]
             self.hits = [hit for hit in self.hits if hit.nodeid != nodeid]
         return mine
+
+    def drain(self) -> None:
+        """Accepts and records whatever connected and is not yet accepted."""
+        self._accept(timeout_s=0)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -173,8 +227,125 @@ class Tripwire:
                     continue
                 # Closed at once: a client gives up within its retry deadline, not a hang.
                 with conn:
-                    process = _connecting_process(int(peer[1]), self.port)
-                self.hits.append(Hit(self.current, f"{peer[0]}:{peer[1]}", process))
+                    pid, process = _connecting_process(int(peer[1]), self.port)
+                self._record(pid, f"{peer[0]}:{peer[1]}", process)
+
+    def _record(self, pid: int | None, peer: str, process: str) -> None:
+        owner = None
+        if pid is not None:
+            owner = next((p for p in _ancestors(pid) if p in self.current), None)
+        if owner is None:
+            # Its process is gone (or no worker's): the test running alone, as in one
+            # process, is the one it is charged to; with tests in several, none is.
+            busy = [o for o, nodeid in self.current.items() if nodeid != BETWEEN]
+            if len(self.current) == 1:
+                owner = next(iter(self.current))
+            elif len(busy) == 1:
+                owner = busy[0]
+        if owner is not None:
+            if pid == owner and owner != os.getpid():
+                process = f"pid {pid} (the xdist worker running the test)"
+            self.hits.append(Hit(self.current[owner], peer, process))
+            return
+        running = sorted(n for n in self.current.values() if n != BETWEEN)
+        if running:  # between every owner's tests it is no test's
+            self.unplaced.append((Hit(BETWEEN, peer, process), running))
+
+
+class Broker:
+    """Serves the controller's tripwire to xdist workers over a Unix socket (JSON lines).
+
+    A worker sends {"op": "hello", "pid": P} once, then "begin"/"end" with a nodeid
+    around each test and "step_aside"/"resume" around a marked one; each request is
+    answered once the tripwire has drained what had connected by then.
+    """
+
+    def __init__(self, tripwire: Tripwire) -> None:
+        self.tripwire = tripwire
+        self.dir = tempfile.mkdtemp(prefix="sl-guard-")
+        self.path = os.path.join(self.dir, "broker.sock")
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.path)
+        self._server.listen(64)
+        self._thread = threading.Thread(target=self._serve, name="default-address-broker")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+        self._thread.join(timeout=5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._worker, args=(conn,), daemon=True).start()
+
+    def _worker(self, conn: socket.socket) -> None:
+        owner = 0
+        with conn, conn.makefile("rw", encoding="utf-8") as stream:
+            for line in stream:
+                request = json.loads(line)
+                op = request["op"]
+                reply: dict[str, Any] = {}
+                if op == "hello":
+                    owner = int(request["pid"])
+                    with self.tripwire._lock:
+                        self.tripwire.current[owner] = BETWEEN
+                elif op == "begin":
+                    self.tripwire.begin(owner, request["nodeid"])
+                elif op == "end":
+                    hits = self.tripwire.end(owner, request["nodeid"])
+                    reply["hits"] = [[h.nodeid, h.peer, h.process] for h in hits]
+                elif op == "step_aside":
+                    self.tripwire.step_aside()
+                elif op == "resume":
+                    reply["ok"] = self.tripwire.resume()
+                stream.write(json.dumps(reply) + "\n")
+                stream.flush()
+        with self.tripwire._lock:
+            self.tripwire.current.pop(owner, None)
+
+
+class RemoteTripwire:
+    """A worker's view of the controller's tripwire: the same calls, over the broker."""
+
+    def __init__(self, path: str, port: int) -> None:
+        self.port = port
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._stream = self._sock.makefile("rw", encoding="utf-8")
+        self._ask("hello", pid=os.getpid())
+
+    def _ask(self, op: str, **fields: Any) -> dict[str, Any]:
+        self._stream.write(json.dumps({"op": op, **fields}) + "\n")
+        self._stream.flush()
+        line = self._stream.readline()
+        if not line:
+            raise RuntimeError("the default-address guard's broker (the xdist controller) is gone")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def begin(self, owner: int, nodeid: str) -> None:
+        self._ask("begin", nodeid=nodeid)
+
+    def end(self, owner: int, nodeid: str) -> list[Hit]:
+        return [Hit(*hit) for hit in self._ask("end", nodeid=nodeid)["hits"]]
+
+    def step_aside(self) -> None:
+        self._ask("step_aside")
+
+    def resume(self) -> bool:
+        return bool(self._ask("resume")["ok"])
+
+    def close(self) -> None:
+        self._stream.close()
+        self._sock.close()
 
 
 def _port_is_free(port: int) -> bool:
@@ -187,23 +358,77 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-_TRIPWIRE: Final = pytest.StashKey[Tripwire | None]()
+_TRIPWIRE: Final = pytest.StashKey["Tripwire | RemoteTripwire | None"]()
+_BROKER: Final = pytest.StashKey["Broker | None"]()
 _PORT: Final = pytest.StashKey[int]()
 _SCRUBBED: Final = pytest.StashKey[list[str]]()
+WORKER_KEY: Final = "shardledger_default_address_guard"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SCRUBBED] = [name for name in SCRUBBED_ENV if os.environ.pop(name, None)]
     port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
-    tripwire = Tripwire(port)
     config.stash[_PORT] = port
-    config.stash[_TRIPWIRE] = tripwire if tripwire.open() else None
+    config.stash[_BROKER] = None
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: the controller holds the port
+        path = workerinput.get(WORKER_KEY)
+        config.stash[_TRIPWIRE] = RemoteTripwire(path, port) if path else None
+        return
+    tripwire = Tripwire(port)
+    if not tripwire.open():
+        config.stash[_TRIPWIRE] = None
+        return
+    config.stash[_TRIPWIRE] = tripwire
+    if getattr(config.option, "numprocesses", None):
+        config.stash[_BROKER] = Broker(tripwire)
+    else:
+        tripwire.current[os.getpid()] = BETWEEN
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Tells each xdist worker where the controller's guard answers (none: inactive)."""
+    broker = node.config.stash.get(_BROKER, None)
+    node.workerinput[WORKER_KEY] = broker.path if broker is not None else ""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    tripwire = session.config.stash.get(_TRIPWIRE, None)
+    if not isinstance(tripwire, Tripwire):
+        return
+    tripwire.drain()
+    if tripwire.unplaced:
+        lines = [
+            f"{hit.peer} from {hit.process}, while these tests ran: {', '.join(running)}"
+            for hit, running in tripwire.unplaced
+        ]
+        session.config.stash[_UNPLACED] = lines
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_UNPLACED: Final = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    lines = config.stash.get(_UNPLACED, [])
+    if lines:
+        terminalreporter.section("default-address guard", red=True)
+        terminalreporter.line(
+            f"{len(lines)} connection(s) to {DEFAULT_HOST}:{config.stash[_PORT]} that no "
+            f"test could be named for (the connecting process was gone): {FIX}"
+        )
+        for line in lines:
+            terminalreporter.line(f"  {line}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     tripwire = config.stash.get(_TRIPWIRE, None)
     if tripwire is not None:
         tripwire.close()
+    broker = config.stash.get(_BROKER, None)
+    if broker is not None:
+        broker.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -228,17 +453,15 @@ def pytest_runtest_protocol(
     tripwire = item.config.stash[_TRIPWIRE]
     if tripwire is None:
         return (yield)
-    tripwire.drain()  # what arrived between tests is no test's
-    tripwire.current = item.nodeid
+    tripwire.begin(os.getpid(), item.nodeid)  # what arrived before is no test's
     marked = item.get_closest_marker(MARKER) is not None
     if marked:
-        tripwire.close()
+        tripwire.step_aside()
     try:
         return (yield)
     finally:
-        if marked and not tripwire.open():
+        if marked and not tripwire.resume():
             item.config.stash[_TRIPWIRE] = None  # the test left something on the port
-        tripwire.current = "(between tests)"
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -257,11 +480,10 @@ def pytest_runtest_teardown(
     # trylast: the innermost wrapper, so every fixture of the test is torn down first.
     result = yield
     tripwire = item.config.stash[_TRIPWIRE]
-    if tripwire is None or item.get_closest_marker(MARKER) is not None:
+    if tripwire is None:
         return result
-    tripwire.drain()
-    hits = tripwire.take(item.nodeid)
-    if hits:
+    hits = tripwire.end(os.getpid(), item.nodeid)
+    if hits and item.get_closest_marker(MARKER) is None:
         processes = sorted({hit.process for hit in hits})
         pytest.fail(
             f"{item.nodeid} connected to the default ledger address "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import textwrap
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -27,8 +28,20 @@ def pytest_configure(config):
 """
 
 
+# The inner pytest in one process, and spread over two xdist workers (each module on
+# one), where the controller holds the port and the worker asks it around each test.
+WORKERS: Final = {"one process": ["-n", "0"], "xdist": ["-n", "2", "--dist", "loadscope"]}
+
+
+@pytest.fixture(params=list(WORKERS))
+def workers(request: pytest.FixtureRequest) -> list[str]:
+    return WORKERS[request.param]
+
+
 @pytest.fixture
-def guard_port(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> int:
+def guard_port(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> int:
     """Sets up an inner pytest whose guard watches a free port; returns the port."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -42,17 +55,18 @@ def guard_port(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> in
     return port
 
 
-def inner(pytester: pytest.Pytester, port: int, body: str) -> pytest.RunResult:
+def inner(pytester: pytest.Pytester, port: int, body: str, *pytester_args: str) -> pytest.RunResult:
     pytester.makepyfile(
         test_inner=f"import socket\nimport grpc\nimport pytest\nPORT = {port}\n"
         + textwrap.dedent(body)
     )
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *pytester_args)
 
 
 def test_a_test_that_connects_to_the_default_address_fails_naming_itself_and_the_fix(
-    pytester: pytest.Pytester, guard_port: int
+    pytester: pytest.Pytester, guard_port: int, workers: list[str]
 ) -> None:
+    who = "the xdist worker running the test" if "2" in workers else "this pytest process"
     result = inner(
         pytester,
         guard_port,
@@ -65,6 +79,7 @@ def test_a_test_that_connects_to_the_default_address_fails_naming_itself_and_the
         def test_own_address():
             pass
         """,
+        *workers,
     )
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
@@ -72,7 +87,7 @@ def test_a_test_that_connects_to_the_default_address_fails_naming_itself_and_the
             f"*default-address guard: active on 127.0.0.1:{guard_port}*",
             "*ERROR at teardown of test_falls_back_on_the_default*",
             f"*test_falls_back_on_the_default connected to the default ledger address"
-            f" 127.0.0.1:{guard_port}*this pytest process*pass its address explicitly"
+            f" 127.0.0.1:{guard_port}*{who}*pass its address explicitly"
             "*@pytest.mark.default_address*",
         ]
     )
@@ -80,7 +95,7 @@ def test_a_test_that_connects_to_the_default_address_fails_naming_itself_and_the
 
 
 def test_a_connection_from_a_child_process_is_seen_too(
-    pytester: pytest.Pytester, guard_port: int
+    pytester: pytest.Pytester, guard_port: int, workers: list[str]
 ) -> None:
     result = inner(
         pytester,
@@ -96,13 +111,14 @@ def test_a_connection_from_a_child_process_is_seen_too(
             )
             subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
         """,
+        *workers,
     )
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*test_child_connects connected to the default ledger*pid *"])
 
 
 def test_a_marked_test_may_serve_and_connect_on_the_default_address_and_the_guard_resumes(
-    pytester: pytest.Pytester, guard_port: int
+    pytester: pytest.Pytester, guard_port: int, workers: list[str]
 ) -> None:
     result = inner(
         pytester,
@@ -119,6 +135,7 @@ def test_a_marked_test_may_serve_and_connect_on_the_default_address_and_the_guar
         def test_after_it_falls_back():
             socket.create_connection(("127.0.0.1", PORT)).close()
         """,
+        *workers,
     )
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_after_it_falls_back*"])
@@ -126,7 +143,7 @@ def test_a_marked_test_may_serve_and_connect_on_the_default_address_and_the_guar
 
 
 def test_with_the_port_taken_the_guard_is_inactive_and_a_marked_test_is_skipped(
-    pytester: pytest.Pytester, guard_port: int
+    pytester: pytest.Pytester, guard_port: int, workers: list[str]
 ) -> None:
     with socket.socket() as users_ledger:
         users_ledger.bind(("127.0.0.1", guard_port))
@@ -142,6 +159,7 @@ def test_with_the_port_taken_the_guard_is_inactive_and_a_marked_test_is_skipped(
             def test_marked():
                 raise AssertionError("must not run beside another listener")
             """,
+            *workers,
         )
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(
@@ -153,7 +171,7 @@ def test_with_the_port_taken_the_guard_is_inactive_and_a_marked_test_is_skipped(
 
 
 def test_the_ledger_variables_of_a_developer_are_removed_from_the_tests_environment(
-    pytester: pytest.Pytester, guard_port: int, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, guard_port: int, monkeypatch: pytest.MonkeyPatch, workers: list[str]
 ) -> None:
     monkeypatch.setenv("SHARDLEDGER_SERVER", "ledger.example:50551")
     monkeypatch.setenv("SHARDLEDGER_DATABASE_URL", "postgresql://me@prod/ledger")
@@ -167,8 +185,108 @@ def test_the_ledger_variables_of_a_developer_are_removed_from_the_tests_environm
             assert "SHARDLEDGER_SERVER" not in os.environ
             assert "SHARDLEDGER_DATABASE_URL" not in os.environ
         """,
+        *workers,
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         ["*removed from the environment: SHARDLEDGER_SERVER, SHARDLEDGER_DATABASE_URL*"]
+    )
+
+
+def _barrier(pytester: pytest.Pytester) -> str:
+    """Returns the source of meet(name): waits until two tests have called it (60 s at most)."""
+    here = str(pytester.path)
+    return (
+        "import time, pathlib\n"
+        "def meet(name):\n"
+        f"    pathlib.Path({here!r}, 'barrier.' + name).touch()\n"
+        "    deadline = time.monotonic() + 60\n"
+        f"    while len(list(pathlib.Path({here!r}).glob('barrier.*'))) < 2:\n"
+        "        assert time.monotonic() < deadline, 'the other worker never came'\n"
+        "        time.sleep(0.02)\n"
+    )
+
+
+@pytest.mark.parametrize("workers", [WORKERS["xdist"]], ids=["xdist"], indirect=False)
+def test_with_tests_in_two_workers_at_once_only_the_one_that_connected_fails(
+    pytester: pytest.Pytester, guard_port: int
+) -> None:
+    # Both modules wait at a barrier, so their tests overlap in two workers; the
+    # connection is made (by a child, as a CLI would) while both run.
+    pytester.makepyfile(
+        test_connects=_barrier(pytester)
+        + f"import subprocess, sys\nPORT = {guard_port}\n"
+        + textwrap.dedent(
+            """
+            def test_child_reaches_the_default():
+                meet("connects")
+                code = (
+                    "import socket\\n"
+                    f"s = socket.create_connection(('127.0.0.1', {PORT}))\\n"
+                    "s.recv(1)\\n"
+                )
+                subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+                time.sleep(0.5)
+            """
+        ),
+        test_quiet=_barrier(pytester)
+        + textwrap.dedent(
+            """
+            def test_stays_home():
+                meet("quiet")
+                time.sleep(1.5)
+            """
+        ),
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *WORKERS["xdist"])
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_child_reaches_the_default connected to the default ledger*pid *"]
+    )
+    assert "test_stays_home connected" not in result.stdout.str()
+
+
+@pytest.mark.parametrize("workers", [WORKERS["xdist"]], ids=["xdist"], indirect=False)
+def test_a_connection_no_worker_made_fails_the_session_naming_the_tests_then_running(
+    pytester: pytest.Pytester, guard_port: int
+) -> None:
+    # A daemonised grandchild (re-parented away from its worker) holds a connection open
+    # while tests run in both workers: the guard cannot name one, so the session fails.
+    pytester.makepyfile(
+        test_daemon=_barrier(pytester)
+        + f"import subprocess, sys\nPORT = {guard_port}\n"
+        + textwrap.dedent(
+            """
+            def test_leaves_a_daemon():
+                meet("daemon")
+                code = (
+                    "import os, socket, time\\n"
+                    "if os.fork():\\n"
+                    "    os._exit(0)\\n"
+                    f"s = socket.create_connection(('127.0.0.1', {PORT}))\\n"
+                    "time.sleep(3)\\n"
+                )
+                subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+                time.sleep(1)
+            """
+        ),
+        test_quiet=_barrier(pytester)
+        + textwrap.dedent(
+            """
+            def test_stays_home():
+                meet("quiet")
+                time.sleep(1.5)
+            """
+        ),
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *WORKERS["xdist"])
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*= default-address guard =*",
+            "*connection(s) to 127.0.0.1:*that no test could be named for*",
+            "*while these tests ran: test_daemon.py::test_leaves_a_daemon,"
+            " test_quiet.py::test_stays_home*",
+        ]
     )

@@ -72,7 +72,20 @@ def run_campaign(
         paths = [p for name in suites for p in SUITES[name]]
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *paths],
+            # -n 0: one process, so the kills and the fuzzing have the machine to themselves
+            # (the suite's own addopts spread tests over xdist workers).
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-n",
+                "0",
+                "-p",
+                "no:cacheprovider",
+                "-rs",
+                *paths,
+            ],
             cwd=ROOT,
             env=env,
             capture_output=True,
