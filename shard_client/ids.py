@@ -22,6 +22,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import hash_file
 from shard_client.canonical import canonical_json
 from shard_client.labels import label_problem
+from shard_client.ranks import RANK_PLACEHOLDER
 
 __all__ = [
     "MAX_ID_CHARS",
@@ -101,7 +102,9 @@ class PlanEntry:
         if self.input_blake3:
             check_digest("input_blake3", self.input_blake3)
         for name in self.expected_outputs:
-            check_id("expected output", name)
+            # weights.rank{rank} names each rank's own output (docs/multirank.md): the name
+            # is checked as rank 0's, as the ledger checks it.
+            check_id("expected output", name.replace(RANK_PLACEHOLDER, "0"))
         if len(set(self.expected_outputs)) != len(self.expected_outputs):
             raise ValueError("expected_outputs must be unique")
         if self.plan_index < 0:

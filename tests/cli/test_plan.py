@@ -262,3 +262,24 @@ def test_a_glob_outside_the_inputs_directory_is_a_usage_error(
     err = capsys.readouterr().err
     assert "--glob" in err and "relative to --inputs" in err and "Traceback" not in err
     assert client.list_runs() == []
+
+
+def test_per_rank_outputs_plan_through_the_manifest_and_the_inputs_directory(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # docs/multirank.md: weights.rank{rank} is each rank's own output; rank 0 commits the rest.
+    line = {"input": str(inputs[0]), "params": {}, "expected_outputs": ["weights.rank{rank}", "m"]}
+    assert plan(server, "--manifest", str(write_manifest(tmp_path / "r.jsonl", [line]))) == 0
+    directory = ["--inputs", str(inputs[0].parent), "--params", '{"lr": 1}']
+    assert plan(server, *directory, "--expected-outputs", "ckpt.rank{rank},metrics") == 0
+    capsys.readouterr()
+    outputs = [tuple(e.planned.expected_outputs) for e in client.list_events(RUN)]
+    assert outputs == [("weights.rank{rank}", "m")] + [("ckpt.rank{rank}", "metrics")] * 3
+    # A name that is bad for every rank is still refused before anything is sent.
+    assert plan(server, *directory, "--expected-outputs", "bad name.rank{rank}") == 5
+    assert "must start with a letter or digit" in capsys.readouterr().err
+    assert len(list(client.list_events(RUN))) == 4
