@@ -412,12 +412,21 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
     """Returns the JSON view of one shard that `shards` prints."""
     state, detail = live_state(record, now_us)
     latest = record.attempts.get(record.latest_attempt)
+    definition = json.loads(record.definition_json)
     return {
         "shard_id": record.shard_id,
         "plan_index": record.plan_index,
         "state": shown_state(state),
         "detail": detail,
-        "input": json.loads(record.definition_json).get("input_ref", ""),
+        "input": definition.get("input_ref", ""),
+        "plan": {
+            "input_ref": definition.get("input_ref", ""),
+            "input_bytes": int(definition.get("input_bytes", 0)),
+            "input_blake3": definition.get("input_blake3", ""),
+            "params_json": definition.get("params_json", "{}"),
+            "expected_outputs": list(definition.get("expected_outputs", [])),
+            "labels": dict(record.labels),
+        },
         "attempts": len(record.attempts),
         "latest_attempt": record.latest_attempt,
         "host": latest.host if latest else "",

@@ -104,10 +104,13 @@ def test_a_changed_definition_is_a_conflict_listed_on_stderr(
     changed.append({"input": str(inputs[0]), "shard_id": "shard-new"})
     changed[1]["params"] = {"lr": 0.2}
     capsys.readouterr()
-    assert plan(server, "--manifest", str(write_manifest(tmp_path / "b.jsonl", list(changed)))) == 1
+    manifest = str(write_manifest(tmp_path / "b.jsonl", list(changed)))
+    # shard-new has params ({}) that no stored shard has: it needs --add.
+    assert plan(server, "--manifest", manifest, "--add") == 1
     out, err = capsys.readouterr()
     assert "1 new, 2 already planned identically, 1 conflicting" in out
     assert "shard-1" in err and "PLAN_CONFLICT" in err
+    assert 'params: stored {"lr":0.1}, sent {"lr":0.2}' in err
     assert len(list(client.list_events(RUN))) == 4
 
 
@@ -275,7 +278,7 @@ def test_per_rank_outputs_plan_through_the_manifest_and_the_inputs_directory(
     line = {"input": str(inputs[0]), "params": {}, "expected_outputs": ["weights.rank{rank}", "m"]}
     assert plan(server, "--manifest", str(write_manifest(tmp_path / "r.jsonl", [line]))) == 0
     directory = ["--inputs", str(inputs[0].parent), "--params", '{"lr": 1}']
-    assert plan(server, *directory, "--expected-outputs", "ckpt.rank{rank},metrics") == 0
+    assert plan(server, *directory, "--expected-outputs", "ckpt.rank{rank},metrics", "--add") == 0
     capsys.readouterr()
     outputs = [tuple(e.planned.expected_outputs) for e in client.list_events(RUN)]
     assert outputs == [("weights.rank{rank}", "m")] + [("ckpt.rank{rank}", "metrics")] * 3
@@ -283,3 +286,54 @@ def test_per_rank_outputs_plan_through_the_manifest_and_the_inputs_directory(
     assert plan(server, *directory, "--expected-outputs", "bad name.rank{rank}") == 5
     assert "must start with a letter or digit" in capsys.readouterr().err
     assert len(list(client.list_events(RUN))) == 4
+
+
+def test_a_re_plan_with_other_params_is_refused_without_add_and_sends_nothing(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = ["--inputs", str(inputs[0].parent)]
+    assert plan(server, *directory, "--params", '{"seed": 3}') == 0
+    capsys.readouterr()
+    # The same params again: idempotent; other params: refused, exit 1, nothing sent.
+    assert plan(server, *directory, "--params", '{"seed": 3}') == 0
+    assert plan(server, *directory, "--params", '{"seed": 4}') == 1
+    err = capsys.readouterr().err
+    assert (
+        f'run {RUN} already has 3 shards, planned with params {{"seed":3}}; this plan would'
+        ' add 3 shards with params {"seed":4}, which none of them has. Nothing was sent:'
+        " pass --add" in err
+    )
+    assert len(list(client.list_events(RUN))) == 3
+    # A grown directory with the run's own params adds its new input without --add.
+    (inputs[0].parent / "part-9.bin").write_bytes(b"more")
+    assert plan(server, *directory, "--params", '{"seed": 3}', "--json") == 0
+    assert json.loads(capsys.readouterr().out)["new"] == 1
+    assert plan(server, *directory, "--params", '{"seed": 4}', "--add", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["new"] == 4
+    assert len(list(client.list_events(RUN))) == 8
+
+
+def test_a_re_plan_with_other_labels_names_the_field_with_both_values(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = ["--inputs", str(inputs[0].parent)]
+    assert plan(server, *directory, "--label", "provider=a") == 0
+    capsys.readouterr()
+    assert plan(server, *directory, "--label", "provider=b", "--json") == 1
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("shardledger: shard")]
+    assert len(lines) == 1  # the first shard in full, the others counted
+    assert "is planned otherwise (EVENT_ID_REUSED)" in lines[0]
+    assert 'labels: stored {"provider": "a"}, sent {"provider": "b"}' in lines[0]
+    assert "2 more shards differ from their stored plan" in lines[0]
+    report = json.loads(captured.out)
+    assert len(report["conflicting"]) == 3 and report["refused"] == []
+    first = report["differences"][report["conflicting"][0]]
+    assert first == {"labels": {"stored": {"provider": "a"}, "sent": {"provider": "b"}}}
+    assert len(list(client.list_events(RUN))) == 3

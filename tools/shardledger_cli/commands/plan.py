@@ -11,10 +11,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
 
 from ledger_server.validation import MAX_EXPECTED_SHARDS
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
 from shard_client.delivery import deliver
 from shard_client.errors import LedgerRejected
@@ -67,8 +68,16 @@ number and nothing is registered. Planning again is idempotent: an identical
 shard (same input, params and expected outputs) is counted as already planned
 and keeps its first plan index and plan line; a new shard in a re-plan of a run
 that has shards is numbered after the highest stored index (said on stderr), so
-no two shards share an index; a shard id planned before with a different
-definition is a conflict, listed on stderr.
+no two shards share an index. A shard id planned before with a different
+definition or other labels is a conflict: stderr names the first one's fields
+that differ, each with its stored and sent value, and counts the rest
+(--json: "differences"); the conflicting shards keep their stored plan.
+
+New shards whose params none of the run's shards has (a re-plan with
+--params '{"seed": 4}' of a run planned with seed 3) are refused, exit 1 and
+nothing sent, unless --add: they would grow the run silently, and a finished
+run's completion would fall. A grown directory re-planned with the run's own
+params adds its new inputs without --add.
 
 --label KEY=VALUE (repeatable, over $SHARDLEDGER_LABEL_<KEY>) labels the run:
 provider, pool (on-demand / spot / preemptible), region, image, or any key;
@@ -93,7 +102,7 @@ Examples:
   shardledger plan night-01 --close --reason "last wave finished" --expected 1000 --json
 
 exit codes: 0 all shards new or already planned identically (and closed);
-1 some conflict; 2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
+1 some conflict, or other params without --add (nothing sent); 2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
 --close of an unknown run); 5 bad manifest or inputs (nothing sent)
 """
 
@@ -106,6 +115,8 @@ class Outcome:
     identical: int = 0
     conflicts: list[tuple[PlanEntry, str]] = field(default_factory=list)
     refused: list[tuple[PlanEntry, str]] = field(default_factory=list)
+    # Stored shards this plan sends otherwise: {shard_id: {field: {stored, sent}}}.
+    differences: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
 
 def register(
@@ -145,6 +156,12 @@ def register(
         metavar="KEY=VALUE",
         help="a run label (provider, pool, region, image, ...), repeatable; over"
         " $SHARDLEDGER_LABEL_<KEY>; `report --by KEY` groups runs by it",
+    )
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="add shards whose params none of the run's shards has (without it such a plan"
+        " is refused: a re-plan with other params would grow a finished run)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan lines; send nothing")
     p.add_argument(
@@ -211,8 +228,18 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _print_dry_run(entries, as_json=args.json)
     client = client_from(args)
-    entries = keep_stored_indexes(client, args.run, entries, namespace=args.namespace)
+    stored = stored_plans(client, args.run, namespace=args.namespace)
+    if not args.add:
+        refuse_other_params(args.run, entries, stored)
+    entries = keep_stored_indexes(
+        client, args.run, entries, namespace=args.namespace, stored=stored
+    )
     outcome = send_plan(client, args.run, entries, namespace=args.namespace, labels=labels)
+    outcome.differences = {
+        e.shard_id: diff
+        for e in entries
+        if e.shard_id in stored and (diff := plan_differences(e, labels, stored[e.shard_id]))
+    }
     if not args.close:
         return _report(args, entries, outcome)
     if outcome.refused or outcome.conflicts:
@@ -258,25 +285,110 @@ def _close(
     return EXIT_OK
 
 
+@dataclass(frozen=True, slots=True)
+class StoredPlan:
+    """A shard the run already has: its plan index and, from a ledger that says, its plan."""
+
+    plan_index: int
+    plan: pb.ShardPlanView | None
+
+
+def stored_plans(
+    client: LedgerClient, run_id: str, *, namespace: str = ""
+) -> dict[str, StoredPlan]:
+    """Returns the run's shards as stored ({} for a run that does not exist yet)."""
+    try:
+        return {
+            view.shard_id: StoredPlan(
+                view.view.plan_index, view.view.plan if view.view.HasField("plan") else None
+            )
+            for view in client.shards(run_id, namespace=namespace)
+        }
+    except LedgerRejected as exc:
+        if exc.reason == "RUN_NOT_FOUND":
+            return {}
+        raise
+
+
+def _params_key(params_json: str) -> str:
+    """Returns a params object's RFC 8785 text (stored rows of format 1 used Python's)."""
+    return canonical_json(json.loads(params_json or "{}"))
+
+
+def _sets(keys: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def refuse_other_params(
+    run_id: str, entries: Sequence[PlanEntry], stored: Mapping[str, StoredPlan]
+) -> None:
+    """Refuses (exit 1, nothing sent) new shards whose params none of the run's shards has.
+
+    A re-plan with the same params set is idempotent and a grown listing adds its new
+    inputs; other params would grow the run silently (a finished run's completion falls
+    from 100 %), so they need --add.
+    """
+    have = sorted({_params_key(s.plan.params_json) for s in stored.values() if s.plan is not None})
+    if not have:
+        return
+    new = [e for e in entries if e.shard_id not in stored]
+    other = [e for e in new if canonical_json(dict(e.params)) not in have]
+    if not other:
+        return
+    sent = sorted({canonical_json(dict(e.params)) for e in other})
+    raise CommandError(
+        f"run {run_id} already has {count_shards(len(stored))}, planned with params"
+        f" {_sets(have)}; this plan would add {count_shards(len(other))} with params"
+        f" {_sets(sent)}, which none of them has. Nothing was sent: pass --add to add them"
+        " to this run, or plan them into a run of their own",
+        EXIT_PROBLEMS,
+    )
+
+
+def plan_differences(
+    entry: PlanEntry, labels: Mapping[str, str], stored: StoredPlan
+) -> dict[str, dict[str, Any]]:
+    """Returns the fields in which a re-plan of a stored shard differs: {field: stored, sent}."""
+    plan = stored.plan
+    if plan is None:
+        return {}
+    pairs: dict[str, tuple[Any, Any]] = {
+        "input": (plan.input_ref, entry.input_ref),
+        "input_bytes": (plan.input_bytes, entry.input_bytes),
+        "input_blake3": (plan.input_blake3, entry.input_blake3),
+        "params": (_params_key(plan.params_json), canonical_json(dict(entry.params))),
+        "expected_outputs": (list(plan.expected_outputs), list(entry.expected_outputs)),
+        "labels": (dict(plan.labels), dict(labels)),
+    }
+    return {k: {"stored": a, "sent": b} for k, (a, b) in pairs.items() if a != b}
+
+
 def keep_stored_indexes(
-    client: LedgerClient, run_id: str, entries: Sequence[PlanEntry], *, namespace: str = ""
+    client: LedgerClient,
+    run_id: str,
+    entries: Sequence[PlanEntry],
+    *,
+    namespace: str = "",
+    stored: Mapping[str, StoredPlan] | None = None,
 ) -> list[PlanEntry]:
     """Returns the entries renumbered for a run that already has shards.
 
     The ledger keeps each shard's first plan index, so a re-plan of a grown or
     re-sorted listing numbers the shards it already has as stored and the new ones
     after the highest stored index, in listing order: two shards never share an
-    index (a Slurm array of the resume list would lose one).
+    index (a Slurm array of the resume list would lose one). `stored` is the run's
+    shards when already read (stored_plans); else they are read here.
     """
-    try:
-        stored = {
-            view.shard_id: int(json.loads(view.view_json)["plan_index"])
-            for view in client.shards(run_id, namespace=namespace)
-        }
-    except LedgerRejected as exc:
-        if exc.reason == "RUN_NOT_FOUND":
-            return list(entries)
-        raise
+    if stored is None:
+        stored = stored_plans(client, run_id, namespace=namespace)
+    indexes = {shard_id: s.plan_index for shard_id, s in stored.items()}
+    return _renumbered(run_id, entries, indexes)
+
+
+def _renumbered(
+    run_id: str, entries: Sequence[PlanEntry], stored: Mapping[str, int]
+) -> list[PlanEntry]:
     if not stored:
         return list(entries)
     following = max(stored.values()) + 1
@@ -373,6 +485,10 @@ def _print_dry_run(entries: Sequence[PlanEntry], *, as_json: bool) -> int:
     return EXIT_OK
 
 
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
 def _report(
     args: argparse.Namespace,
     entries: Sequence[PlanEntry],
@@ -380,7 +496,40 @@ def _report(
     *,
     closed: Mapping[str, object] | None = None,
 ) -> int:
-    for entry, why in outcome.conflicts + outcome.refused:
+    # A re-plan that differs from a stored shard's plan (the ledger answers PLAN_CONFLICT,
+    # or EVENT_ID_REUSED when only the labels differ) is a conflict: the first such shard
+    # is shown field by field, the rest counted.
+    differing = [
+        (e, why)
+        for e, why in outcome.conflicts + outcome.refused
+        if e.shard_id in outcome.differences
+    ]
+    outcome.conflicts = [
+        (e, w) for e, w in outcome.conflicts if e.shard_id not in outcome.differences
+    ]
+    outcome.refused = [(e, w) for e, w in outcome.refused if e.shard_id not in outcome.differences]
+    outcome.conflicts = differing + outcome.conflicts
+    if differing:
+        first, why = differing[0]
+        fields = "; ".join(
+            f"{name}: stored {_shown(d['stored'])}, sent {_shown(d['sent'])}"
+            for name, d in outcome.differences[first.shard_id].items()
+        )
+        more = len(differing) - 1
+        print(
+            f"shardledger: shard {first.shard_id} (plan index {first.plan_index}) is planned"
+            f" otherwise ({why.split(':', 1)[0]}): {fields}"
+            + (
+                f"; {more} more {'shard differs' if more == 1 else 'shards differ'} from"
+                " their stored plan"
+                if more
+                else ""
+            )
+            + ". Nothing of a conflicting shard is changed: plan it under another run id,"
+            " or keep its stored plan",
+            file=sys.stderr,
+        )
+    for entry, why in outcome.conflicts[len(differing) :] + outcome.refused:
         print(
             f"shardledger: shard {entry.shard_id} (plan index {entry.plan_index}): {why}",
             file=sys.stderr,
@@ -394,6 +543,7 @@ def _report(
                 "new": outcome.new,
                 "already_planned": outcome.identical,
                 "conflicting": [e.shard_id for e, _ in outcome.conflicts],
+                "differences": outcome.differences,
                 "refused": [e.shard_id for e, _ in outcome.refused],
                 **(closed or {}),
             }
