@@ -21,13 +21,24 @@ from urllib.parse import urlsplit
 import blake3
 
 from shard_client.checks import CheckResult, Validator, verify_artifact
-from shard_client.storage import store_for
+from shard_client.storage import CredentialsRefused, StorageThrottled, store_for
 
 __all__ = ["verify_object"]
 
 
 def _fail(reason: str, detail: str) -> CheckResult:
     return CheckResult(passed=False, reason=reason, detail=detail)
+
+
+def _access(exc: OSError, url: str) -> CheckResult:
+    """Returns the not-recorded result for a failure of the verifier's access to the store."""
+    if isinstance(exc, CredentialsRefused):
+        return _fail("credentials_refused", str(exc))
+    if isinstance(exc, PermissionError):
+        return _fail("permission_denied", f"the verifier may not read {url}: {exc}")
+    if isinstance(exc, StorageThrottled):
+        return _fail("storage_throttled", str(exc))
+    return _fail("storage_unreachable", f"cannot read {url}: {exc}")
 
 
 def verify_object(
@@ -46,9 +57,9 @@ def verify_object(
         info = store.info(url)
     except ImportError as exc:
         return _fail("storage_unreachable", str(exc))
-    except PermissionError as exc:
-        return _fail("permission_denied", f"the verifier may not read {url}: {exc}")
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        return _access(exc, url)
+    except ValueError as exc:
         return _fail("storage_unreachable", f"cannot read {url}: {exc}")
     if info is None:
         return _fail("missing", f"no object at {url}")
@@ -71,10 +82,8 @@ def verify_object(
                     out.write(chunk)
             except FileNotFoundError:
                 return _fail("missing", f"{url} disappeared while it was read")
-            except PermissionError as exc:
-                return _fail("permission_denied", f"the verifier may not read {url}: {exc}")
             except OSError as exc:
-                return _fail("storage_unreachable", f"cannot read {url}: {exc}")
+                return _access(exc, url)
         digest = hasher.hexdigest()
         if digest != expected_blake3.strip().lower():
             return _fail("digest_mismatch", f"expected blake3 {expected_blake3}, found {digest}")

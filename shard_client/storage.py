@@ -30,9 +30,12 @@ import blake3
 
 __all__ = [
     "READ_CHUNK",
+    "CredentialsRefused",
     "ObjectExists",
     "ObjectInfo",
     "ObjectStore",
+    "StorageThrottled",
+    "StorageUnreachable",
     "Uploaded",
     "is_remote",
     "local_path",
@@ -60,6 +63,83 @@ def local_path(location: str | os.PathLike[str]) -> str:
     if text.lower().startswith("file://"):
         return unquote(urlsplit(text).path)
     return text
+
+
+class StorageUnreachable(ConnectionError):
+    """The store's endpoint could not be reached (refused, timed out, connection lost)."""
+
+
+class CredentialsRefused(PermissionError):
+    """The store has no usable credentials, or refused the ones it was given."""
+
+
+class StorageThrottled(OSError):
+    """The store asked the client to slow down (SlowDown, Throttling, 503)."""
+
+
+# ClientError codes by what they say about the verifier's access, not about the object.
+_CREDENTIAL_CODES: Final = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+    }
+)
+_THROTTLE_CODES: Final = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestThrottled",
+        "ServiceUnavailable",
+        "503",
+    }
+)
+# botocore's (and aiohttp's) errors that mean the endpoint was not reached, by name:
+# botocore is imported only where object storage is used.
+_UNREACHABLE_ERRORS: Final = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ProxyConnectionError",
+        "HTTPClientError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientPayloadError",
+        "ClientOSError",
+    }
+)
+_CREDENTIAL_ERRORS: Final = frozenset(
+    {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+)
+
+
+def storage_error(exc: BaseException, url: str) -> OSError | None:
+    """Returns the typed error for a store's failure, or None when it is none of these.
+
+    s3fs turns an HTTP error answer into an OSError (its ClientError as the cause) but
+    lets botocore's own errors through (an endpoint that refuses connections is an
+    EndpointConnectionError, no OSError): both are sorted here by what they say.
+    """
+    cause = exc.__cause__ if isinstance(exc, OSError) and exc.__cause__ is not None else exc
+    response = getattr(cause, "response", None)
+    code = str((response or {}).get("Error", {}).get("Code", "")) if response else ""
+    names = {klass.__name__ for klass in type(cause).__mro__}
+    if code in _CREDENTIAL_CODES or names & _CREDENTIAL_ERRORS:
+        return CredentialsRefused(f"{url}: the store refused the credentials ({code or cause})")
+    if code in _THROTTLE_CODES:
+        return StorageThrottled(f"{url}: the store is throttling requests ({code})")
+    if names & _UNREACHABLE_ERRORS:
+        return StorageUnreachable(f"{url}: cannot reach the store ({cause})")
+    return None
 
 
 class ObjectExists(FileExistsError):
@@ -128,7 +208,13 @@ class ObjectStore:
     def _call(self, method: str, **kwargs: Any) -> Any:
         # Through _call_s3 itself (s3fs's call_s3 wraps the base class's function), so a
         # subclass registered for s3:// (a proxy, a test's fault injector) sees every call.
-        return _run(self.fs, self.fs._call_s3(method, **kwargs))
+        try:
+            return _run(self.fs, self.fs._call_s3(method, **kwargs))
+        except Exception as exc:
+            typed = storage_error(exc, f"s3://{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}")
+            if typed is None:
+                raise
+            raise typed from exc
 
     # --- metadata ---------------------------------------------------------------
 
@@ -188,6 +274,11 @@ class ObjectStore:
         try:
             while chunk := _run(self.fs, read()):
                 yield chunk
+        except Exception as exc:
+            typed = storage_error(exc, url)
+            if typed is None:
+                raise
+            raise typed from exc
         finally:
             body.close()
 

@@ -32,7 +32,15 @@ FAILURE_TAGS: Final[tuple[str, ...]] = tuple(tag.value for tag in FailureTag)
 # Verification outcomes that describe the verifier, not the artifact (a path outside
 # its --root, a file it may not read): never recorded as verdicts, and folded as no
 # verdict where an older verifier recorded them.
-VERIFIER_REASONS: Final = frozenset({"outside_root", "permission_denied", "storage_unreachable"})
+VERIFIER_REASONS: Final = frozenset(
+    {
+        "outside_root",
+        "permission_denied",
+        "storage_unreachable",
+        "credentials_refused",
+        "storage_throttled",
+    }
+)
 
 # The fields of a scheduler identity (the proto's SchedulerIdentity), in its order.
 SCHEDULER_FIELDS: Final = (

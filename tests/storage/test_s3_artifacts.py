@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -407,3 +408,111 @@ def test_verify_records_nothing_for_objects_it_cannot_reach_and_exits_5(
     assert code == 5, out
     assert "storage_unreachable" in err and "nothing was" in err
     assert events(client, "verified") == []
+
+
+def test_verify_with_its_endpoint_stopped_says_so_per_object_exits_5_and_records_nothing(
+    ledger: Ledger,
+    client: LedgerClient,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    target: str,
+) -> None:
+    # An endpoint of the test's own, really stopped before verify: botocore's
+    # EndpointConnectionError (no OSError) once escaped as a traceback, exit 1.
+    from shardledger_cli.s3local import local_s3
+
+    with local_s3(BUCKET, versioned=True) as env:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        plan(client, "gone-a", "gone-b")
+        for shard_id in ("gone-a", "gone-b"):
+            with (
+                ledger.shard(RUN, shard_id, fingerprint=False) as shard,
+                shard.atomic_write(url_of(shard_id), name="weights") as f,
+            ):
+                f.write(b"bytes")
+    s3fs.S3FileSystem.clear_instance_cache()
+    before = len(list(client.list_events(RUN)))
+    code, out, err = run_cli(capsys, "verify", RUN, "--recheck", "--server", target)
+    assert code == 5, out + err
+    assert "Traceback" not in err and "raise " not in err
+    unreachable = [line for line in (out + err).splitlines() if "storage_unreachable" in line]
+    assert len(unreachable) >= 2, out + err  # one line per object, naming the reason
+    assert all("cannot reach the store" in line for line in unreachable)
+    assert len(list(client.list_events(RUN))) == before  # nothing recorded
+
+
+class RefusingS3(s3fs.S3FileSystem):  # type: ignore[misc]
+    """s3fs whose every call the store answers with CODE, as s3fs hands such answers on."""
+
+    CODE: ClassVar[str] = ""
+
+    async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+
+        answer = {"Error": {"Code": self.CODE, "Message": f"{self.CODE} (injected)"}}
+        raise translate_boto_error(ClientError(answer, method))
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "words"),
+    [
+        ("InvalidAccessKeyId", "credentials_refused", "refused the credentials"),
+        ("SlowDown", "storage_throttled", "throttling requests"),
+        ("AccessDenied", "permission_denied", "may not read"),
+    ],
+)
+def test_verify_names_each_kind_of_storage_refusal_and_records_nothing(
+    ledger: Ledger,
+    client: LedgerClient,
+    s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    target: str,
+    code: str,
+    reason: str,
+    words: str,
+) -> None:
+    plan(client, "refused")
+    with (
+        ledger.shard(RUN, "refused", fingerprint=False) as shard,
+        shard.atomic_write(url_of("refused"), name="weights") as f,
+    ):
+        f.write(b"good bytes")
+    monkeypatch.setattr(RefusingS3, "CODE", code)
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "s3", RefusingS3)
+    exit_code, out, err = run_cli(capsys, "verify", RUN, "--recheck", "--server", target)
+    assert exit_code == 5, out + err
+    assert "Traceback" not in err
+    lines = [line for line in (out + err).splitlines() if reason in line]
+    assert lines and words in lines[0], out + err
+    assert events(client, "verified") == []
+
+
+def test_verify_with_nothing_left_to_check_still_says_its_store_is_away(
+    ledger: Ledger,
+    client: LedgerClient,
+    s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    target: str,
+) -> None:
+    plan(client, "done")
+    with (
+        ledger.shard(RUN, "done", fingerprint=False) as shard,
+        shard.atomic_write(url_of("done"), name="weights") as f,
+    ):
+        f.write(b"checked once")
+    assert verify(capsys, target)[0] == 0
+    with socket.socket() as probe:  # a port nothing listens on: the endpoint is away
+        probe.bind(("127.0.0.1", 0))
+        away = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", away)
+    s3fs.S3FileSystem.clear_instance_cache()
+    code, out, err = run_cli(capsys, "verify", RUN, "--server", target)
+    assert code == 0, out + err  # nothing was left to judge
+    assert "1 skipped as they already have a verdict" in out
+    assert f"nothing was left to check, but s3://{BUCKET} cannot be read now" in err
+    assert "cannot reach the store" in err and "Traceback" not in err

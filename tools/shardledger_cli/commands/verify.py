@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,7 +22,7 @@ from shard_client.checks import (
 )
 from shard_client.errors import LedgerRejected
 from shard_client.remote_checks import verify_object
-from shard_client.storage import is_remote
+from shard_client.storage import is_remote, store_for
 from shardledger_cli.cli import (
     EXIT_LOCAL,
     EXIT_OK,
@@ -82,9 +82,9 @@ its failure does not fail verify: the output's latest commit decides.
 The verifier's own mistakes record nothing. --root must be a readable
 directory. An artifact whose path lies outside it (an absolute path elsewhere,
 or `..` or a symlink leading out), or that the verifier may not read, is never
-judged: it is listed as NOT CHECKED (outside_root, permission_denied,
-storage_unreachable), nothing
-is recorded for it, and verify exits 5. When --root holds none of the run's
+judged: it is listed as NOT CHECKED with the reason (outside_root,
+permission_denied; for objects also storage_unreachable, credentials_refused,
+storage_throttled), nothing is recorded for it, and verify exits 5. When --root holds none of the run's
 committed artifacts, verify refuses before reading any (exit 5): a wrong
 directory must not condemn a good run.
 
@@ -332,16 +332,58 @@ def run_verify(args: argparse.Namespace) -> int:
     report = tally.report(args.run, root, read=len(first), recorder=recorder)
     report["superseded"] = len(todo.superseded)
     print_report(report, as_json=args.json)
+    if not first:
+        _probe_stores([s.commit.path for s in todo.skipped if is_remote(s.commit.path)])
     if tally.unchecked:
-        where = common_dir(root, [u["path"] for u in tally.unchecked])
+        _explain_unchecked(tally.unchecked, root)
+        return EXIT_LOCAL
+    return EXIT_PROBLEMS if tally.current_failed or recorder.refused else EXIT_OK
+
+
+def _probe_stores(urls: Sequence[str]) -> None:
+    """Says on stderr which stores holding the run's objects cannot be reached now.
+
+    With nothing left to check verify reads no object, so a store that is away would
+    go unnoticed: one HEAD per bucket tells. The exit status stays that of the check
+    (nothing was left to judge); the line is for the person reading.
+    """
+    first_of: dict[str, str] = {}
+    for url in urls:
+        parts = url.split("/", 3)
+        first_of.setdefault("/".join(parts[:3]), url)
+    for bucket, url in first_of.items():
+        count = sum(1 for u in urls if u.startswith(bucket + "/"))
+        try:
+            store_for(url).info(url)
+        except (OSError, ImportError, ValueError) as exc:
+            print(
+                f"shardledger: nothing was left to check, but {bucket} cannot be read now"
+                f" ({exc}): its {count} objects of this run could not be rechecked",
+                file=sys.stderr,
+            )
+
+
+def _explain_unchecked(unchecked: Sequence[Mapping[str, Any]], root: str) -> None:
+    """Says on stderr why artifacts went unchecked: local ones and objects apart."""
+    objects = [u for u in unchecked if is_remote(u["path"])]
+    local = [u for u in unchecked if not is_remote(u["path"])]
+    if local:
+        where = common_dir(root, [u["path"] for u in local])
         print(
-            f"shardledger: {len(tally.unchecked)} artifacts were not checked and nothing was"
-            f" recorded for them ({', '.join(sorted({u['reason'] for u in tally.unchecked}))}):"
+            f"shardledger: {len(local)} artifacts were not checked and nothing was"
+            f" recorded for them ({', '.join(sorted({u['reason'] for u in local}))}):"
             f" run verify with a --root that holds them (they lie under {where}) and may read them",
             file=sys.stderr,
         )
-        return EXIT_LOCAL
-    return EXIT_PROBLEMS if tally.current_failed or recorder.refused else EXIT_OK
+    if objects:
+        kinds = sorted({u["reason"] for u in objects})
+        print(
+            f"shardledger: {len(objects)} objects were not checked and nothing was recorded for"
+            f" them ({', '.join(kinds)}; the first: {objects[0]['detail']}): check the store's"
+            " endpoint (AWS_ENDPOINT_URL), the network and the credentials, then run verify"
+            " again",
+            file=sys.stderr,
+        )
 
 
 def _keyed(scan: Any, commit: Commit, root: str, result: CheckResult) -> CheckResult:

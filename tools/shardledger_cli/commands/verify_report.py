@@ -95,8 +95,10 @@ def print_report(report: dict[str, Any], *, as_json: bool) -> None:
             f"{f['reason']}{when}{older}{detail}"
         )
     for u in report["unchecked"]:
+        detail = f": {u['detail']}" if u.get("detail") else ""
         print(
             f"NOT CHECKED {u['shard_id']} {u['attempt_id']} {u['name']} {u['path']} {u['reason']}"
+            f"{detail}"
         )
     skipped_failed = report["skipped_failed"]
     print(
