@@ -549,3 +549,48 @@ def test_started_event_from_the_sdk_carries_slurm_identity_and_start_time(
 def json_lines(out: str) -> list[Any]:
     """Returns the objects of `watch --json`: one JSON object per line."""
     return [json.loads(line) for line in out.splitlines()]
+
+
+def test_a_kill_whose_record_the_ledger_did_not_take_is_recorded_next_pass_with_its_diagnostics(
+    server: RunningServer, client: LedgerClient, tmp_path: Path
+) -> None:
+    # The demo's ledger outage hit the moment after the watchdog had dumped the stack and
+    # killed a hung job: the next pass found the process gone and recorded a failure that
+    # no longer named the diagnostics.
+    from shard_client.errors import LedgerUnavailable
+    from shardledger_cli.commands.watch_handle import Action, handle_stale
+    from shardledger_cli.commands.watch_stop import StartedIndex
+
+    client.append([planned()])
+    diag = tmp_path / "diag"
+    helper = [sys.executable, "tests/helpers/hung_job.py", client.target, "run-1", "shard-0"]
+    proc = subprocess.Popen([*helper, "att-hung", str(diag)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        wait_stale(client, {"shard-0"})
+        view = json.loads(next(iter(client.shards("run-1", state="stale"))).view_json)
+        target = StartedIndex("run-1", "").target(view, client)
+
+        def ledger_down(events: list[pb.ShardEvent]) -> object:
+            raise LedgerUnavailable("the ledger is restarting")
+
+        unrecorded: dict[str, Action] = {}
+        common: dict[str, Any] = {
+            "run_id": "run-1", "namespace": "", "grace_s": 1.0, "diag_dir": diag,
+            "target": target, "unrecorded": unrecorded,
+        }  # fmt: skip
+        with pytest.raises(LedgerUnavailable):
+            handle_stale(view, append=ledger_down, **common)
+        proc.wait(timeout=10)  # stopped, though not recorded
+        assert list(unrecorded) == ["att-hung"]
+        action = handle_stale(view, append=client.append, **common)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert unrecorded == {}
+    assert action.recorded and action.steps[0] == "diagnostics"
+    assert action.steps[-1] == "recorded on a later pass (the ledger was unreachable)"
+    assert "stuck_in_data_loader" in Path(action.diagnostics).read_text()
+    [failed] = [e.failed for e in client.list_events("run-1") if e.HasField("failed")]
+    assert f"diagnostics in {action.diagnostics}" in failed.message
+    assert states(client)["shard-0"] == ("failed", "timeout")

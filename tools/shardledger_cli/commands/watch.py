@@ -41,7 +41,7 @@ import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,9 @@ class _Watch:
     pool: ThreadPoolExecutor
     found: int = 0
     failed_locally: bool = False
+    # Stopped attempts whose failed(timeout) the ledger did not take yet: the next pass
+    # records them with their diagnostics (watch_handle.handle_stale).
+    unrecorded: dict[str, Action] = field(default_factory=dict)
 
     def one_pass(self, *, keep_going: bool) -> list[Action]:
         """Lists the stale attempts and handles them concurrently; returns the actions in plan order."""
@@ -221,6 +224,7 @@ class _Watch:
                 record_remote=args.record_remote,
                 recheck=recheck,
                 kill_command=args.kill_command,
+                unrecorded=self.unrecorded,
             )
             for view, target in zip(stale, targets, strict=True)
         ]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.errors import LedgerRejected
+from shard_client.errors import LedgerRejected, LedgerUnavailable, Overloaded, StoreFault
 from shardledger_cli.commands import watch_stop
 from shardledger_cli.commands.watch_diag import STACK_WAIT_S, stack_dump, write_report
 from shardledger_cli.commands.watch_stop import StartedIndex, StopFailed, Target
@@ -205,14 +205,26 @@ def handle_stale(
     record_remote: bool = False,
     recheck: Recheck | None = None,
     kill_command: str | None = None,
+    unrecorded: dict[str, Action] | None = None,
 ) -> Action:
     """Collects diagnostics, stops the attempt (TERM, grace, kill) and records failed(timeout).
 
     ``target`` is what the attempt's started event recorded (pid start time, scheduler);
     without it only the view's host and pid are known, and no pid is signalled.
     With a recheck, the ledger is asked again before the stack dump and before the stop.
+
+    ``unrecorded`` (attempt id -> action) carries, from one pass to the next, the attempts
+    stopped whose failed(timeout) the ledger did not take (it was unreachable): the next
+    pass records that action, its diagnostics included, instead of finding the process
+    gone and recording a failure that no longer names them.
     """
     target = target or StartedIndex(run_id, namespace).target(view)
+    rank = _silent_rank(view, target) if target.ranks else 0
+    earlier = unrecorded.pop(target.attempt_id, None) if unrecorded is not None else None
+    if earlier is not None:
+        earlier.steps.append("recorded on a later pass (the ledger was unreachable)")
+        _record_or_keep(earlier, target, append, namespace, rank, unrecorded)
+        return earlier
     action = Action.of(target)
     if _recovered(action, recheck):
         return action
@@ -221,9 +233,7 @@ def handle_stale(
             action,
             target,
             # The failure is the first silent rank's (the one the others wait on).
-            record=lambda: _record(
-                action, target, append, namespace, rank=_silent_rank(view, target)
-            ),
+            record=lambda: _record_or_keep(action, target, append, namespace, rank, unrecorded),
             grace_s=grace_s,
             diag_dir=diag_dir,
             log_pattern=log_pattern,
@@ -244,8 +254,25 @@ def handle_stale(
     if stopped is None:
         return action
     if stopped or record_remote:
-        _record(action, target, append, namespace)
+        _record_or_keep(action, target, append, namespace, 0, unrecorded)
     return action
+
+
+def _record_or_keep(
+    action: Action,
+    target: Target,
+    append: Callable[[list[pb.ShardEvent]], object],
+    namespace: str,
+    rank: int,
+    unrecorded: dict[str, Action] | None,
+) -> None:
+    """Records failed(timeout); when the ledger cannot be reached, keeps the action for later."""
+    try:
+        _record(action, target, append, namespace, rank=rank)
+    except (LedgerUnavailable, Overloaded, StoreFault):
+        if unrecorded is not None:
+            unrecorded[target.attempt_id] = action
+        raise
 
 
 def _stop_ranks(action: Action, target: Target, *, record: Callable[[], None], **how: Any) -> None:

@@ -322,8 +322,13 @@ def _check_hang(demo: Demo, hang_ids: Sequence[str]) -> Check:
     problems = []
     for shard_id in hang_ids:
         action = actions.get(shard_id)
-        if action is None or "diagnostics" not in action.steps:
-            problems.append(f"{shard_id}: the watchdog collected no diagnostics")
+        if action is None:
+            problems.append(f"{shard_id}: the watchdog never acted on it")
+        elif "diagnostics" not in action.steps:
+            problems.append(
+                f"{shard_id}: the watchdog collected no diagnostics"
+                f" (what it did: {'; '.join(action.steps) or 'nothing'})"
+            )
         elif "_hang" not in Path(action.diagnostics).read_text(errors="replace"):
             problems.append(f"{shard_id}: the stack dump does not show the hung frame")
     detail = f"hung jobs: {len(hang_ids)}; stack dumped, then SIGTERM, grace, SIGKILL"

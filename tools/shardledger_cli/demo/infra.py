@@ -97,6 +97,7 @@ class Watchdog:
         self.run_id, self.namespace = run_id, namespace
         self.grace_s, self.diag_dir, self.interval_s = grace_s, diag_dir, interval_s
         self.actions: list[Action] = []
+        self.unrecorded: dict[str, Action] = {}  # stopped, failed(timeout) not yet taken
         self.started = StartedIndex(run_id, namespace)
         self._hold_until = 0.0
         self._stop = threading.Event()
@@ -138,6 +139,7 @@ class Watchdog:
                 grace_s=self.grace_s,
                 diag_dir=self.diag_dir,
                 recheck=stale_checker(self.client, self.run_id, namespace=self.namespace),
+                unrecorded=self.unrecorded,
             )
             self.actions.append(action)
 
