@@ -44,6 +44,7 @@ from shard_client.client import LedgerClient
 from tools.bench_coalesce import bench_coalesce
 from tools.bench_fleet import bench_fleet
 from tools.bench_peers import bench_peers
+from tools.bench_projections import save_result
 from tools.bench_report import bench_report
 
 RESULTS = Path("bench-results")
@@ -507,7 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("which", choices=[*BENCHES, "all"])
-    parser.add_argument("-o", "--output", default=str(RESULTS / "ingest.json"))
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="JSON result file (default bench-results/ingest.json; report: report.json)",
+    )
     parser.add_argument(
         "--ids",
         choices=ID_STYLES,
@@ -553,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--connections must be positive numbers")
     global id_style
     id_style = args.ids
+    if args.which == "report":
+        # Its own file, as `python -m tools.bench_report` writes it (not a key of ingest.json).
+        result = bench_report()
+        print(json.dumps(result, indent=2), flush=True)
+        save_result(args.output or str(RESULTS / "report.json"), result)
+        return 0
     names = [n for n in BENCHES if n != "report"] if args.which == "all" else [args.which]
     report: dict[str, Any] = {"env": _env()}
     for name in names:
@@ -569,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["speedup"] = args.speedup
         report[key] = BENCHES[name](**kwargs)
         print(json.dumps(report[key], indent=2), flush=True)
-    out = Path(args.output)
+    out = Path(args.output or RESULTS / "ingest.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() else {}
     previous.update(report)
