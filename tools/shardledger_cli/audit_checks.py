@@ -94,12 +94,16 @@ def load_checkpoint(path: str) -> Checkpoint:
 def open_database(spec: str, *, must_exist: bool = True) -> Store:
     """Opens a database by path or URL (sqlite:///PATH, postgresql://...) for the CLI."""
     from ledger_server.store import open_store, redact_url, sqlite_path
+    from ledger_server.store.sqlite import SqliteStore
 
     path = sqlite_path(spec)
     # SQLite creates a missing file: an auditor's typo must not look like an empty ledger.
     if must_exist and path is not None and not Path(path).is_file():
         raise CommandError(f"no database file at {spec}")
     try:
+        if must_exist and path is not None:
+            # Never a schema written into an empty or foreign file: refused, left as it was.
+            return SqliteStore(path, must_exist=True)
         return open_store(spec)
     except ValueError as exc:
         raise CommandError(str(exc), code=EXIT_USAGE) from None

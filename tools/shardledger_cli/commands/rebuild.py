@@ -12,6 +12,7 @@ from ledger_server.errors import LedgerError
 from ledger_server.rebuild import RebuildRefused, RunRebuild, rebuild_run
 from ledger_server.store import open_store, redact_url, sqlite_path
 from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
+from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
 from shardledger_cli.output import print_json, progress
@@ -96,9 +97,10 @@ def run_rebuild(args: argparse.Namespace) -> int:
         # Opening would create an empty ledger: a typo must not look like one.
         raise CommandError(f"no ledger at {url}", code=EXIT_LOCAL)
     try:
-        store = open_store(url)
+        # An existing ledger only: an empty or foreign file is refused and left as it was.
+        store = SqliteStore(path, must_exist=True) if path is not None else open_store(url)
     except (StoreError, ValueError) as exc:
-        raise CommandError(f"cannot open {redact_url(args.db)}: {exc}") from None
+        raise CommandError(f"cannot open {redact_url(args.db)}: {exc}", code=EXIT_LOCAL) from None
     reports: list[RunRebuild] = []
     refused: list[tuple[RunRow, str]] = []
     try:
