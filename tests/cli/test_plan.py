@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -337,3 +342,92 @@ def test_a_re_plan_with_other_labels_names_the_field_with_both_values(
     first = report["differences"][report["conflicting"][0]]
     assert first == {"labels": {"stored": {"provider": "a"}, "sent": {"provider": "b"}}}
     assert len(list(client.list_events(RUN))) == 3
+
+
+def test_matching_links_that_lead_nowhere_are_listed_and_nothing_is_sent_unless_skipped(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folder = inputs[0].parent
+    (folder / "dangling.bin").symlink_to(folder / "was-deleted.bin")
+    (folder / "loop-a.bin").symlink_to(folder / "loop-b.bin")
+    (folder / "loop-b.bin").symlink_to(folder / "loop-a.bin")
+    capsys.readouterr()
+    assert plan(server, "--inputs", str(folder)) == 1
+    err = capsys.readouterr().err
+    assert "3 matching link(s) lead nowhere, nothing was sent" in err
+    assert f"{folder / 'dangling.bin'}: a dangling link (to {folder / 'was-deleted.bin'})" in err
+    assert f"{folder / 'loop-a.bin'}: Too many levels of symbolic links" in err
+    assert client.list_runs() == []
+    assert plan(server, "--inputs", str(folder), "--skip-broken-links", "--json") == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["new"] == 3  # the three real inputs
+    assert "skipped 3 broken link(s)" in captured.err
+
+
+def _as_nobody(argv: list[str]) -> list[str]:
+    """Runs argv as an unprivileged user where this is root (root reads any file)."""
+    if os.geteuid() != 0:
+        return argv
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+
+
+def test_an_input_or_directory_the_planner_may_not_read_is_named_with_exit_5() -> None:
+    # A world-traversable directory (pytest's own temp root is 0700) with inputs that only
+    # their owner may read, planned by someone else; nothing reaches a ledger.
+    base = Path(tempfile.mkdtemp(prefix="sl-plan-perm-"))
+    try:
+        base.chmod(0o755)
+        folder = base / "in"
+        folder.mkdir(mode=0o755)
+        (folder / "open.bin").write_bytes(b"anyone may read this")
+        (folder / "open.bin").chmod(0o644)
+        secret = folder / "secret.bin"
+        secret.write_bytes(b"owner only")
+        secret.chmod(0o000 if os.geteuid() != 0 else 0o600)
+        locked = folder / "locked"
+        locked.mkdir()
+        (locked / "inner.bin").write_bytes(b"hidden")
+        locked.chmod(0o000 if os.geteuid() != 0 else 0o700)
+        manifest = base / "jobs.jsonl"
+        manifest.write_text(json.dumps({"input": str(secret)}) + "\n")
+        manifest.chmod(0o644)
+        cli_args = [
+            sys.executable,
+            "-m",
+            "shardledger_cli",
+            "plan",
+            "r1",
+            "--server",
+            "127.0.0.1:1",
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+
+        def run(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                _as_nobody([*cli_args, *extra]), capture_output=True, text=True, env=env, cwd=base
+            )
+
+        by_manifest = run("--manifest", str(manifest))
+        assert by_manifest.returncode == 5, by_manifest.stderr
+        assert f"line 1: cannot read {secret}: Permission denied" in by_manifest.stderr
+        assert "Traceback" not in by_manifest.stderr
+        flat = run("--inputs", str(folder))
+        assert flat.returncode == 5, flat.stderr
+        assert f"cannot read {secret}: Permission denied" in flat.stderr
+        deep = run("--inputs", str(folder), "--glob", "**/*.bin")
+        assert deep.returncode == 5, deep.stderr
+        assert f"cannot be read, nothing was sent:\n  {locked}: Permission denied" in deep.stderr
+        closed = run("--inputs", str(locked))
+        assert closed.returncode == 5, closed.stderr
+        assert f"{locked}: Permission denied" in closed.stderr
+    finally:
+        for path in (base / "in" / "locked", base / "in" / "secret.bin"):
+            path.chmod(0o700)
+        shutil.rmtree(base)

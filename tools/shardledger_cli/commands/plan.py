@@ -54,7 +54,11 @@ here (a URL, an object key) needs input_blake3. The line is kept, as canonical
 JSON with "shard_id" filled in, as the plan line that `resume` hands back.
 
 From a directory (--inputs DIR --glob '*.bin'), one shard per matching file in
-sorted order, all with the same --params and --expected-outputs.
+sorted order, all with the same --params and --expected-outputs. Nothing is left
+out in silence: a directory that cannot be listed or a file that cannot be read
+is named with the reason (exit 5), and matching symlinks that lead nowhere
+(dangling, or a loop) are listed (exit 1) unless --skip-broken-links, which
+plans without them and counts them on stderr; nothing is sent in either case.
 
 Inputs in object storage (s3://bucket/key, gs://...; needs shardledger[s3] or
 [gcs], credentials from the store's standard chain) are read through fsspec: a
@@ -102,7 +106,8 @@ Examples:
   shardledger plan night-01 --close --reason "last wave finished" --expected 1000 --json
 
 exit codes: 0 all shards new or already planned identically (and closed);
-1 some conflict, or other params without --add (nothing sent); 2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
+1 some conflict, other params without --add, or broken links (nothing sent);
+2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
 --close of an unknown run); 5 bad manifest or inputs (nothing sent)
 """
 
@@ -146,6 +151,12 @@ def register(
         "--glob", default="*", help="with --inputs: file pattern, ** recurses (default *)"
     )
     p.add_argument("--params", default=None, help="with --inputs: parameters as a JSON object")
+    p.add_argument(
+        "--skip-broken-links",
+        action="store_true",
+        help="with --inputs: plan without matching symlinks that lead nowhere (dangling or a"
+        " loop; without it they are listed and nothing is sent, exit 1)",
+    )
     p.add_argument(
         "--expected-outputs", default=None, metavar="A,B", help="with --inputs: artifact names"
     )

@@ -21,7 +21,7 @@ from shard_client.ids import (
     shard_id_for,
 )
 from shard_client.storage import ObjectInfo, is_remote, store_for
-from shardledger_cli.cli import EXIT_USAGE, CommandError
+from shardledger_cli.cli import EXIT_PROBLEMS, EXIT_USAGE, CommandError
 from shardledger_cli.output import progress
 
 MAX_ERRORS_SHOWN: Final = 20
@@ -137,7 +137,8 @@ def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
         for _, obj in parsed
         if not is_remote(obj["input"]) and os.path.isfile(obj["input"])
     ]
-    digests = _hash_all(local, workers=workers)
+    unreadable: dict[str, str] = {}
+    digests = _hash_all(local, workers=workers, unreadable=unreadable)
     # An object whose line gives input_blake3 is taken at its word, as before: the
     # store is read only for the objects the plan must hash.
     unhashed = [
@@ -151,6 +152,9 @@ def entries_from_manifest(path: str, *, workers: int) -> list[PlanEntry]:
     for index, (number, obj) in enumerate(parsed):
         if obj["input"] in problems:
             errors.append(f"line {number}: input {obj['input']}: {problems[obj['input']]}")
+            continue
+        if obj["input"] in unreadable:
+            errors.append(f"line {number}: {unreadable[obj['input']]}")
             continue
         try:
             entries.append(_entry(obj, index, digests.get(obj["input"]), objects.get(obj["input"])))
@@ -246,9 +250,37 @@ def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
         return _entries_from_prefix(args, params, outputs)
     if not root.is_dir():
         raise CommandError(f"--inputs {args.inputs} is not a directory")
-    files = sorted(str(p.resolve()) for p in _glob(root, args.glob) if p.is_file())
-    digests = _hash_all(files, workers=args.workers)
-    entries, errors = [], []
+    matched, broken, closed = _glob(root, args.glob)
+    if closed:
+        # A directory the planner may not list hides its files: never a silent gap.
+        shown = "\n  ".join(closed[:MAX_ERRORS_SHOWN])
+        raise CommandError(
+            f"--inputs {args.inputs}: {len(closed)} director{'y' if len(closed) == 1 else 'ies'}"
+            f" cannot be read, nothing was sent:\n  {shown}"
+        )
+    if broken and not getattr(args, "skip_broken_links", False):
+        shown = "\n  ".join(broken[:MAX_ERRORS_SHOWN])
+        more = (
+            f"\n  ... and {len(broken) - MAX_ERRORS_SHOWN} more"
+            if len(broken) > MAX_ERRORS_SHOWN
+            else ""
+        )
+        raise CommandError(
+            f"--inputs {args.inputs}: {len(broken)} matching link(s) lead nowhere, nothing was"
+            f" sent (--skip-broken-links plans without them):\n  {shown}{more}",
+            EXIT_PROBLEMS,
+        )
+    if broken:
+        print(
+            f"shardledger: skipped {len(broken)} broken link(s) under {args.inputs}"
+            " (--skip-broken-links)",
+            file=sys.stderr,
+        )
+    files = sorted(str(p.resolve()) for p in matched)
+    unreadable: dict[str, str] = {}
+    digests = _hash_all(files, workers=args.workers, unreadable=unreadable)
+    entries, errors = [], [unreadable[path] for path in files if path in unreadable]
+    files = [path for path in files if path not in unreadable]
     for index, path in enumerate(files):
         obj = {"input": path, "params": params, "expected_outputs": outputs}
         try:
@@ -262,10 +294,38 @@ def entries_from_dir(args: argparse.Namespace) -> list[PlanEntry]:
     return entries
 
 
-def _glob(root: Path, pattern: str) -> list[Path]:
-    """Returns the files under root that pattern (relative, inside root) matches."""
+def _glob(root: Path, pattern: str) -> tuple[list[Path], list[str], list[str]]:
+    """Returns what pattern (relative, inside root) matches under root.
+
+    (files, broken links, unreadable directories): a matching symlink that leads nowhere
+    (dangling, or a loop) is broken, and a directory that cannot be listed (pathlib's
+    glob skips it in silence) is named, each with why.
+    """
     _glob_pattern(pattern)
-    return list(root.glob(pattern))
+    closed: list[str] = []
+    try:
+        with os.scandir(root):
+            pass
+    except OSError as exc:
+        closed.append(f"{root}: {exc.strerror or exc}")
+    if "**" in pattern or "/" in pattern:
+        for _, _, _ in os.walk(
+            root, onerror=lambda e: closed.append(f"{e.filename}: {e.strerror or e}")
+        ):
+            pass
+    files, broken = [], []
+    for path in root.glob(pattern):
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            broken.append(f"{path}: a dangling link (to {os.readlink(path)})")
+            continue
+        except OSError as exc:
+            broken.append(f"{path}: {exc.strerror or exc}")  # a loop: too many levels of links
+            continue
+        if path.is_file():
+            files.append(path)
+    return files, broken, sorted(set(closed))
 
 
 def _glob_pattern(pattern: str) -> None:
@@ -288,14 +348,30 @@ def _raise_errors(source: str, errors: Sequence[str]) -> None:
     raise CommandError(f"{source}: {len(errors)} bad line(s), nothing was sent:\n  {shown}{more}")
 
 
-def _hash_all(paths: Sequence[str], *, workers: int) -> dict[str, tuple[int, str]]:
+def _hash_one(path: str) -> tuple[int, str] | str:
+    """Returns (size, blake3) of a file, or why it cannot be read."""
+    try:
+        return hash_input(path)
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+
+
+def _hash_all(
+    paths: Sequence[str], *, workers: int, unreadable: dict[str, str] | None = None
+) -> dict[str, tuple[int, str]]:
+    """Hashes the files; one that cannot be read goes into unreadable (path -> why)."""
     unique = sorted(set(paths))
     out: dict[str, tuple[int, str]] = {}
     with (
         progress("hashing inputs", len(unique)) as advance,
         ThreadPoolExecutor(max(1, workers)) as pool,
     ):
-        for path, digest in zip(unique, pool.map(hash_input, unique), strict=True):
-            out[path] = digest
+        for path, digest in zip(unique, pool.map(_hash_one, unique), strict=True):
+            if isinstance(digest, str):
+                if unreadable is None:
+                    raise CommandError(digest)
+                unreadable[path] = digest
+            else:
+                out[path] = digest
             advance(1)
     return out
