@@ -70,8 +70,11 @@ line, $SHARDLEDGER_PLAN_LINE and $SHARDLEDGER_INPUT.
 exit codes: the child's own exit status (128+N when signal N killed it);
 124 the hang watchdog stopped it; 65 it exited 0 but its outputs were refused
 (failed(incomplete)); 74 committing them failed; 126/127 the command could not
-be run. Before the child starts: 2 usage, 3 ledger unreachable, 4 refused by
-the ledger (unknown run or shard), 5 local error.
+be run. Before the child starts: 2 usage, 4 refused by the ledger (unknown run
+or shard), 5 local error. A ledger that cannot be reached is no exit: started
+waits --unavailable-after seconds, then spools, and the child runs; at the end
+exec waits $SHARDLEDGER_EXIT_WAIT (default 10 s) for the spool to drain and
+leaves the rest to `shardledger spool drain`.
 """
 
 EPILOG: Final = f"""\
