@@ -53,6 +53,7 @@ COMMAND_MODULES: Final = (
     "shardledger_cli.commands.notify",
     "shardledger_cli.commands.db",
     "shardledger_cli.exec.command",
+    "shardledger_cli.commands.meta",
 )
 
 # Import names of the server extra's packages: the server's (see ledger_server/__init__.py),
@@ -294,6 +295,9 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from shardledger_cli.commands.meta import version_line
+
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = common_parent()
     for name in modules:
@@ -326,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(server_extra_message(missing), file=sys.stderr)
         return EXIT_LOCAL
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else list(argv)):
+        parser.print_help()  # a bare `shardledger` asks what there is
+        return EXIT_OK
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
