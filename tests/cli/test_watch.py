@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -471,12 +472,22 @@ def test_watch_loop_outlives_a_ledger_restart_and_stops_what_hangs_after_it(
         text=True,
     )
     children.append(watch)  # type: ignore[arg-type]
+    lines: list[str] = []
+    assert watch.stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(iter(watch.stderr.readline, "")))  # type: ignore[union-attr]
+    reader.start()
     second: RunningServer | None = None
     try:
-        time.sleep(1.0)
+        # Conditions, not sleeps: the watchdog is connected to the first ledger (it has
+        # started and polled, however slow its start on a loaded machine), then has seen
+        # it gone, and only then does the ledger come back.
+        _wait_connected(watch.pid, first.port)
         first.stop(0)
-        time.sleep(2.0)  # the watchdog polls a ledger that is gone
-        assert watch.poll() is None, "the watchdog exited when the ledger went away"
+        deadline = time.monotonic() + 60
+        while not any("ledger unreachable" in line for line in lines):
+            assert watch.poll() is None, "the watchdog exited when the ledger went away"
+            assert time.monotonic() < deadline, "the watchdog never noticed the ledger gone"
+            time.sleep(0.05)
         second = create_server(ServerConfig(database=db, listen=target))
         proc = hang_attempt(c, children, "shard-0", "att-after")
         assert watch.stdout is not None
@@ -487,10 +498,34 @@ def test_watch_loop_outlives_a_ledger_restart_and_stops_what_hangs_after_it(
     finally:
         c.close()
         watch.terminate()
-        _, err = watch.communicate(timeout=10)
+        watch.wait(timeout=10)
+        reader.join(timeout=10)
         if second is not None:
             second.stop(0)
+    err = "".join(lines)
     assert "ledger unreachable" in err and "ledger reachable again" in err
+
+
+def _wait_connected(pid: int, port: int) -> None:
+    """Waits until process pid holds an established TCP connection to 127.0.0.1:port."""
+    deadline = time.monotonic() + 60
+    while True:
+        inodes = set()
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        # gRPC's sockets are dual-stack: an IPv4 connection is listed in tcp6, mapped.
+        table = Path("/proc/net/tcp").read_text().splitlines()[1:]
+        table += Path("/proc/net/tcp6").read_text().splitlines()[1:]
+        for line in table:
+            cols = line.split()
+            remote_port, state, inode = int(cols[2].rsplit(":", 1)[1], 16), cols[3], cols[9]
+            if remote_port == port and state == "01" and inode in inodes:  # 01: ESTABLISHED
+                return
+        assert time.monotonic() < deadline, f"pid {pid} never connected to port {port}"
+        time.sleep(0.05)
 
 
 def test_scheduler_identity_is_read_from_slurm_and_kubernetes_variables(tmp_path: Path) -> None:
