@@ -368,6 +368,23 @@ def test_events_json_lines_and_after_filter(cli: Any) -> None:
     ]
 
 
+def test_events_shard_takes_the_cut_id_the_cli_prints_and_refuses_one_it_cannot_place(
+    cli: Any,
+) -> None:
+    # The CLI prints ids cut ("s-3c52ba9ca020…"): that form names its shard.
+    code, out, _ = cli("events", RUN, "--shard", "s1…")
+    assert code == 0
+    assert {line.split()[2] for line in out.splitlines()} == {"s10"}
+    code, out, _ = cli("events", RUN, "--shard", "s01")
+    assert code == 0 and "s01 a1 failed tag=oom" in out
+    code, _, err = cli("events", RUN, "--shard", "s0")
+    assert code == 2
+    assert "--shard s0 matches 10 shards of run night-01: s00, s01, s02, s03, s04 and 5 more" in err
+    code, out, err = cli("events", RUN, "--shard", "zz")
+    assert (code, out) == (4, "")
+    assert "run night-01 has no shard zz" in err
+
+
 def test_a_cancelled_tail_ends_quietly_and_the_server_logs_it_cancelled(
     running: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,8 @@ import threading
 from typing import Any
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shardledger_cli.cli import EXIT_OK, client_from
+from shard_client.client import LedgerClient
+from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, EXIT_USAGE, CommandError, client_from
 from shardledger_cli.commands.shards import scheduler_label
 from shardledger_cli.output import iso_us, ts_us
 
@@ -20,6 +21,8 @@ def run_events(args: argparse.Namespace) -> int:
     client = client_from(args)
     ns, after, out = args.namespace, args.after, sys.stdout
     shard = getattr(args, "shard", "")
+    if shard:
+        shard = resolve_shard(client, args.run, shard, namespace=ns)
     if not args.follow:
         for event in client.list_events(args.run, namespace=ns, after_sequence=after):
             if not shard or event.shard_id == shard:
@@ -40,6 +43,38 @@ def run_events(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous)
         client.close()
     return EXIT_OK
+
+
+def resolve_shard(client: LedgerClient, run_id: str, given: str, *, namespace: str = "") -> str:
+    """Returns the run's shard id that `given` names: the id, or a unique prefix of it.
+
+    The CLI prints ids cut (``s-3c52ba9ca020…``); such a form, ellipsis and all, names
+    the shard it starts. Several matches are a usage error that lists them; none is
+    an error too (exit 4), never an empty answer that looks like a quiet shard.
+    """
+    prefix = given.rstrip("…").removesuffix("...")
+    matches: list[str] = []
+    for view in client.shards(run_id, namespace=namespace):
+        if view.shard_id == prefix:
+            return prefix
+        if view.shard_id.startswith(prefix):
+            matches.append(view.shard_id)
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        shown = ", ".join(matches[:5]) + (
+            f" and {len(matches) - 5} more" if len(matches) > 5 else ""
+        )
+        raise CommandError(
+            f"--shard {given} matches {len(matches)} shards of run {run_id}: {shown}; give more"
+            " of the id",
+            EXIT_USAGE,
+        )
+    raise CommandError(
+        f"run {run_id} has no shard {given} (neither an id nor the start of one; `shardledger"
+        f" shards {run_id}` lists them)",
+        EXIT_REJECTED,
+    )
 
 
 def _event_text(event: Any, as_json: bool) -> str:

@@ -159,7 +159,13 @@ def register(
     p.add_argument("--reasons", action="store_true", help=f"jsonl only: add {REASON_KEY!r}")
     p = parsers["events"]
     p.add_argument("--after", type=at_least(0), default=0, metavar="SEQ", help="events after SEQ")
-    p.add_argument("--shard", metavar="SHARD_ID", default="", help="only this shard's events")
+    p.add_argument(
+        "--shard",
+        metavar="SHARD_ID",
+        default="",
+        help="only this shard's events: its id, or the start of it as the CLI prints it"
+        " (s-3c52ba9ca020…); an unknown one exits 4",
+    )
     p.add_argument("--follow", "-f", action="store_true", help="stream new events as they commit")
     parsers["runs"].add_argument("--limit", type=at_least(1), default=100, help="at most N runs")
 
