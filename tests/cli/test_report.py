@@ -30,6 +30,7 @@ from shardledger_cli.commands.resume import slurm_ranges
 from shardledger_cli.output import with_resume_reason
 
 RUN = "night-01"
+REPO = Path(__file__).resolve().parents[2]
 DIGEST = "d" * 64
 # shard -> (plan_index, fate); resume order is plan order.
 FATES = {
@@ -297,6 +298,26 @@ def test_resume_ids_prints_shard_ids(cli: Any) -> None:
 def test_resume_slurm_array_compacts_plan_indexes_into_ranges(cli: Any) -> None:
     _, out, _ = cli("resume", RUN, "--format", "slurm-array")
     assert out == "1-7,10-11\n"
+
+
+def test_the_documented_slurm_idiom_survives_set_e_with_exit_zero(
+    running: RunningServer, tmp_path: Path
+) -> None:
+    # docs/cluster.md and examples/slurm_array.sbatch: the list under `set -euo pipefail`,
+    # where a plain resume (exit 1: shards must rerun) would stop the script.
+    script = tmp_path / "morning.sh"
+    script.write_text(
+        "set -euo pipefail\n"
+        f"ARRAY=$({sys.executable} -m shardledger_cli resume {RUN} --format slurm-array"
+        f" --exit-zero --server 127.0.0.1:{running.port})\n"
+        'echo "submit ${ARRAY}%64"\n'
+        f"ARRAY=$({sys.executable} -m shardledger_cli resume {RUN} --format slurm-array"
+        f" --server 127.0.0.1:{running.port})\n"
+        'echo "never reached"\n'
+    )
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=REPO)
+    assert done.stdout == "submit 1-7,10-11%64\n"  # the first list went out, the second stopped it
+    assert done.returncode == 1
 
 
 def test_resume_to_a_file_replaces_it_atomically(cli: Any, tmp_path: Path) -> None:

@@ -60,8 +60,11 @@ formats:
   slurm-array  plan_index ranges like 3-5,9,12-14 for `sbatch --array=`
 
 -o FILE replaces FILE atomically (temp file, fsync, rename); a count of
-shards by reason goes to stderr. exit codes: 0 nothing to re-run; 1 shards must re-run; 3 unreachable;
-4 refused; 5 the output file could not be written""",
+shards by reason goes to stderr. exit codes: 0 nothing to re-run (with
+--exit-zero: the list was written, empty or not); 1 shards must re-run;
+3 unreachable; 4 refused; 5 the output file could not be written. In a
+`set -e` script take the list with --exit-zero: a non-empty list is not a
+failure of the script.""",
     "events": """print a run's events, or follow them
 
 Print one line per event: sequence, receive time, shard, attempt, kind and a
@@ -86,7 +89,8 @@ EXAMPLES: Final = {
     "resume": (
         "shardledger resume night-01 -o rerun.jsonl     # exit 1 while something must rerun",
         "shardledger resume night-01 --format ids",
-        "sbatch --array=$(shardledger resume night-01 --format slurm-array)%64 job.sbatch",
+        "ARRAY=$(shardledger resume night-01 --format slurm-array --exit-zero)   # set -e safe",
+        '[ -z "$ARRAY" ] || sbatch --array="${ARRAY}%64" job.sbatch',
         "shardledger resume night-01 --json | jq -r .reason | sort | uniq -c",
     ),
     "events": (
@@ -157,6 +161,12 @@ def register(
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     p.add_argument("--format", choices=RESUME_FORMATS, default="jsonl", help="output format")
     p.add_argument("--reasons", action="store_true", help=f"jsonl only: add {REASON_KEY!r}")
+    p.add_argument(
+        "--exit-zero",
+        action="store_true",
+        help="exit 0 when the list was written, empty or not (a `set -e` script's"
+        " ARRAY=$(shardledger resume RUN --format slurm-array --exit-zero))",
+    )
     p = parsers["events"]
     p.add_argument("--after", type=at_least(0), default=0, metavar="SEQ", help="events after SEQ")
     p.add_argument(

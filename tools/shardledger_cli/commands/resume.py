@@ -37,7 +37,7 @@ def run_resume(args: argparse.Namespace) -> int:
     print(f"{total} shards to re-run{where}" + (f": {detail}" if detail else ""), file=sys.stderr)
     if reasons.get("unverified"):
         hint_unverified(client, args, reasons["unverified"])
-    return EXIT_PROBLEMS if total else EXIT_OK
+    return EXIT_PROBLEMS if total and not args.exit_zero else EXIT_OK
 
 
 def hint_unverified(client: Any, args: argparse.Namespace, unverified: int) -> None:
