@@ -57,7 +57,11 @@ def _all_empty(
 def _first_nonfinite(counts: Iterable[tuple[str, int]]) -> CheckResult | None:
     # Counts are lazy, so scanning stops at the first tensor holding a NaN or Inf.
     key, bad = next(((key, bad) for key, bad in counts if bad), ("", 0))
-    return _fail("nan_or_inf", f"{bad} NaN/Inf values in {key}") if bad else None
+    if not bad:
+        return None
+    # "<root>" is a bare tensor (torch.save(tensor)), not a key the reader would know.
+    where = "the tensor" if key == "<root>" else f"tensor {key}"
+    return _fail("nan_or_inf", f"{bad} NaN/Inf value{'s' if bad != 1 else ''} in {where}")
 
 
 @content_check("tensor_unreadable", ext=".pt .pth .ckpt", media="application/x-torch")

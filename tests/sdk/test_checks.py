@@ -404,14 +404,14 @@ def test_nan_in_nested_torch_tensor_names_its_key_path(tmp_path: Path, legacy: b
     data = _torch_bytes(state, _use_new_zipfile_serialization=not legacy)
     result = _verify(tmp_path, "ckpt.pth", data)
     assert (result.passed, result.reason) == (False, "nan_or_inf")
-    assert result.detail == "2 NaN/Inf values in ['model']['layer.weight']"
+    assert result.detail == "2 NaN/Inf values in tensor ['model']['layer.weight']"
 
 
 def test_inf_inside_a_list_of_tensors_is_found(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     data = _torch_bytes([torch.ones(2), (torch.tensor([float("-inf")], dtype=torch.bfloat16),)])
     result = _verify(tmp_path, "t.bin", data, media_type="application/x-torch")
-    assert (result.reason, result.detail) == ("nan_or_inf", "1 NaN/Inf values in [1][0]")
+    assert (result.reason, result.detail) == ("nan_or_inf", "1 NaN/Inf value in tensor [1][0]")
 
 
 def test_truncated_torch_file_fails_the_zip_check(tmp_path: Path) -> None:
@@ -443,7 +443,7 @@ def test_npy_arrays_pass_when_finite_and_fail_on_nan(tmp_path: Path) -> None:
     assert _verify(tmp_path, "a.npy", _npy_bytes(np.arange(6, dtype=np.float32))).passed
     assert _verify(tmp_path, "i.npy", _npy_bytes(np.arange(6))).passed
     result = _verify(tmp_path, "b.npy", _npy_bytes(np.array([1.0, np.nan])))
-    assert (result.reason, result.detail) == ("nan_or_inf", "1 NaN/Inf values in <root>")
+    assert (result.reason, result.detail) == ("nan_or_inf", "1 NaN/Inf value in the tensor")
 
 
 def test_npy_with_nonfinite_structured_field_names_the_field(tmp_path: Path) -> None:
@@ -464,7 +464,7 @@ def test_npz_member_with_inf_is_named(tmp_path: Path) -> None:
     buffer = io.BytesIO()
     np.savez(buffer, good=np.ones(3), bad=np.array([np.inf]))
     result = _verify(tmp_path, "arrays.npz", buffer.getvalue())
-    assert (result.reason, result.detail) == ("nan_or_inf", "1 NaN/Inf values in 'bad'")
+    assert (result.reason, result.detail) == ("nan_or_inf", "1 NaN/Inf value in tensor 'bad'")
 
 
 def test_safetensors_with_finite_values_passes(tmp_path: Path) -> None:
