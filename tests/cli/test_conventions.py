@@ -94,6 +94,22 @@ def test_every_command_and_subcommand_has_an_examples_block() -> None:
     assert not missing, f"no Examples block with a shardledger command in: {missing}"
 
 
+def test_every_help_ends_with_its_one_examples_block() -> None:
+    # Examples are where --help ends, once: not above the options, not twice.
+    wrong = []
+    for path, parser in subcommand_parsers(build_parser()):
+        text = parser.format_help()
+        head, _, block = text.rpartition(EXAMPLES_HEADING)
+        tail_lines = [line for line in block.splitlines()[1:] if line.strip()]
+        if (
+            text.count(EXAMPLES_HEADING) != 1
+            or not all(line.startswith("  ") for line in tail_lines)
+            or "options:" not in head
+        ):
+            wrong.append(" ".join(path))
+    assert not wrong, f"--help does not end with one Examples block: {wrong}"
+
+
 def test_every_json_option_says_whether_it_prints_one_object_or_json_lines() -> None:
     vague = []
     for path, parser in subcommand_parsers(build_parser()):

@@ -70,6 +70,9 @@ SERVER_EXTRA_MODULES: Final = (
 INSTALL_HINT: Final = "pip install 'shardledger[server]'"
 
 EPILOG: Final = """\
+exit codes: 0 ok, 1 problems found, 2 usage, 3 server unreachable, 4 refused by server, 5 local error
+`shardledger help COMMAND` (or COMMAND --help) for any command; every --help ends with examples.
+
 Examples: a typical night
   shardledger serve &                                   # embedded SQLite ledger on 127.0.0.1:50551
   shardledger plan night-01 --manifest jobs.jsonl      # register every shard
@@ -79,8 +82,6 @@ Examples: a typical night
   shardledger status night-01                          # submitted = verified + failed + missing ...
   shardledger resume night-01 -o rerun.jsonl           # exactly what must run again
   shardledger notify night-01 --url "$CHAT_HOOK"       # the morning report, as JSON
-
-exit codes: 0 ok, 1 problems found, 2 usage, 3 server unreachable, 4 refused by server, 5 local error
 """
 
 
@@ -308,7 +309,47 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
                 continue  # a command group not built yet
             raise
         module.register(sub, common)
+    _examples_last(parser)
     return parser
+
+
+def _examples_last(parser: argparse.ArgumentParser) -> None:
+    """Moves every Examples block of a parser's texts into one, at the very end of its help.
+
+    Some commands wrote their examples into the description (above the options) and
+    some had a second block in the epilog: --help ends with one Examples block, for
+    every command and subcommand.
+    """
+    from shardledger_cli.parsing import EXAMPLES_HEADING
+
+    found: list[str] = []
+
+    def take(text: str | None) -> str:
+        out: list[str] = []
+        inside = False
+        for line in (text or "").split("\n"):
+            if line.strip() == EXAMPLES_HEADING:
+                inside = True
+                continue
+            if inside and line.startswith("  "):
+                if line not in found:
+                    found.append(line)
+                continue
+            if inside and not line.strip():
+                continue  # the blank line that closed the block
+            inside = False
+            out.append(line)
+        return "\n".join(out).strip("\n")
+
+    parser.description = take(parser.description) or None
+    rest = take(parser.epilog)
+    if found:
+        block = f"{EXAMPLES_HEADING}\n" + "\n".join(found)
+        parser.epilog = f"{rest}\n\n{block}" if rest else block
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _examples_last(child)
 
 
 def missing_server_extra() -> list[str]:
