@@ -3,40 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import platform
-from typing import Any, Final
 
 from shardledger_cli.cli import EXIT_OK, EXIT_USAGE, CommandError
 from shardledger_cli.output import print_json
 from shardledger_cli.parsing import add_json_option, examples
-
-CONTRACT: Final = "shardledger.v1"
-
-
-def versions() -> dict[str, Any]:
-    """Returns the installed versions the CLI, the SDK and the ledger run on."""
-
-    def of(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "shardledger": of("shardledger") or "unknown (not installed as a package)",
-        "contract": CONTRACT,
-        "python": platform.python_version(),
-        "grpcio": of("grpcio"),
-        "protobuf": of("protobuf"),
-        "torch": of("torch"),
-    }
-
-
-def version_line() -> str:
-    """Returns the one line `--version` prints."""
-    v = versions()
-    return f"shardledger {v['shardledger']} (contract {v['contract']}, Python {v['python']})"
+from shardledger_cli.versions import version_line, versions
 
 
 def register(
