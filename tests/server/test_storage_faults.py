@@ -175,34 +175,37 @@ def test_a_ledger_on_a_read_only_file_system_is_refused_at_start_with_the_fix(
     assert "read-only" in done.stderr and "give a ledger file" not in done.stderr
 
 
-def _open_unprivileged(db: Path) -> tuple[int, str]:
-    """Opens the ledger in a forked child that runs as an ordinary user; returns (code, message).
+# The opener, in an interpreter of its own: exit 5 and the message when refused.
+_OPENER = """
+import sys
+from ledger_server.startup import StartupError, open_database
+try:
+    open_database(sys.argv[1]).close()
+except StartupError as exc:
+    print(exc, end="")
+    raise SystemExit(5)
+print("opened", end="")
+"""
 
-    Root may write a file whatever its mode, and CI runs as root: the child gives up
-    root (setgid/setuid to nobody) before it opens, as the server's own user would be.
+
+def _open_unprivileged(db: Path) -> tuple[int, str]:
+    """Opens the ledger in a new process that runs as an ordinary user; returns (code, message).
+
+    Root may write a file whatever its mode, and CI runs as root: the child is started
+    as nobody, as the server's own user would be. A fresh interpreter (fork and exec),
+    never a bare fork of this pytest process: its threads (xdist's, gRPC's) would leave
+    their locks held in the child, which then crashed (SIGSEGV under a loaded CI).
     """
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report through the pipe, never return into pytest
-        code, message = 0, "opened"
-        try:
-            os.close(read)
-            if os.geteuid() == 0:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-            open_database(str(db)).close()
-        except StartupError as exc:
-            code, message = 5, str(exc)
-        except BaseException as exc:  # anything else is the test's failure, said plainly
-            code, message = 1, f"{type(exc).__name__}: {exc}"
-        os.write(write, message.encode())
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        message = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), message
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    done = subprocess.run(
+        [*(as_nobody if os.geteuid() == 0 else []), sys.executable, "-c", _OPENER, str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PYTHONDONTWRITEBYTECODE": "1"},
+        cwd="/",
+    )
+    return done.returncode, done.stdout or done.stderr[-2000:]
 
 
 def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix() -> None:
