@@ -245,12 +245,14 @@ def run_plan(args: argparse.Namespace) -> int:
     entries = keep_stored_indexes(
         client, args.run, entries, namespace=args.namespace, stored=stored
     )
-    outcome = send_plan(client, args.run, entries, namespace=args.namespace, labels=labels)
-    outcome.differences = {
+    differences = {
         e.shard_id: diff
         for e in entries
         if e.shard_id in stored and (diff := plan_differences(e, labels, stored[e.shard_id]))
     }
+    outcome = send_plan(
+        client, args.run, entries, namespace=args.namespace, labels=labels, differences=differences
+    )
     if not args.close:
         return _report(args, entries, outcome)
     if outcome.refused or outcome.conflicts:
@@ -444,10 +446,15 @@ def send_plan(
     *,
     namespace: str = "",
     labels: Mapping[str, str] | None = None,
+    differences: dict[str, dict[str, dict[str, Any]]] | None = None,
 ) -> Outcome:
-    """Sends the planned events in batches; refused shards are isolated, the rest still go."""
+    """Sends the planned events in batches; refused shards are isolated, the rest still go.
+
+    ``differences`` (plan_differences of stored shards) makes a refusal of such a shard
+    a conflict: the ledger says EVENT_ID_REUSED when only the labels differ.
+    """
     events = plan_events(run_id, entries, namespace=namespace, labels=labels)
-    outcome = Outcome()
+    outcome = Outcome(differences=dict(differences or {}))
     with progress("registering shards", len(events)) as advance:
         for start in range(0, len(events), BATCH):
             batch = events[start : start + BATCH]
@@ -477,7 +484,8 @@ def _deliver_all(
 
 def _count(outcome: Outcome, entry: PlanEntry, result: pb.AppendResult | LedgerRejected) -> None:
     if isinstance(result, LedgerRejected):
-        target = outcome.conflicts if result.reason == "PLAN_CONFLICT" else outcome.refused
+        conflict = result.reason == "PLAN_CONFLICT" or entry.shard_id in outcome.differences
+        target = outcome.conflicts if conflict else outcome.refused
         target.append((entry, f"{result.reason}: {result}"))
     elif result.outcome == pb.APPEND_OUTCOME_APPENDED:
         outcome.new += 1
@@ -510,16 +518,8 @@ def _report(
     # A re-plan that differs from a stored shard's plan (the ledger answers PLAN_CONFLICT,
     # or EVENT_ID_REUSED when only the labels differ) is a conflict: the first such shard
     # is shown field by field, the rest counted.
-    differing = [
-        (e, why)
-        for e, why in outcome.conflicts + outcome.refused
-        if e.shard_id in outcome.differences
-    ]
-    outcome.conflicts = [
-        (e, w) for e, w in outcome.conflicts if e.shard_id not in outcome.differences
-    ]
-    outcome.refused = [(e, w) for e, w in outcome.refused if e.shard_id not in outcome.differences]
-    outcome.conflicts = differing + outcome.conflicts
+    differing = [(e, w) for e, w in outcome.conflicts if e.shard_id in outcome.differences]
+    others = [(e, w) for e, w in outcome.conflicts if e.shard_id not in outcome.differences]
     if differing:
         first, why = differing[0]
         fields = "; ".join(
@@ -540,7 +540,7 @@ def _report(
             " or keep its stored plan",
             file=sys.stderr,
         )
-    for entry, why in outcome.conflicts[len(differing) :] + outcome.refused:
+    for entry, why in others + outcome.refused:
         print(
             f"shardledger: shard {entry.shard_id} (plan index {entry.plan_index}): {why}",
             file=sys.stderr,
