@@ -25,6 +25,7 @@ from ledger_server.events import (
     Event,
     Heartbeat,
     RecordedEvent,
+    RunReopened,
     ShardPlanned,
     SubmissionClosed,
 )
@@ -32,11 +33,14 @@ from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
 from ledger_server.summary import (
+    CLOSING_KEYS,
     PASS_CLOSED_KEY,
     SUBMISSION_CLOSED_KEY,
-    SUBMISSION_CLOSED_US_KEY,
+    check_new_shard,
+    check_reopen,
     closing_delta,
     contributions,
+    reopening_delta,
 )
 from ledger_server.validation import ValidEvent
 
@@ -74,6 +78,8 @@ class AppendResult(NamedTuple):
     event_id: str
     sequence: int
     outcome: str
+    # A started event whose input differs from the plan: what differs (inputs.py).
+    input_changed: str = ""
 
 
 @dataclass(slots=True)
@@ -109,6 +115,10 @@ class _BatchState:
     pass_closed: dict[int, int] = field(default_factory=dict)
     # run_pk -> the run's close counters as this batch moved them (read once per run).
     closing: dict[int, Counter[str]] = field(default_factory=dict)
+    # run_pk -> the run's shards before this batch (read once, only while a close stands)
+    # and the shards this batch planned: its shard counters move only once it is folded.
+    stored_shards: dict[int, int] = field(default_factory=dict)
+    new_shards: Counter[int] = field(default_factory=Counter)
 
 
 def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
@@ -313,7 +323,7 @@ class BatchFolder:
                     )
                 run = tx.create_run(*run_key, now_us=receive_us, genesis=GENESIS_HASH)
             head = state.heads[run_key] = _Head(run.run_pk, run.event_count, run.head_hash)
-        if isinstance(event.payload, SubmissionClosed):
+        if isinstance(event.payload, (SubmissionClosed, RunReopened)):
             return self._close_submission(tx, event, content, head, state, receive_us)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
@@ -326,6 +336,8 @@ class BatchFolder:
         if not proj.check(record, event):
             assert record is not None  # only a plan identical to the stored one
             return AppendResult(event.event_id, record.planned_seq, ALREADY_PLANNED)
+        if record is None and is_plan:
+            self._check_new_shard(tx, state, head.run_pk, event, receive_us)
         sequence = self._insert(tx, head, event, content, receive_us)
         rec = RecordedEvent(event, sequence, head.count, receive_us, head.hash)
         payload = event.payload
@@ -351,11 +363,15 @@ class BatchFolder:
         # events, and checkpoints skip the lookup.
         passes = isinstance(payload, _PASS_KINDS)
         closed = self._pass_closed(tx, state, head.run_pk) if passes else 0
-        records[shard_key] = proj.fold(record, rec, first_pass=not closed)
+        folded = records[shard_key] = proj.fold(record, rec, first_pass=not closed)
         if not closed and closes_first_pass(rec):
             state.pass_closed[head.run_pk] = sequence
             tx.add_counters(head.run_pk, {PASS_CLOSED_KEY: sequence})
         state.dirty.add(shard_key)
+        if isinstance(payload, AttemptStarted) and payload.input_ref:
+            # The job asked whether it reads the planned input: the answer is in its ack.
+            changed = folded.attempts[event.attempt_id].input_changed
+            return AppendResult(event.event_id, sequence, APPENDED, changed)
         return AppendResult(event.event_id, sequence, APPENDED)
 
     def _close_submission(
@@ -367,21 +383,49 @@ class BatchFolder:
         state: _BatchState,
         receive_us: int,
     ) -> AppendResult:
-        """Appends a run-level close and moves the run's close counters (closing_delta)."""
-        sequence = self._insert(tx, head, event, content, receive_us)
-        current = state.closing.get(head.run_pk)
-        if current is None:
-            keys = (SUBMISSION_CLOSED_KEY, SUBMISSION_CLOSED_US_KEY)
-            current = state.closing[head.run_pk] = Counter(
-                {key: tx.counter(head.run_pk, key) for key in keys}
-            )
-        assert isinstance(event.payload, SubmissionClosed)
-        # Every close stays in the chain (who said what, when); only an earlier one moves it.
-        delta = closing_delta(current, event.payload, sequence, receive_us)
+        """Appends a run-level close or reopen and moves the run's close counters.
+
+        A close moves them by closing_delta; a reopen, refused (RUN_NOT_CLOSED) unless
+        a close stands, undoes it by reopening_delta.
+        """
+        current = self._closing(tx, state, head.run_pk)
+        if isinstance(event.payload, RunReopened):
+            check_reopen(current, event)
+            sequence = self._insert(tx, head, event, content, receive_us)
+            delta = reopening_delta(current, sequence, receive_us)
+        else:
+            assert isinstance(event.payload, SubmissionClosed)
+            sequence = self._insert(tx, head, event, content, receive_us)
+            # Every close stays in the chain (who said what, when); only an earlier one
+            # moves it.
+            delta = closing_delta(current, event.payload, sequence, receive_us)
         if delta:
             tx.add_counters(head.run_pk, delta)
             current.update(delta)
         return AppendResult(event.event_id, sequence, APPENDED)
+
+    def _check_new_shard(
+        self, tx: WriteTx, state: _BatchState, run_pk: int, event: Event, receive_us: int
+    ) -> None:
+        """Refuses a shard the run lacks once its close took effect (RUN_CLOSED); counts it."""
+        current = self._closing(tx, state, run_pk)
+        if current[SUBMISSION_CLOSED_KEY]:
+            stored = state.stored_shards.get(run_pk)
+            if stored is None:
+                stored = state.stored_shards[run_pk] = tx.counter(run_pk, "submitted")
+            submitted = stored + state.new_shards[run_pk]
+            check_new_shard(current, event, receive_us, submitted=submitted)
+        state.new_shards[run_pk] += 1
+
+    @staticmethod
+    def _closing(tx: WriteTx, state: _BatchState, run_pk: int) -> Counter[str]:
+        """Returns the run's close counters as this batch moved them (read once per batch)."""
+        current = state.closing.get(run_pk)
+        if current is None:
+            current = state.closing[run_pk] = Counter(
+                {key: tx.counter(run_pk, key) for key in CLOSING_KEYS}
+            )
+        return current
 
     @staticmethod
     def _insert(tx: WriteTx, head: _Head, event: Event, content: str, receive_us: int) -> int:

@@ -19,6 +19,7 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     RecordedEvent,
+    RunReopened,
     ShardPlanned,
     SubmissionClosed,
 )
@@ -34,6 +35,7 @@ _TAGS: Final[dict[pb.FailureTag, FailureTag]] = {
     pb.FAILURE_TAG_DATA: FailureTag.DATA,
     pb.FAILURE_TAG_INCOMPLETE: FailureTag.INCOMPLETE,
     pb.FAILURE_TAG_UNKNOWN: FailureTag.UNKNOWN,
+    pb.FAILURE_TAG_INPUT_CHANGED: FailureTag.INPUT_CHANGED,
 }
 _TAG_VALUES: Final[dict[str, pb.FailureTag]] = {v.value: k for k, v in _TAGS.items()}
 _RESULTS: Final = {pb.VERIFICATION_RESULT_PASSED: "passed", pb.VERIFICATION_RESULT_FAILED: "failed"}
@@ -86,6 +88,22 @@ def _coalesced(h: pb.Heartbeat) -> Heartbeat:
     )
 
 
+_NO_INPUT: Final = pb.InputSeen()
+
+
+def _input_seen(p: AttemptStarted) -> pb.InputSeen:
+    return pb.InputSeen(
+        input_ref=p.input_ref,
+        size_bytes=p.input_bytes,
+        mtime_ns=p.input_mtime_ns,
+        inode=p.input_inode,
+        device=p.input_device,
+        version_id=p.input_version_id,
+        etag=p.input_etag,
+        blake3_hex=p.input_blake3,
+    )
+
+
 def _decode_payload(msg: pb.ShardEvent) -> Payload:
     case = msg.WhichOneof("payload")
     if case == "planned":
@@ -101,9 +119,14 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             labels=dict(sorted(p.labels.items())),
             input_version_id=p.input_version_id,
             input_etag=p.input_etag,
+            input_mtime_ns=p.input_mtime_ns,
+            input_inode=p.input_inode,
+            input_device=p.input_device,
+            input_revision=p.input_revision,
         )
     if case == "started":
         s = msg.started
+        seen = s.input if s.HasField("input") else _NO_INPUT
         return AttemptStarted(
             host=s.host,
             pid=s.pid,
@@ -119,6 +142,14 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             launch_id=s.launch_id,
             restart_count=s.restart_count,
             gpu_count=s.gpu_count,
+            input_ref=seen.input_ref,
+            input_bytes=seen.size_bytes,
+            input_mtime_ns=seen.mtime_ns,
+            input_inode=seen.inode,
+            input_device=seen.device,
+            input_version_id=seen.version_id,
+            input_etag=seen.etag,
+            input_blake3=seen.blake3_hex,
         )
     if case == "heartbeat":
         h = msg.heartbeat
@@ -192,6 +223,8 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
         return SubmissionClosed(
             reason=close.reason, expected_shards=close.expected_shards, submitted_until_us=until
         )
+    if case == "run_reopened":
+        return RunReopened(reason=msg.run_reopened.reason)
     raise InvalidEvent("payload", "exactly one payload kind must be set")
 
 
@@ -237,6 +270,10 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 labels=p.labels,
                 input_version_id=p.input_version_id,
                 input_etag=p.input_etag,
+                input_mtime_ns=p.input_mtime_ns,
+                input_inode=p.input_inode,
+                input_device=p.input_device,
+                input_revision=p.input_revision,
             )
         )
     elif isinstance(p, AttemptStarted):
@@ -260,6 +297,7 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 launch_id=p.launch_id,
                 restart_count=p.restart_count,
                 gpu_count=p.gpu_count,
+                input=_input_seen(p) if p.input_ref else None,
             )
         )
     elif isinstance(p, Heartbeat):
@@ -335,6 +373,8 @@ def encode_event(event: Event, msg: pb.ShardEvent | None = None) -> pb.ShardEven
                 else None,
             )
         )
+    elif isinstance(p, RunReopened):
+        out.run_reopened.CopyFrom(pb.RunReopened(reason=p.reason))
     return out
 
 

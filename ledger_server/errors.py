@@ -12,6 +12,8 @@
     │   ├── EventIdReused       same event_id, different content
     │   └── PlanConflict        a re-plan with a different definition
     └── LifecycleViolation      the event breaks the shard's life cycle (FAILED_PRECONDITION)
+        ├── RunClosed           a new shard for a run whose submission is closed
+        └── RunNotClosed        a reopen of a run that is not closed
 
 Clients never parse messages: they switch on ``reason`` (sent as the
 ``google.rpc.ErrorInfo`` reason) and read ``metadata``. The mapping to gRPC
@@ -120,6 +122,18 @@ class LifecycleViolation(LedgerError):
     """The event is not allowed in the shard's current life-cycle state."""
 
     reason = "LIFECYCLE_VIOLATION"
+
+
+class RunClosed(LifecycleViolation):
+    """A planned event names a new shard of a run whose submission is closed (reopen it first)."""
+
+    reason = "RUN_CLOSED"
+
+
+class RunNotClosed(LifecycleViolation):
+    """A run_reopened event names a run with no close that stands."""
+
+    reason = "RUN_NOT_CLOSED"
 
 
 class EventRejected(LedgerError):

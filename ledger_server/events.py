@@ -43,6 +43,13 @@ class ShardPlanned:
     # definition (a re-plan after the store re-reported an ETag is the same plan).
     input_version_id: str = ""
     input_etag: str = ""
+    # Local inputs only: the file's identity when planned (st_mtime_ns, st_ino, st_dev),
+    # evidence as above: a job that finds another identity re-hashes before it judges.
+    input_mtime_ns: int = 0
+    input_inode: int = 0
+    input_device: int = 0
+    # The event revises the input of a shard already planned (`plan --refresh-inputs`).
+    input_revision: bool = False
 
     def definition(self) -> dict[str, Any]:
         """Returns what makes two plans of one shard the same plan."""
@@ -80,6 +87,16 @@ class AttemptStarted:
     restart_count: int = 0
     # GPUs this process held (0: unknown; the field figures count one).
     gpu_count: int = 0
+    # What the job saw of its input at start (the proto's InputSeen, flattened; unset
+    # when the job named no input): the ledger compares it with the plan (inputs.py).
+    input_ref: str = ""
+    input_bytes: int = 0
+    input_mtime_ns: int = 0
+    input_inode: int = 0
+    input_device: int = 0
+    input_version_id: str = ""
+    input_etag: str = ""
+    input_blake3: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +191,14 @@ class SubmissionClosed:
     submitted_until_us: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RunReopened:
+    """The planner undid the run's submission close to add shards (a run-level event: no shard)."""
+
+    KIND: ClassVar[str] = "run_reopened"
+    reason: str = ""
+
+
 Payload = (
     ShardPlanned
     | AttemptStarted
@@ -183,6 +208,7 @@ Payload = (
     | ArtifactVerified
     | AttemptFailed
     | SubmissionClosed
+    | RunReopened
 )
 PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
     cls.KIND: cls
@@ -195,14 +221,35 @@ PAYLOAD_TYPES: Final[dict[str, type[Any]]] = {
         ArtifactVerified,
         AttemptFailed,
         SubmissionClosed,
+        RunReopened,
     )
 }
 
 
+# The started event's view of its input (the proto's AttemptStarted.input, flattened).
+INPUT_SEEN_FIELDS: Final = (
+    "input_ref",
+    "input_bytes",
+    "input_mtime_ns",
+    "input_inode",
+    "input_device",
+    "input_version_id",
+    "input_etag",
+    "input_blake3",
+)
+
 # Fields added after the first contract version: left out of the canonical JSON when
 # unset (empty or zero), so older rows and events keep their bytes.
 _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
-    ShardPlanned: ("labels", "input_version_id", "input_etag"),
+    ShardPlanned: (
+        "labels",
+        "input_version_id",
+        "input_etag",
+        "input_mtime_ns",
+        "input_inode",
+        "input_device",
+        "input_revision",
+    ),
     AttemptStarted: (
         "scheduler",
         "process_start_ticks",
@@ -213,6 +260,7 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
         "launch_id",
         "restart_count",
         "gpu_count",
+        *INPUT_SEEN_FIELDS,
     ),
     Heartbeat: (
         "nonfinite_metrics",
@@ -228,6 +276,8 @@ _LATER_FIELDS: Final[dict[type[Any], tuple[str, ...]]] = {
     ArtifactVerified: ("version_id",),
     AttemptFailed: ("diagnostics_path", "diagnostics_blake3_hex", "rank"),
     SubmissionClosed: ("reason", "expected_shards", "submitted_until_us"),
+    # As a close's: an empty reason leaves the payload empty ({}).
+    RunReopened: ("reason",),
 }
 _FIELD_NAMES: Final[dict[type[Any], tuple[str, ...]]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in PAYLOAD_TYPES.values()

@@ -17,11 +17,18 @@ from typing import Final
 from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, ChainWalker, decode_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
-from ledger_server.events import RecordedEvent, SubmissionClosed
+from ledger_server.events import RecordedEvent, RunReopened, ShardPlanned, SubmissionClosed
 from ledger_server.record import ShardRecord
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, Store, WriteTx
-from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
+from ledger_server.summary import (
+    PASS_CLOSED_KEY,
+    check_new_shard,
+    check_reopen,
+    closing_delta,
+    contributions,
+    reopening_delta,
+)
 from ledger_server.validation import validate
 
 _CHUNK: Final = 500
@@ -92,7 +99,8 @@ class _RunWriter:
         self.last_receive_us = 0
         self.records: dict[str, ShardRecord] = {}
         self.pass_closed = 0  # the global sequence of the run's first verdict, once seen
-        self.closing: Counter[str] = Counter()  # what the run's submission_closed events set
+        # What the run's submission_closed and run_reopened events set.
+        self.closing: Counter[str] = Counter()
 
     def write(self, chunk: list[ImportRow]) -> None:
         """Checks and inserts a chunk of consecutive rows."""
@@ -171,10 +179,20 @@ class _RunWriter:
                 closing_delta(self.closing, rec.event.payload, rec.sequence, rec.receive_time_us)
             )
             return
+        if isinstance(rec.event.payload, RunReopened):
+            # A reopen of a run with no close that stands is refused, as an append refuses it.
+            check_reopen(self.closing, rec.event)
+            self.closing.update(reopening_delta(self.closing, rec.sequence, rec.receive_time_us))
+            return
         # The same checks as an append: a row the live ledger would refuse is refused here.
         shard_id = rec.event.shard_id
         record = self.records.get(shard_id)
         if proj.check(record, rec.event):
+            if record is None and isinstance(rec.event.payload, ShardPlanned):
+                # A new shard of a closed run (RUN_CLOSED), judged at the row's receive time.
+                check_new_shard(
+                    self.closing, rec.event, rec.receive_time_us, submitted=len(self.records)
+                )
             self.records[shard_id] = proj.fold(record, rec, first_pass=not self.pass_closed)
             if not self.pass_closed and closes_first_pass(rec):
                 self.pass_closed = rec.sequence

@@ -55,7 +55,9 @@ REJECT_REASONS: Final = (
     "FINGERPRINT_DIGEST_MISMATCH",
     # LIFECYCLE_VIOLATION and its precise variants (projections.check_lifecycle).
     *("LIFECYCLE_VIOLATION", "SHARD_NOT_PLANNED", "ATTEMPT_ALREADY_STARTED"),
-    *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED"),
+    *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED", "INPUT_CHANGED"),
+    # The run's own life cycle (summary.check_new_shard, check_reopen).
+    *("RUN_CLOSED", "RUN_NOT_CLOSED"),
     *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
     # Authentication and authorization refusals (auth.py), counted per call.

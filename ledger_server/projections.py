@@ -30,10 +30,11 @@ from ledger_server.events import (
     RecordedEvent,
     ShardPlanned,
 )
+from ledger_server.inputs import input_change, planned_identity, revision_change
 from ledger_server.record import Attempt, ShardRecord, plan_line_for
 from ledger_server.states import QueryState, ShardState
 from shard_client.canonical import canonical_json, legacy_json
-from shard_client.vocabulary import VERIFIER_REASONS
+from shard_client.vocabulary import VERIFIER_REASONS, FailureTag
 
 # An event that reached the ledger this long (or its attempt's heartbeat timeout, if
 # longer) after its client time had waited in a spool.
@@ -64,7 +65,11 @@ def fold(record: ShardRecord | None, rec: RecordedEvent, *, first_pass: bool = T
     the run yet); it matters only to a started event, whose attempt it marks.
     """
     if isinstance(rec.event.payload, ShardPlanned):
-        return new_record(rec)
+        if record is None:
+            return new_record(rec)
+        if rec.event.payload.input_revision:
+            revise_input(record, rec)
+        return record  # otherwise a stored plan identical to the first (older ledgers)
     assert record is not None, "check() refuses an event of a shard never planned"
     apply(record, rec, first_pass=first_pass)
     return record
@@ -73,6 +78,8 @@ def fold(record: ShardRecord | None, rec: RecordedEvent, *, first_pass: bool = T
 def check_plan(record: ShardRecord | None, event: Event) -> bool:
     """Returns True when the plan is new, False when identical; raises PlanConflict otherwise."""
     assert isinstance(event.payload, ShardPlanned)
+    if event.payload.input_revision:
+        return _check_revision(record, event)
     if record is None:
         return True
     definition = canonical_json(event.payload.definition())
@@ -85,6 +92,56 @@ def check_plan(record: ShardRecord | None, event: Event) -> bool:
             existing_sequence=record.planned_seq,
         )
     return False
+
+
+def _check_revision(record: ShardRecord | None, event: Event) -> bool:
+    """Returns whether a revision of the shard's input is new; raises when it may not be one."""
+    p = event.payload
+    assert isinstance(p, ShardPlanned)
+    if record is None:
+        raise LifecycleViolation(
+            f"shard {event.shard_id} of run {event.run_id} was never planned: a revision of"
+            " its input needs the plan it revises",
+            reason="SHARD_NOT_PLANNED",
+            shard_id=event.shard_id,
+        )
+    stored = json.loads(record.definition_json)
+    sent = p.definition()
+    kept = ("input_ref", "params_json", "expected_outputs")
+    stored["params_json"] = _params_meaning(stored["params_json"])
+    sent["params_json"] = _params_meaning(sent["params_json"])
+    differ = [name for name in kept if stored[name] != sent[name]]
+    if differ:
+        raise PlanConflict(
+            f"shard {event.shard_id}: a revision may change only its input's content and"
+            f" identity, not its {', '.join(differ)}",
+            shard_id=event.shard_id,
+            existing_sequence=record.planned_seq,
+        )
+    same_content = int(stored["input_bytes"]) == p.input_bytes and (
+        stored["input_blake3"] == p.input_blake3
+    )
+    return not (same_content and record.input_identity == planned_identity(p))
+
+
+def revise_input(record: ShardRecord, rec: RecordedEvent) -> None:
+    """Folds a revision of the shard's input: the plan's input is the revision's from now on.
+
+    If the bytes changed, every earlier attempt computed on other bytes: it may not
+    commit any more, and nothing it committed confirms the shard.
+    """
+    p = rec.event.payload
+    assert isinstance(p, ShardPlanned)
+    changed = revision_change(record.definition_json, p)
+    record.definition_json = canonical_json(p.definition())
+    record.input_identity = planned_identity(p)
+    if p.plan_line:
+        record.plan_line = plan_line_for(rec.event.shard_id, p)
+    record.state_memo = None
+    if changed:
+        for attempt in record.attempts.values():
+            if not attempt.input_changed:
+                attempt.input_changed = f"the plan's input was revised at sequence {rec.sequence}"
 
 
 def _params_meaning(params_json: str) -> str:
@@ -142,6 +199,14 @@ def check_lifecycle(record: ShardRecord | None, event: Event) -> None:
             reason="ATTEMPT_ENDED",
             attempt_id=event.attempt_id,
         )
+    if attempt.input_changed and isinstance(p, (ArtifactCommitted, CheckpointSaved)):
+        # Nothing computed on other bytes than the plan's is recorded as the shard's.
+        raise LifecycleViolation(
+            f"attempt {event.attempt_id} of shard {event.shard_id} did not read the planned"
+            f" input ({attempt.input_changed}): record failed(input_changed) and rerun",
+            reason="INPUT_CHANGED",
+            attempt_id=event.attempt_id,
+        )
     ranks.check_rank(attempt, event)
 
 
@@ -178,6 +243,7 @@ def new_record(rec: RecordedEvent) -> ShardRecord:
         expected_outputs=p.expected_outputs,
         planned_seq=rec.sequence,
         labels=dict(p.labels),
+        input_identity=planned_identity(p),
     )
 
 
@@ -192,6 +258,10 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
             # Another rank of a multi-rank attempt: the attempt stays what it is.
             ranks.join_rank(joined, p, now)
             joined.gpus += p.gpu_count
+            if not joined.input_changed:  # one rank that read other bytes taints the attempt
+                joined.input_changed = input_change(
+                    record.definition_json, record.input_identity, p
+                )
             return
         attempt = record.attempts[event.attempt_id] = Attempt(
             attempt_id=event.attempt_id,
@@ -209,6 +279,7 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
             client_started_us=event.client_time_us,
             gpus=p.gpu_count,
             labels=dict(p.labels),
+            input_changed=input_change(record.definition_json, record.input_identity, p),
         )
         ranks.open_ranks(attempt, p, now)
         record.latest_attempt = event.attempt_id
@@ -345,6 +416,11 @@ def required_outputs(record: ShardRecord, attempt: Attempt | None = None) -> tup
     return ranks.expand_outputs(record.expected_outputs, attempt.world_size)
 
 
+def _evidence(record: ShardRecord) -> list[Attempt]:
+    """Returns the attempts whose commits can vouch for the shard: those that read its input."""
+    return [a for a in record.attempts.values() if not a.input_changed]
+
+
 def is_complete(record: ShardRecord, attempt: Attempt) -> bool:
     required = required_outputs(record, attempt)
     if required:
@@ -367,7 +443,7 @@ def verdicts_of(record: ShardRecord, attempt: Attempt) -> list[tuple[str, str] |
 
 def confirmed_attempt(record: ShardRecord) -> Attempt | None:
     """Returns an attempt whose full artifact set was committed, is intact and verified, if any."""
-    for attempt in sorted(record.attempts.values(), key=lambda a: -a.started_seq):
+    for attempt in sorted(_evidence(record), key=lambda a: -a.started_seq):
         if is_complete(record, attempt) and is_intact(record, attempt):
             verdicts = verdicts_of(record, attempt)
             if all(v is not None and v[0] == "passed" for v in verdicts):
@@ -390,11 +466,12 @@ def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
         return ShardState.PLANNED, ""
     if (
         not latest.failed_tag
+        and not latest.input_changed  # it may not commit: it has ended, in effect
         and not is_complete(record, latest)
         and not ranks.all_finished(latest)  # every rank gone with an output missing
     ):
         return ShardState.RUNNING, ""
-    complete = [a for a in record.attempts.values() if is_complete(record, a)]
+    complete = [a for a in _evidence(record) if is_complete(record, a)]
     complete.sort(key=lambda a: -a.started_seq)
     intact = [a for a in complete if is_intact(record, a)]
     for attempt in intact:
@@ -409,7 +486,10 @@ def _base_state(record: ShardRecord) -> tuple[ShardState, str]:
         # A finished set whose file another commit replaced (two attempts renaming onto
         # one path): what it vouched for is no longer on disk.
         return ShardState.VERIFY_FAILED, "overwritten"
-    # Every rank of the latest attempt finished cleanly, an expected output still missing.
+    # Every rank of the latest attempt finished cleanly, an expected output still missing
+    # (or it read another input than the plan's).
+    if latest.input_changed and not latest.failed_tag:
+        return ShardState.FAILED, FailureTag.INPUT_CHANGED
     return ShardState.FAILED, latest.failed_tag or "incomplete"
 
 

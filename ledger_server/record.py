@@ -26,7 +26,9 @@ from shard_client.canonical import legacy_json
 # 4: what the field figures need (ledger_server.field): every attempt's start and end on
 # both clocks, the GPUs it held, its labels, its checkpoint write times and last progress,
 # whether it committed as a zombie; the plan's labels.
-RECORD_VERSION: Final = 4
+# 5: input identity (docs/concepts.md): the plan's evidence of its input, and for each
+# attempt whether its input differed from the plan (so it may not commit).
+RECORD_VERSION: Final = 5
 
 
 @dataclass(slots=True)
@@ -126,6 +128,10 @@ class Attempt:
     checkpoint_writes: list[int] = field(default_factory=list)
     # It committed after a newer attempt of the shard had started.
     zombie: bool = False
+    # Why its input is not the plan's (ledger_server.inputs): what its started event saw
+    # differed, or a revision of the plan changed the input after it started. Such an
+    # attempt may not commit or checkpoint, and nothing it committed confirms the shard.
+    input_changed: str = ""
 
 
 @dataclass(slots=True)
@@ -150,6 +156,9 @@ class ShardRecord:
     path_heads: dict[str, str] = field(default_factory=dict)
     # The labels the shard was planned with (the run's).
     labels: dict[str, str] = field(default_factory=dict)
+    # The plan's evidence of its input beyond size and digest (inputs.planned_identity):
+    # local mtime_ns, inode, device; object version_id, etag. Only the known ones.
+    input_identity: dict[str, Any] = field(default_factory=dict)
     # base_state's answer, kept until apply() folds an event that may change it; not stored.
     state_memo: tuple[ShardState, str] | None = field(default=None, compare=False, repr=False)
 
@@ -173,6 +182,8 @@ class ShardRecord:
             data["path_heads"] = self.path_heads
         if self.labels:
             data["labels"] = self.labels
+        if self.input_identity:
+            data["input_identity"] = self.input_identity
         return legacy_json(data)
 
     @classmethod
@@ -207,6 +218,7 @@ class ShardRecord:
             failures=d["failures"],
             path_heads=d.get("path_heads", {}),
             labels=d.get("labels", {}),
+            input_identity=d.get("input_identity", {}),
         )
 
 
@@ -226,6 +238,7 @@ _LATER_ATTEMPT_FIELDS: Final = (
     "saved_us",
     "checkpoint_writes",
     "zombie",
+    "input_changed",
 )
 
 

@@ -16,6 +16,7 @@ from ledger_server.events import (
     ArtifactVerified,
     Heartbeat,
     RecordedEvent,
+    RunReopened,
     ShardPlanned,
     SubmissionClosed,
 )
@@ -23,7 +24,12 @@ from ledger_server.projections import fold, fold_beat, live_state
 from ledger_server.ranks import is_ranked
 from ledger_server.record import ShardRecord
 from ledger_server.states import QueryState
-from ledger_server.summary import PASS_CLOSED_KEY, closing_delta, contributions
+from ledger_server.summary import (
+    PASS_CLOSED_KEY,
+    closing_delta,
+    contributions,
+    reopening_delta,
+)
 from shard_client.vocabulary import VERIFIER_REASONS
 
 
@@ -49,7 +55,8 @@ class RunReplay:
     records: MutableMapping[str, ShardRecord] = field(default_factory=dict)
     # Global sequence of the verdict that closed the first pass (0 while it is open).
     pass_closed: int = 0
-    # The counters the run's submission_closed events set (empty while none came).
+    # The counters the run's submission_closed and run_reopened events set (empty while
+    # none came).
     closing: Counter[str] = field(default_factory=Counter)
     # When the latest event folded was received: the run summary's last_event_us.
     last_receive_us: int = 0
@@ -64,10 +71,16 @@ class RunReplay:
                 closing_delta(self.closing, rec.event.payload, rec.sequence, rec.receive_time_us)
             )
             return
+        if isinstance(rec.event.payload, RunReopened):
+            # Run-level too: it undoes the close that stood (the server checked there was one).
+            self.closing.update(reopening_delta(self.closing, rec.sequence, rec.receive_time_us))
+            return
         if isinstance(rec.event.payload, ShardPlanned):
-            # A stored plan is the shard's first, or one identical to it.
-            if shard_id not in self.records:
-                self.records[shard_id] = fold(None, rec)
+            # A stored plan is the shard's first, a revision of its input, or (older
+            # ledgers) one identical to the first: fold() tells them apart.
+            # Not records.get(): CompactRecords brings a spilled record back only on [].
+            known = self.records[shard_id] if shard_id in self.records else None  # noqa: SIM401
+            self.records[shard_id] = fold(known, rec)
             return
         fold(self.records[shard_id], rec, first_pass=not self.pass_closed)
         if not self.pass_closed and closes_first_pass(rec):
@@ -84,7 +97,11 @@ class RunReplay:
         outer = parse_row(row)
         data = outer["event"]
         payload = data["payload"]
-        if data["kind"] == ShardPlanned.KIND and isinstance(self.records, CompactRecords):
+        if (
+            data["kind"] == ShardPlanned.KIND
+            and isinstance(self.records, CompactRecords)
+            and not payload.get("input_revision")  # a revision folds into the record now
+        ):
             # Kept as the parsed row until the shard's next event (a night plans every shard first).
             receive_us = outer["receive_time_us"]
             self.last_receive_us = int(receive_us) if type(receive_us) is str else receive_us

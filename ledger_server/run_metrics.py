@@ -140,7 +140,8 @@ RUN_FAMILIES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
         (),
     ),
     "submission_closed": (
-        "1 once the planner declared the run's submission complete (plan --close).",
+        "1 once the planner declared the run's submission complete (plan --close);"
+        " 0 again after plan --reopen, until the next close.",
         (),
     ),
     "settled": (

@@ -143,8 +143,13 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             response = pb.AppendEventsResponse()
             add, outcomes = response.results.add, codec.OUTCOMES
             # add() fills the repeated field in place: no message built and then copied in.
-            for event_id, sequence, outcome in self.ledger.append(events):
-                add(event_id=event_id, sequence=sequence, outcome=outcomes[outcome])
+            for event_id, sequence, outcome, input_changed in self.ledger.append(events):
+                add(
+                    event_id=event_id,
+                    sequence=sequence,
+                    outcome=outcomes[outcome],
+                    input_changed=input_changed,
+                )
             return response
 
     def ListEvents(

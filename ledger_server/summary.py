@@ -15,7 +15,8 @@ from typing import Any, Final
 
 from ledger_server import field as figures
 from ledger_server import ranks
-from ledger_server.events import SubmissionClosed
+from ledger_server.errors import RunClosed, RunNotClosed
+from ledger_server.events import Event, SubmissionClosed
 from ledger_server.projections import (
     base_state,
     deadline_us,
@@ -39,12 +40,25 @@ DUPLICATE_KINDS: Final = ("wasted", "nondeterministic", "zombie")
 # moment its first pass closed (0 while it is open). Not a shard's contribution.
 PASS_CLOSED_KEY: Final = "pass:closed"
 # The run's submission_closed events: the first one's global sequence (0 while none
-# came) and announced shard count (0: not stated), and the time the submission closes
-# (the earliest any close named). Run-level counters like PASS_CLOSED_KEY, moved by
-# closing_delta in the writer, the importer and a replay alike.
+# came, or since a reopen) and announced shard count (0: not stated), and the time the
+# submission closes (the earliest any close named). Run-level counters like
+# PASS_CLOSED_KEY, moved by closing_delta in the writer, the importer and a replay alike.
 SUBMISSION_CLOSED_KEY: Final = "submission:closed"
 SUBMISSION_CLOSED_US_KEY: Final = "submission:closed_us"
 SUBMISSION_EXPECTED_KEY: Final = "submission:expected"
+# The run's latest run_reopened event: its global sequence and receive time (0 while
+# none came). A reopen sets the three close counters above back to 0, so the next close
+# sets them afresh (reopening_delta).
+SUBMISSION_REOPENED_KEY: Final = "submission:reopened"
+SUBMISSION_REOPENED_US_KEY: Final = "submission:reopened_us"
+# Every run counter a close or a reopen reads or moves.
+CLOSING_KEYS: Final = (
+    SUBMISSION_CLOSED_KEY,
+    SUBMISSION_CLOSED_US_KEY,
+    SUBMISSION_EXPECTED_KEY,
+    SUBMISSION_REOPENED_KEY,
+    SUBMISSION_REOPENED_US_KEY,
+)
 
 
 def _sound(record: ShardRecord, attempt: Attempt) -> bool:
@@ -244,9 +258,10 @@ def closing_delta(
 ) -> dict[str, int]:
     """Returns what a submission_closed event adds to the run counters it finds (current).
 
-    The first close sets them; a later one changes only the close time, and only
-    when it closes earlier (a planner that said "until 07:00" and is done at 05:00).
-    The sequence and announced count stay the first close's.
+    The first close (the first since the run was last reopened) sets them; a later
+    one changes only the close time, and only when it closes earlier (a planner that
+    said "until 07:00" and is done at 05:00). The sequence and announced count stay
+    the first close's.
     """
     effective = max(receive_us, closed.submitted_until_us)
     if not current.get(SUBMISSION_CLOSED_KEY, 0):
@@ -258,9 +273,80 @@ def closing_delta(
     return {SUBMISSION_CLOSED_US_KEY: effective - now} if effective < now else {}
 
 
+def check_reopen(current: Mapping[str, int], event: Event) -> None:
+    """Raises RunNotClosed unless a close stands (one not undone by a later reopen).
+
+    A close whose submitted_until is still ahead stands too: a reopen withdraws it.
+    """
+    if current.get(SUBMISSION_CLOSED_KEY, 0):
+        return
+    reopened = current.get(SUBMISSION_REOPENED_KEY, 0)
+    since = (
+        f"it was reopened at sequence {reopened}"
+        f" ({_short_time(current.get(SUBMISSION_REOPENED_US_KEY, 0))}) and not closed since"
+        if reopened
+        else "it was never closed"
+    )
+    raise RunNotClosed(
+        f"run {event.run_id} is not closed ({since}): there is nothing to reopen",
+        namespace=event.namespace,
+        run_id=event.run_id,
+        reopened_at_sequence=reopened,
+    )
+
+
+def reopening_delta(current: Mapping[str, int], sequence: int, receive_us: int) -> dict[str, int]:
+    """Returns what a run_reopened event adds to the run counters it finds: the close undone.
+
+    The close's sequence, time and announced count go back to 0 (the next close sets
+    them afresh) and the reopen's sequence and time are kept. check_reopen first.
+    """
+    return {
+        SUBMISSION_CLOSED_KEY: -current.get(SUBMISSION_CLOSED_KEY, 0),
+        SUBMISSION_CLOSED_US_KEY: -current.get(SUBMISSION_CLOSED_US_KEY, 0),
+        SUBMISSION_EXPECTED_KEY: -current.get(SUBMISSION_EXPECTED_KEY, 0),
+        SUBMISSION_REOPENED_KEY: sequence - current.get(SUBMISSION_REOPENED_KEY, 0),
+        SUBMISSION_REOPENED_US_KEY: receive_us - current.get(SUBMISSION_REOPENED_US_KEY, 0),
+    }
+
+
+def check_new_shard(
+    current: Mapping[str, int], event: Event, receive_us: int, *, submitted: int
+) -> None:
+    """Raises RunClosed when a plan of a shard the run lacks arrives after its close took effect.
+
+    A closed run's count is final: a new shard would unsettle it in silence (a
+    settled run back to missing work). Until a close with submitted_until takes
+    effect shards may still be added, and so may the shards a close announced
+    (expected_shards) while fewer than that are planned (``submitted``, the run's
+    shards before this one).
+    """
+    closed = current.get(SUBMISSION_CLOSED_KEY, 0)
+    closed_us = current.get(SUBMISSION_CLOSED_US_KEY, 0)
+    expected = current.get(SUBMISSION_EXPECTED_KEY, 0)
+    if not closed or receive_us < closed_us or submitted < expected:
+        return
+    raise RunClosed(
+        f"run {event.run_id} was closed at sequence {closed} ({_short_time(closed_us)}):"
+        " plan --reopen to add shards",
+        namespace=event.namespace,
+        run_id=event.run_id,
+        shard_id=event.shard_id,
+        closed_at_sequence=closed,
+        closed_at=iso_time(closed_us),
+        expected_shards=expected,
+        submitted=submitted,
+    )
+
+
 def iso_time(us: int) -> str:
     """Returns a server time in microseconds as an RFC 3339 UTC string."""
     return datetime.fromtimestamp(us / 1_000_000, UTC).isoformat(timespec="microseconds")
+
+
+def _short_time(us: int) -> str:
+    """Returns a server time to the second, as messages show it ("2026-12-04T04:12:03Z")."""
+    return datetime.fromtimestamp(us // 1_000_000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def lifecycle(
@@ -273,6 +359,9 @@ def lifecycle(
     now_us: int,
 ) -> dict[str, Any]:
     """Returns where the run is in its life at now_us: open, submission_closed or settled.
+
+    A reopened run (run_reopened after its close) is open again until the next close;
+    reopened_at_sequence says when it was reopened last.
 
     A run is settled once its submission is closed (and at least the announced
     number of shards is planned) and the ledger waits on none of its shards: none
@@ -298,6 +387,8 @@ def lifecycle(
     # The event that settled it is the run's latest one: shards only end by an event,
     # and a running shard turning stale does not settle the run.
     settled_us = max(closed_us, last_event_us) if settled else None
+    reopened = counters.get(SUBMISSION_REOPENED_KEY, 0)
+    reopened_us = counters.get(SUBMISSION_REOPENED_US_KEY, 0)
     return {
         "state": "settled" if settled else "submission_closed" if closed_seq else "open",
         "submission_closed": closed_seq > 0,
@@ -310,6 +401,10 @@ def lifecycle(
         "settled_at": iso_time(settled_us) if settled_us is not None else None,
         "settled_at_us": settled_us,
         "waiting_on": waiting,
+        # The latest reopen, whether or not a close came after it (history, like settled_at).
+        "reopened_at_sequence": reopened or None,
+        "reopened_at": iso_time(reopened_us) if reopened else None,
+        "reopened_at_us": reopened_us if reopened else None,
     }
 
 

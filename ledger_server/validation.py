@@ -16,6 +16,7 @@ from typing import Final, NamedTuple
 from ledger_server.errors import FingerprintDigestMismatch, InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
+    INPUT_SEEN_FIELDS,
     READ_BACKS,
     ROW_FORMAT,
     ROW_FORMAT_LEGACY,
@@ -28,6 +29,7 @@ from ledger_server.events import (
     Event,
     Heartbeat,
     Payload,
+    RunReopened,
     ShardPlanned,
     SubmissionClosed,
     content_jcs,
@@ -177,6 +179,7 @@ def normalize_plan(p: ShardPlanned, row_format: int = ROW_FORMAT) -> ShardPlanne
     _check_labels("planned.labels", p.labels)
     _check_text("planned.input_version_id", p.input_version_id, 1024)
     _check_text("planned.input_etag", p.input_etag, 1024)
+    _check_size("planned.input_mtime_ns", p.input_mtime_ns)
     return ShardPlanned(
         input_ref=p.input_ref,
         input_bytes=p.input_bytes,
@@ -190,6 +193,10 @@ def normalize_plan(p: ShardPlanned, row_format: int = ROW_FORMAT) -> ShardPlanne
         labels=p.labels,
         input_version_id=p.input_version_id,
         input_etag=p.input_etag,
+        input_mtime_ns=p.input_mtime_ns,
+        input_inode=p.input_inode,
+        input_device=p.input_device,
+        input_revision=p.input_revision,
     )
 
 
@@ -222,6 +229,12 @@ def _check_payload(event: Event, row_format: int) -> Payload:
                 "submission_closed.submitted_until", "must be between 1970 and the year 10000"
             )
         return p
+    if isinstance(p, RunReopened):
+        # Run-level, as a close: whether the run is closed is the writer's to check.
+        if event.shard_id or event.attempt_id:
+            raise InvalidEvent("shard_id", "must be empty (with attempt_id) for run_reopened")
+        _check_text("run_reopened.reason", p.reason, 1024)
+        return p
     check_id("shard_id", event.shard_id)
     if isinstance(p, ShardPlanned):
         if event.attempt_id:
@@ -251,6 +264,7 @@ def _check_payload(event: Event, row_format: int) -> Payload:
         _check_size("started.process_start_ticks", p.process_start_ticks)
         _check_labels("started.labels", p.labels)
         _check_ranks(p)
+        _check_input_seen(p)
         if row_format != ROW_FORMAT_LEGACY:
             return _own_digest(p)
     elif isinstance(p, Heartbeat):
@@ -324,6 +338,20 @@ def _check_rank(field_name: str, rank: int) -> None:
     # Whether the rank belongs to its attempt is the life cycle's question (projections).
     if not 0 <= rank < MAX_WORLD_SIZE:
         raise InvalidEvent(field_name, f"must be in [0, {MAX_WORLD_SIZE})")
+
+
+def _check_input_seen(p: AttemptStarted) -> None:
+    """Raises InvalidEvent unless the started event's input (if any) is one input's identity."""
+    if not p.input_ref:
+        if any(getattr(p, name) for name in INPUT_SEEN_FIELDS):
+            raise InvalidEvent("started.input.input_ref", "must name the input it describes")
+        return
+    _check_text("started.input.input_ref", p.input_ref, MAX_PATH_CHARS)
+    _check_size("started.input.size_bytes", p.input_bytes)
+    _check_size("started.input.mtime_ns", p.input_mtime_ns)
+    _check_text("started.input.version_id", p.input_version_id, 1024)
+    _check_text("started.input.etag", p.input_etag, 1024)
+    check_digest("started.input.blake3_hex", p.input_blake3, required=False)
 
 
 def _check_ranks(p: AttemptStarted) -> None:

@@ -30,7 +30,7 @@ from shard_client.errors import (
     Overloaded,
     PermissionDenied,
 )
-from shard_client.failures import DataError, IncompleteShard, Preempted
+from shard_client.failures import DataError, IncompleteShard, InputChanged, Preempted
 from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
 from shard_client.ledger import Ledger
@@ -49,6 +49,7 @@ __all__ = [
     "DataError",
     "Fingerprint",
     "IncompleteShard",
+    "InputChanged",
     "InvalidArgument",
     "Ledger",
     "LedgerClient",

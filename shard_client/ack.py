@@ -27,7 +27,16 @@ class Ack:
     (a spooled event when it drains).
     """
 
-    __slots__ = ("_sender", "acknowledged", "error", "event_id", "outcome", "sequence", "settled")
+    __slots__ = (
+        "_sender",
+        "acknowledged",
+        "error",
+        "event_id",
+        "input_changed",
+        "outcome",
+        "sequence",
+        "settled",
+    )
 
     def __init__(self, event_id: str, sender: Sender) -> None:
         self.event_id = event_id
@@ -35,6 +44,9 @@ class Ack:
         # appended | duplicate | already_planned | spooled | rejected | failed
         self.outcome = ""
         self.error: LedgerClientError | None = None
+        # For a started event that named its input: what the ledger found differs from
+        # the plan ("" when nothing, or not yet acknowledged).
+        self.input_changed = ""
         self.settled = self.acknowledged = False
         self._sender = sender
 
@@ -75,4 +87,7 @@ def resolve(ack: Ack, result: pb.AppendResult | LedgerRejected) -> bool:
     """Settles an ack with the ledger's answer or refusal; returns whether it was news."""
     if isinstance(result, LedgerRejected):
         return ack._settle("rejected", 0, result)
-    return ack._settle(_OUTCOMES.get(result.outcome, "appended"), result.sequence)
+    news = ack._settle(_OUTCOMES.get(result.outcome, "appended"), result.sequence)
+    if result.input_changed:
+        ack.input_changed = result.input_changed
+    return news

@@ -7,7 +7,7 @@ import re
 import traceback
 from typing import Final
 
-from shard_client.failures import DataError, Preempted
+from shard_client.failures import DataError, InputChanged, Preempted
 from shard_client.vocabulary import FailureTag
 
 __all__ = ["MAX_MESSAGE_CHARS", "describe", "failure_tag", "failure_tag_of_output"]
@@ -45,12 +45,14 @@ def _is_collective(exc: BaseException) -> bool:
 
 
 def failure_tag(exc: BaseException) -> FailureTag:
-    """Returns the failure tag of an exception: oom, killed, preempted, nccl, data or unknown."""
+    """Returns an exception's failure tag: preempted, killed, input_changed, oom, data, nccl, unknown."""
     chain = _chain(exc)
     if any(isinstance(e, Preempted) for e in chain):
         return FailureTag.PREEMPTED
     if isinstance(exc, KeyboardInterrupt):
         return FailureTag.KILLED
+    if any(isinstance(e, InputChanged) for e in chain):
+        return FailureTag.INPUT_CHANGED
     if any(_is_oom(e) for e in chain):
         return FailureTag.OOM
     if any(isinstance(e, DataError | UnicodeDecodeError | json.JSONDecodeError) for e in chain):

@@ -15,8 +15,8 @@ import grpc
 from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
-from shard_client.errors import RETRYABLE, LedgerUnavailable, from_rpc_error
-from shard_client.ids import submission_closed_event
+from shard_client.errors import RETRYABLE, LedgerUnavailable, NotFound, from_rpc_error
+from shard_client.ids import run_reopened_event, submission_closed_event
 
 DEFAULT_TARGET: Final = "127.0.0.1:50551"
 ENV_TARGET: Final = "SHARDLEDGER_SERVER"
@@ -243,15 +243,47 @@ class LedgerClient:
         give submitted_until (an aware datetime: the end of the night's window).
         Once its planned shards have all ended or never started the run is settled:
         the summary's lifecycle says so, and the alerts about ended runs can fire.
+        A closed run refuses new shards (RUN_CLOSED) until reopen_submission.
         """
+        life = self._lifecycle(run_id, namespace)
         event = submission_closed_event(
             run_id,
             namespace=namespace,
             reason=reason,
             expected_shards=expected_shards,
             submitted_until=submitted_until,
+            reopened_at_sequence=life.reopened_at_sequence if life is not None else 0,
         )
         return self.append([event])[0]
+
+    def reopen_submission(
+        self, run_id: str, *, namespace: str = "", reason: str = ""
+    ) -> pb.AppendResult:
+        """Undoes the run's submission close, so that new shards can be planned (idempotent).
+
+        The run is open again until the next close_submission; its lifecycle stops
+        saying settled. A run with no close that stands is refused (LifecycleError,
+        reason RUN_NOT_CLOSED); a retry of the same reopen is DUPLICATE.
+        """
+        life = self._lifecycle(run_id, namespace)
+        event = run_reopened_event(
+            run_id,
+            namespace=namespace,
+            reason=reason,
+            closed_at_sequence=life.submission_closed_at_sequence if life is not None else 0,
+            reopened_at_sequence=life.reopened_at_sequence if life is not None else 0,
+        )
+        return self.append([event])[0]
+
+    def _lifecycle(self, run_id: str, namespace: str) -> pb.RunLifecycle | None:
+        """Returns the run's lifecycle, or None for a run the ledger does not have."""
+        request = pb.GetRunSummaryRequest(namespace=namespace, run_id=run_id)
+        try:
+            response = self.call(lambda t: self.stub.GetRunSummary(request, timeout=t))
+        except NotFound:
+            return None  # the append that follows is refused with RUN_NOT_FOUND
+        life: pb.RunLifecycle = response.summary.lifecycle
+        return life
 
     def summary(self, run_id: str, *, namespace: str = "") -> str:
         """Returns the run summary as a JSON text."""

@@ -4,6 +4,7 @@ BaseException
 ├── Preempted          the SIGTERM grace period ended (not an Exception, like KeyboardInterrupt)
 └── Exception
     ├── IncompleteShard    the block ended cleanly without every expected artifact
+    ├── InputChanged       the input is not the one planned; tagged "input_changed"
     └── ValueError
         └── DataError      bad input data; tagged "data"
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["DataError", "IncompleteShard", "Preempted"]
+__all__ = ["DataError", "IncompleteShard", "InputChanged", "Preempted"]
 
 
 class DataError(ValueError):
@@ -27,6 +28,21 @@ class IncompleteShard(RuntimeError):
         self.run_id = run_id
         self.shard_id = shard_id
         self.missing = tuple(missing)
+
+
+class InputChanged(RuntimeError):
+    """The input is not the one planned (docs/concepts.md, "Input identity").
+
+    Raised on entering a shard whose input differs from its plan (failed(input_changed)
+    is recorded first, and nothing was computed); a job that checks again later may
+    raise it itself, and its attempt is tagged input_changed.
+    """
+
+    def __init__(self, message: str, *, run_id: str, shard_id: str, difference: str) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.shard_id = shard_id
+        self.difference = difference
 
 
 class Preempted(BaseException):

@@ -34,6 +34,7 @@ __all__ = [
     "hash_input",
     "plan_event_id",
     "plan_events",
+    "run_reopened_event",
     "shard_id_for",
     "submission_closed_event",
 ]
@@ -91,6 +92,12 @@ class PlanEntry:
     # Object-storage inputs only: which object was planned (evidence, not definition).
     input_version_id: str = ""
     input_etag: str = ""
+    # Local inputs only: st_mtime_ns, st_ino and st_dev when planned (evidence too).
+    input_mtime_ns: int = 0
+    input_inode: int = 0
+    input_device: int = 0
+    # A revision of the input of a shard already planned (`plan --refresh-inputs`).
+    input_revision: bool = False
 
     def check(self) -> None:
         """Raises ValueError when the server would refuse this entry."""
@@ -135,6 +142,8 @@ def plan_event_id(run_id: str, entry: PlanEntry, *, namespace: str = "") -> str:
             "definition": entry.definition(),
             "plan_line": entry.plan_line,
             "plan_index": entry.plan_index,
+            # The cheap identity is in the plan line; a revision is another event.
+            **({"revision": True} if entry.input_revision else {}),
         }
     )
     return "plan-" + blake3.blake3(material.encode()).hexdigest()[:32]
@@ -179,6 +188,10 @@ def plan_events(
                     labels=dict(labels or {}),
                     input_version_id=entry.input_version_id,
                     input_etag=entry.input_etag,
+                    input_mtime_ns=entry.input_mtime_ns,
+                    input_inode=entry.input_inode,
+                    input_device=entry.input_device,
+                    input_revision=entry.input_revision,
                 ),
             )
         )
@@ -192,12 +205,16 @@ def submission_closed_event(
     reason: str = "",
     expected_shards: int = 0,
     submitted_until: datetime | None = None,
+    reopened_at_sequence: int = 0,
 ) -> pb.ShardEvent:
     """Returns the run-level event that declares that no job of the run will start any more.
 
     With submitted_until (an aware datetime) the submission counts as closed from
     then on. The id is derived from the content, so closing the same run again with
     the same words is an idempotent retry (DUPLICATE), never a second close.
+    reopened_at_sequence, the run's latest reopen (RunLifecycle.reopened_at_sequence;
+    0 for a run never reopened), takes part in the id: a close after a reopen is a new
+    close even in the same words as the one the reopen undid.
     """
     check_id("run_id", run_id)
     if expected_shards < 0:
@@ -214,6 +231,8 @@ def submission_closed_event(
             "reason": reason,
             "expected_shards": expected_shards,
             "submitted_until": until.ToJsonString() if submitted_until is not None else "",
+            # Only when set: a run never reopened keeps the ids its closes always had.
+            **({"after_reopen": reopened_at_sequence} if reopened_at_sequence else {}),
         }
     )
     return pb.ShardEvent(
@@ -225,6 +244,39 @@ def submission_closed_event(
             expected_shards=expected_shards,
             submitted_until=until if submitted_until is not None else None,
         ),
+    )
+
+
+def run_reopened_event(
+    run_id: str,
+    *,
+    namespace: str = "",
+    reason: str = "",
+    closed_at_sequence: int = 0,
+    reopened_at_sequence: int = 0,
+) -> pb.ShardEvent:
+    """Returns the run-level event that reopens a closed run, so that shards can be added.
+
+    The id is derived from the words and from the close it undoes, as the run's
+    lifecycle names it (RunLifecycle.submission_closed_at_sequence, 0 for a close
+    still ahead, and reopened_at_sequence): resending it is an idempotent retry
+    (DUPLICATE), and reopening after a later close is a new reopen.
+    """
+    check_id("run_id", run_id)
+    material = canonical_json(
+        {
+            "namespace": namespace,
+            "run_id": run_id,
+            "reason": reason,
+            "closed_at_sequence": closed_at_sequence,
+            "reopened_at_sequence": reopened_at_sequence,
+        }
+    )
+    return pb.ShardEvent(
+        event_id="reopen-" + blake3.blake3(material.encode()).hexdigest()[:32],
+        namespace=namespace,
+        run_id=run_id,
+        run_reopened=pb.RunReopened(reason=reason),
     )
 
 

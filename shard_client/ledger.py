@@ -128,6 +128,14 @@ class Ledger:
         - ``coalesce_progress=True``: ``progress()`` calls reach the ledger as at
           most one heartbeat per ``heartbeat_interval`` with the latest values and
           the interval's extremes (see shard_client.progress); False sends every call.
+        - ``input=None``: the input the job reads, checked on entry against the plan
+          (docs/concepts.md, "Input identity"): a path or URL, or better the shard's
+          plan line as `resume` hands it back, which carries the plan's identity of
+          it. A changed input records failed(input_changed) and raises
+          `shard_client.InputChanged` before the block runs;
+        - ``input_check='identity'``: compare the cheap identity (size, mtime, inode,
+          device; an object's version id and ETag) and re-hash only when it differs
+          from a known plan; ``'hash'`` re-hashes always.
 
         ``attempt_id`` defaults to a fresh random id (a multi-rank launch: the launch's).
         """

@@ -14,6 +14,7 @@ from typing import Any, Final, TypedDict, Unpack, overload
 
 from shard_client.fingerprint import Fingerprint
 from shard_client.ids import check_id
+from shard_client.inputs import INPUT_CHECKS, PlannedInput
 from shard_client.labels import label_problem
 from shard_client.ranks import RANK_PLACEHOLDER, RankInfo
 from shard_client.ranks import detect as detect_ranks
@@ -77,6 +78,8 @@ class ShardOptionKwargs(TypedDict, total=False):
     labels: Mapping[str, str] | None
     ranks: RankInfo | bool
     coalesce_progress: bool
+    input: str | os.PathLike[str] | Mapping[str, Any] | None
+    input_check: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,11 @@ class ShardOptions:
     ranks: RankInfo | bool = True
     # progress() calls coalesced into at most one heartbeat per interval (shard_client.progress).
     coalesce_progress: bool = True
+    # The input the job reads (a path or URL, or its plan line / resume entry, which
+    # carries the plan's identity of it): checked at entry (shard_client.inputs).
+    input: PlannedInput | None = None
+    # "identity" (cheap; re-hash when it differs from a known plan) or "hash" (always).
+    input_check: str = "identity"
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_timeout <= MAX_HEARTBEAT_TIMEOUT_S:
@@ -119,6 +127,8 @@ class ShardOptions:
         problem = label_problem(self.labels or {})
         if problem:
             raise ValueError(f"labels: {problem}")
+        if self.input_check not in INPUT_CHECKS:
+            raise ValueError(f"input_check must be one of {', '.join(INPUT_CHECKS)}")
 
     @classmethod
     def given(cls, **options: Unpack[ShardOptionKwargs]) -> ShardOptions:
@@ -129,6 +139,8 @@ class ShardOptions:
         for key in ("output_dir", "checkpoint_dir", "log_file"):
             if values.get(key) is not None:
                 values[key] = os.fspath(values[key])
+        if values.get("input") is not None:
+            values["input"] = PlannedInput.of(values["input"])
         return cls(**values)
 
     def rank_info(self) -> RankInfo | None:

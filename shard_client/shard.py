@@ -38,11 +38,12 @@ from shard_client.canonical import fingerprint_digest
 from shard_client.classify import describe, failure_tag
 from shard_client.diagnostics import BundleContext
 from shard_client.errors import LedgerClientError, LedgerRejected
-from shard_client.failures import IncompleteShard, Preempted
+from shard_client.failures import IncompleteShard, InputChanged, Preempted
 from shard_client.fingerprint import Fingerprint, gpu_count
 from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
+from shard_client.inputs import observe
 from shard_client.labels import labels_from_env, merged_labels
 from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
@@ -203,8 +204,25 @@ class Shard:
             started.local_rank = self.rank_info.local_rank
             started.launch_id = self.rank_info.launch_id
             started.restart_count = self.rank_info.restart_count
+        changed, named = "", self.options.input
+        if named is not None:
+            # Read before the attempt starts: an input that cannot be read stops it here.
+            seen, changed = observe(named, check=self.options.input_check)
+            started.input.CopyFrom(seen)
         # Waiting here turns a wrong run or shard id into an error before any work.
-        self._emit(started=started).result(self.ledger.ack_timeout_s)
+        ack = self._emit(started=started).result(self.ledger.ack_timeout_s)
+        # The ledger holds the plan and judges (a spooled start: the plan the job was handed).
+        changed = ack.input_changed or changed
+        if changed and named is not None:
+            self._state = "closed"
+            self._fail(FailureTag.INPUT_CHANGED, f"input {named.ref}: {changed}")
+            raise InputChanged(
+                f"shard {self.shard_id} of run {self.run_id}: the input is not the one planned"
+                f" ({changed}); failed(input_changed) is recorded, nothing was computed",
+                run_id=self.run_id,
+                shard_id=self.shard_id,
+                difference=changed,
+            )
         self._state = "active"
         self._sigterm.install()
         self._diagnostics.enter_context(stack_dumps_on_sigusr1(self._stack_label))

@@ -24,6 +24,8 @@ class FailureTag(StrEnum):
     DATA = "data"
     INCOMPLETE = "incomplete"
     UNKNOWN = "unknown"
+    # The input differs from the plan's (docs/concepts.md, "Input identity").
+    INPUT_CHANGED = "input_changed"
 
 
 # In the documented order (the proto comment and docs/projections.md list them so).

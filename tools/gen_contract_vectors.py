@@ -115,6 +115,27 @@ ROW_CONTENTS: list[dict[str, Any]] = [
         "run_id": "night-01",
         "shard_id": "s-1",
     },
+    # The run-level kinds: no shard, no attempt; payload fields left out while unset.
+    {
+        "attempt_id": "",
+        "client_time_us": 0,
+        "event_id": "close-1",
+        "kind": "submission_closed",
+        "namespace": "default",
+        "payload": {"expected_shards": 1000, "reason": "last wave"},
+        "run_id": "night-01",
+        "shard_id": "",
+    },
+    {
+        "attempt_id": "",
+        "client_time_us": 0,
+        "event_id": "reopen-1",
+        "kind": "run_reopened",
+        "namespace": "default",
+        "payload": {"reason": "a late wave"},
+        "run_id": "night-01",
+        "shard_id": "",
+    },
 ]
 
 

@@ -505,3 +505,30 @@ def test_a_command_that_does_not_exist_exits_127_and_is_recorded_failed(
     assert "cannot run './no-such-renderer'" in json.loads(proc.stdout.splitlines()[-1])["message"]
     assert_failed(night, capsys, "unknown")
     assert_nothing_committed(night)
+
+
+def test_an_input_rewritten_after_plan_never_reaches_the_child_and_is_input_changed(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = night.tmp / "frame17.txt"
+    source.write_text(WORDS.replace("empty", "full!"))  # same size, other bytes, new mtime
+    code, report, err = night.exec()
+    assert code == 66, err
+    assert (report["outcome"], report["tag"]) == ("failed", "input_changed")
+    assert "content blake3" in report["message"]
+    assert_nothing_committed(night)
+    assert_failed(night, capsys, "input_changed")
+    started = next(e["started"] for e in night.events(capsys) if "started" in e)
+    assert started["input"]["input_ref"] == str(source)
+
+
+def test_an_input_copied_over_itself_is_the_same_input_and_the_child_runs(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = night.tmp / "frame17.txt"
+    copy = night.tmp / "frame17.copy"
+    copy.write_text(source.read_text())
+    os.replace(copy, source)  # a new inode and mtime, the bytes of the plan
+    code, report, err = night.exec()
+    assert code == 0, err
+    assert report["outcome"] == "committed"

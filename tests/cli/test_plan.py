@@ -431,3 +431,154 @@ def test_an_input_or_directory_the_planner_may_not_read_is_named_with_exit_5() -
         for path in (base / "in" / "locked", base / "in" / "secret.bin"):
             path.chmod(0o700)
         shutil.rmtree(base)
+
+
+# --- a closed run, and --reopen ------------------------------------------------------
+
+
+def _closed_run(server: RunningServer, inputs: list[Path], capsys: Any) -> list[str]:
+    """Plans the inputs with seed 1 and closes the run; returns the directory arguments."""
+    directory = ["--inputs", str(inputs[0].parent)]
+    assert plan(server, *directory, "--params", '{"seed": 1}') == 0
+    assert plan(server, "--close", "--expected", "3") == 0
+    capsys.readouterr()
+    return directory
+
+
+def test_new_shards_of_a_closed_run_are_refused_in_one_line_and_nothing_is_stored(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = _closed_run(server, inputs, capsys)
+    before = list(client.list_events(RUN))
+    close = before[-1]
+
+    code = plan(server, *directory, "--params", '{"seed": 2}', "--add")
+
+    assert code == 4
+    captured = capsys.readouterr()
+    when = close.receive_time.ToDatetime().strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert captured.err.splitlines() == [
+        f"shardledger: refused (RUN_CLOSED): run {RUN} was closed at sequence"
+        f" {close.sequence} ({when}): plan --reopen to add shards; nothing of this plan"
+        " was stored"
+    ]
+    assert captured.out == ""
+    assert list(client.list_events(RUN)) == before
+    status = json.loads(client.summary(RUN))
+    assert (status["submitted"], status["lifecycle"]["state"]) == (3, "settled")
+
+
+def test_a_closed_run_refuses_a_plan_that_spans_batches_before_storing_any_of_it(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shardledger_cli.commands import plan as plan_command
+
+    stored = [{"input": str(p), "params": {"seed": 1}, "expected_outputs": ["out"]} for p in inputs]
+    assert plan(server, "--manifest", str(write_manifest(tmp_path / "a.jsonl", stored))) == 0
+    assert plan(server, "--close") == 0
+    capsys.readouterr()
+    before = list(client.list_events(RUN))
+    new = [dict(line, params={"seed": 2}) for line in stored]
+    manifest = write_manifest(tmp_path / "mixed.jsonl", [stored[0], *new, *stored[1:]])
+    monkeypatch.setattr(plan_command, "BATCH", 2)  # [stored, new] [new, new] [stored, stored]
+
+    assert plan(server, "--manifest", str(manifest), "--add", "--json") == 4
+
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1
+    assert (
+        "refused (RUN_CLOSED)" in captured.err and "nothing of this plan was stored" in captured.err
+    )
+    report = json.loads(captured.out)
+    assert (report["new"], report["already_planned"]) == (0, 0)
+    assert "plan --reopen to add shards" in report["run_closed"]
+    assert list(client.list_events(RUN)) == before
+
+
+def test_an_identical_replan_of_a_closed_run_still_exits_0(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = _closed_run(server, inputs, capsys)
+    assert plan(server, *directory, "--params", '{"seed": 1}') == 0
+    assert "0 new, 3 already planned identically, 0 conflicting" in capsys.readouterr().out
+    assert len(list(client.list_events(RUN))) == 4  # three plans and the close
+
+
+def test_reopen_then_new_shards_are_accepted_and_status_says_reopened(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = _closed_run(server, inputs, capsys)
+
+    assert plan(server, "--reopen", "--reason", "a late wave") == 0
+
+    out = capsys.readouterr().out
+    reopen = list(client.list_events(RUN))[-1]
+    assert reopen.WhichOneof("payload") == "run_reopened"
+    assert reopen.run_reopened.reason == "a late wave"
+    assert out == (
+        f"run {RUN}: reopened at sequence {reopen.sequence}: new shards are accepted until"
+        f" `shardledger plan {RUN} --close`\n"
+    )
+    cli(["status", RUN, "--server", f"127.0.0.1:{server.port}"])  # exit 1: shards missing
+    status = capsys.readouterr().out
+    assert f"lifecycle          open (reopened at sequence {reopen.sequence}, " in status
+    assert "settled" not in status
+    assert plan(server, *directory, "--params", '{"seed": 2}', "--add", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["new"] == 3
+    summary = json.loads(client.summary(RUN))
+    assert (summary["submitted"], summary["lifecycle"]["state"]) == (6, "open")
+
+
+def test_reopen_plan_and_close_again_in_one_command(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory = _closed_run(server, inputs, capsys)
+
+    code = plan(server, *directory, "--params", '{"seed": 2}', "--add", "--reopen", "--close")
+
+    assert code == 0
+    out = capsys.readouterr().out
+    kinds = [e.WhichOneof("payload") for e in client.list_events(RUN)]
+    assert kinds[3:] == ["submission_closed", "run_reopened", *["planned"] * 3, "submission_closed"]
+    assert out.startswith(f"run {RUN}: reopened at sequence ")
+    assert "3 new, 0 already planned identically, 0 conflicting; submission closed at" in out
+    life = json.loads(client.summary(RUN))["lifecycle"]
+    assert life["state"] == "settled" and life["reopened_at_sequence"] is not None
+
+
+def test_reopening_a_run_that_is_not_closed_exits_4_and_sends_no_plan(
+    server: RunningServer,
+    client: LedgerClient,
+    inputs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    manifest = str(manifest_of(inputs, tmp_path))
+    assert plan(server, "--manifest", manifest) == 0
+    capsys.readouterr()
+
+    assert plan(server, "--reopen") == 4
+    assert capsys.readouterr().err == (
+        f"shardledger: cannot reopen run {RUN}: RUN_NOT_CLOSED: run {RUN} is not closed"
+        " (it was never closed): there is nothing to reopen\n"
+    )
+    other = str(manifest_of(inputs, tmp_path, lr=0.5))
+    assert plan(server, "--manifest", other, "--add", "--reopen") == 4
+    assert len(list(client.list_events(RUN))) == 3

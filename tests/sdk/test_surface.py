@@ -27,6 +27,7 @@ PUBLIC_API = [
     "DataError",
     "Fingerprint",
     "IncompleteShard",
+    "InputChanged",
     "InvalidArgument",
     "Ledger",
     "LedgerClient",

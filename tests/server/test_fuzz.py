@@ -201,9 +201,10 @@ def _assert_still_serving(state: Campaign) -> None:
         health_pb2.HealthCheckRequest(), timeout=10
     )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    code, _ = state.call(
-        "AppendEvents", pb.AppendEventsRequest(events=[planned(SEED_RUN, uuid.uuid4().hex)])
-    )
+    # A run of its own: the campaign may have closed the seeded run, which then takes no
+    # new shard (RUN_CLOSED).
+    fresh = planned(f"alive-{uuid.uuid4().hex}", "s0")
+    code, _ = state.call("AppendEvents", pb.AppendEventsRequest(events=[fresh]))
     assert code == grpc.StatusCode.OK
 
 
@@ -473,6 +474,11 @@ MUTATIONS: list[Mutation] = [
     _set("failed.tag", 999, True),
     _set("failed.tag", -1, True),
     _set("failed.message", "m" * 8193, True),
+    # run-level events
+    _set("submission_closed.reason", "r" * 1025, True),
+    _set("run_reopened.reason", "r" * 1024, False),
+    _set("run_reopened.reason", "r" * 1025, True),
+    _set("run_reopened.reason", "nul\x00", True),
     _no_payload,
 ]
 
@@ -499,23 +505,18 @@ def _scalar_values(fd: Any) -> st.SearchStrategy[Any]:
             return timestamps()
         if fd.message_type.name == "Duration":
             return durations()
-        # Any other message (SchedulerIdentity): its string fields at their boundaries.
-        cls = (
-            type(pb.ShardEvent().started.scheduler)
-            if fd.message_type.name == "SchedulerIdentity"
-            else None
-        )
+        # Any other message (SchedulerIdentity, InputSeen): each field at its boundaries.
+        classes = {"SchedulerIdentity": pb.SchedulerIdentity, "InputSeen": pb.InputSeen}
+        cls = classes.get(fd.message_type.name)
         assert cls is not None, f"no fuzz values for message {fd.message_type.name}"
-        names = [f.name for f in fd.message_type.fields]
-        return st.builds(
-            lambda values: cls(**values),
-            st.fixed_dictionaries({}, optional={n: boundary_text for n in names}),
-        )
+        inner = {f.name: _scalar_values(f) for f in fd.message_type.fields}
+        return st.builds(lambda values: cls(**values), st.fixed_dictionaries({}, optional=inner))
     return {
         FieldDescriptor.TYPE_STRING: boundary_text,
         FieldDescriptor.TYPE_INT64: int64s,
         FieldDescriptor.TYPE_INT32: int32s,
         FieldDescriptor.TYPE_UINT32: st.sampled_from([0, 1, 2, 3, 2**32 - 1]),
+        FieldDescriptor.TYPE_UINT64: st.sampled_from([0, 1, 2**53 - 1, 2**53 + 1, 2**64 - 1]),
         FieldDescriptor.TYPE_DOUBLE: floats,
         FieldDescriptor.TYPE_ENUM: enum_numbers,
         FieldDescriptor.TYPE_BYTES: st.binary(max_size=64),
@@ -578,6 +579,10 @@ def _base_event(kind: str, data: st.DataObject) -> pb.ShardEvent:
         # A run-level event: no shard, no attempt.
         ev.shard_id = ev.attempt_id = ""
         ev.submission_closed.CopyFrom(pb.RunSubmissionClosed(reason="x", expected_shards=1))
+    elif kind == "run_reopened":
+        # Run-level too; refused (RUN_NOT_CLOSED) unless a close of the run stands.
+        ev.shard_id = ev.attempt_id = ""
+        ev.run_reopened.CopyFrom(pb.RunReopened(reason="x"))
     else:
         ev.failed.CopyFrom(pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM, message="x"))
     return ev
@@ -593,7 +598,7 @@ def shard_events(draw: st.DrawFn) -> tuple[pb.ShardEvent, bool]:
         changed = mutation(ev, data)
         if changed is not None:
             verdicts[changed[0]] = changed[1]  # a later change of the same field wins
-    if ev.WhichOneof("payload") == "submission_closed":
+    if ev.WhichOneof("payload") in ("submission_closed", "run_reopened"):
         # A run-level event is the one kind whose shard id must be empty: any id is invalid.
         verdicts.pop("attempt_id", None)
         verdicts["shard_id"] = bool(ev.shard_id or ev.attempt_id) or None

@@ -37,6 +37,7 @@ from ledger_server.events import (
     Event,
     Heartbeat,
     Payload,
+    RunReopened,
     ShardPlanned,
     SubmissionClosed,
 )
@@ -254,10 +255,14 @@ class Model:
     count: int = 0
     # The run's first verdict (one about an artifact) closes its first pass.
     pass_closed: int = 0
-    # The run's first submission_closed event: its sequence, time and announced count.
+    # The run's first submission_closed event: its sequence, time and announced count
+    # (the first since the latest run_reopened, which sets them back to 0).
     closed: int = 0
     closed_at: int = 0
     expected: int = 0
+    # The run's latest run_reopened event: its sequence and time.
+    reopened: int = 0
+    reopened_at: int = 0
     # When the run's latest stored event arrived.
     last_at: int = 0
 
@@ -275,6 +280,7 @@ class Model:
         self.ids, self.shards, self.count = trial.ids, trial.shards, trial.count
         self.pass_closed = trial.pass_closed
         self.closed, self.closed_at, self.expected = trial.closed, trial.closed_at, trial.expected
+        self.reopened, self.reopened_at = trial.reopened, trial.reopened_at
         self.last_at = trial.last_at
         return True
 
@@ -298,6 +304,12 @@ class Model:
                     p.expected_shards,
                 )
             self.closed_at = min(self.closed_at, effective)
+        elif isinstance(p, RunReopened):
+            # Only a close that stands (in effect or still ahead) can be undone.
+            if not self.closed:
+                raise Refused("reopen of a run that is not closed")
+            self.closed = self.closed_at = self.expected = 0
+            self.reopened, self.reopened_at = self.count + 1, at
         elif isinstance(p, ShardPlanned):
             definition = (
                 p.input_ref,
@@ -310,6 +322,9 @@ class Model:
                 if shard.definition != definition:
                     raise Refused("conflicting plan")
                 return  # the same plan again: nothing stored
+            # A new shard once the close took effect: only those it announced still come.
+            if self.closed and at >= self.closed_at and len(self.shards) >= self.expected:
+                raise Refused("new shard of a closed run")
             line = p.plan_line or default_plan_line(e.shard_id, p)
             self.shards[e.shard_id] = MShard(
                 e.shard_id, p.plan_index, line, definition, p.expected_outputs
@@ -496,6 +511,9 @@ class Model:
             "settled_at": iso(at) if at is not None else None,
             "settled_at_us": at,
             "waiting_on": waiting,
+            "reopened_at_sequence": self.reopened or None,
+            "reopened_at": iso(self.reopened_at) if self.reopened else None,
+            "reopened_at_us": self.reopened_at if self.reopened else None,
         }
 
     def query(self, state: str, now: int) -> list[str]:
@@ -642,7 +660,7 @@ def harness() -> Iterator[Harness]:
 
 # Repeats weight the draw towards the events that move shards along.
 KINDS: tuple[str, ...] = ("plan", "hb", "ckpt", "fail", "retry", "reuse", "stray", "invalid")
-KINDS += ("start",) * 3 + ("commit",) * 4 + ("verify",) * 4 + ("close",)
+KINDS += ("start",) * 3 + ("commit",) * 4 + ("verify",) * 4 + ("close", "reopen")
 OUTPUT_SETS = ((), ("a",), ("a", "b"))
 OP = st.tuples(
     st.sampled_from(KINDS),
@@ -728,6 +746,9 @@ class Builder:
             # j == 2: closed from a time that may still be ahead (submitted_until).
             until = T0 + 40 * d if j == 2 else 0
             return self.event("", "", SubmissionClosed(f"wave {c}", d % 6, until))
+        if kind == "reopen":
+            # Run-level; refused unless a close stands (as often as not, here).
+            return self.event("", "", RunReopened(f"late wave {c}" if j else ""))
         if kind == "start":
             payload = AttemptStarted(
                 f"node-{j}", 7, (10, 40)[d % 2], {"fp": str(c)} if c else {}, FINGERPRINTS[c]
@@ -805,6 +826,7 @@ def test_incremental_projections_equal_fresh_replay_and_reference_model(
         for batch, dt in builder.batches(steps):
             now += dt
             h.append(batch, now)
+        label("run:reopened" if h.model.reopened else "run:never reopened")
         for shard in h.model.shards.values():
             label(f"state:{shard.live(now)[0]}")
             for kind in shard.duplicates():
@@ -846,6 +868,8 @@ def decode(d: dict[str, Any]) -> Event:
         )
     elif kind == "submission_closed":
         payload = SubmissionClosed(d.get("reason", ""), d.get("expected", 0), d.get("until", 0))
+    elif kind == "run_reopened":
+        payload = RunReopened(d.get("reason", ""))
     else:
         payload = AttemptFailed(d["tag"], d.get("message", ""))
     return Event(d["id"], "", d.get("run", RUN), sid, d.get("attempt", ""), 0, payload)

@@ -231,10 +231,13 @@ def test_plan_close_from_the_cli_and_status_shows_the_lifecycle(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--reason", "x"), "--reason, --expected and --submitted-until go with --close"),
+        (("--reason", "x"), "--reason goes with --close or --reopen"),
+        (("--expected", "3"), "--expected and --submitted-until go with --close"),
+        (("--reopen", "--submitted-until", "2026-12-02T07:00Z"), "go with --close"),
         (("--close", "--submitted-until", "2026-12-02T07:00"), "needs a time zone"),
         (("--close", "--submitted-until", "tomorrow"), "not an ISO 8601 time"),
-        ((), "give --manifest FILE, --inputs DIR or --close"),
+        ((), "give --manifest FILE, --inputs DIR, --close or --reopen"),
+        (("--reopen", "--dry-run"), "--dry-run goes with --manifest or --inputs"),
         (("--close", "--expected", "-1"), "--expected must be between 0 and 2,147,483,647"),
         # The summary carries the count as int32: a larger one would poison the run.
         (("--close", "--expected", "3000000000"), "--expected must be between 0 and"),

@@ -25,7 +25,8 @@ from ledger_server.store import open_store
 from ledger_server.summary import run_summary, shard_view
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from shard_client.ids import submission_closed_event
+from shard_client.errors import LedgerRejected
+from shard_client.ids import run_reopened_event, submission_closed_event
 from tests import pg
 from tests.builders import DIGEST_A, DIGEST_B, committed, event, planned, started
 
@@ -156,6 +157,7 @@ def _every_kind() -> list[pb.ShardEvent]:
             expected_shards=1,
             submitted_until=datetime(2026, 12, 2, 7, tzinfo=UTC),
         ),
+        run_reopened_event("run-1", reason="a late wave"),
     ]
 
 
@@ -267,6 +269,17 @@ def _bad(name: str) -> tuple[list[pb.ShardEvent], grpc.StatusCode, str]:
             precondition,
             "ATTEMPT_NOT_STARTED",
         ),
+        # The close in the batch is refused with the new shard after it.
+        "new shard of a closed run": (
+            [submission_closed_event("run-1"), planned(shard_id="shard-9", index=9)],
+            precondition,
+            "RUN_CLOSED",
+        ),
+        "reopen of a run not closed": (
+            [run_reopened_event("run-1")],
+            precondition,
+            "RUN_NOT_CLOSED",
+        ),
     }
     return cases[name]
 
@@ -281,6 +294,8 @@ def _bad(name: str) -> tuple[list[pb.ShardEvent], grpc.StatusCode, str]:
         "event id reused",
         "plan conflict",
         "new run spoiled by a later event",
+        "new shard of a closed run",
+        "reopen of a run not closed",
     ],
 )
 def test_bad_input_gets_its_code_and_reason_and_writes_nothing(
@@ -321,7 +336,7 @@ def test_chains_verify_and_an_edited_row_is_named(api: LedgerClient, backend: Ba
     store = open_store(backend.url)
     try:
         assert [(r.run_id, r.ok, r.events) for r in verify_store(store)] == [
-            ("run-1", True, 9),
+            ("run-1", True, len(_every_kind())),
             ("run-2", True, 1),
         ]
         backend.edit_row_bypassing_immutability(results[1].sequence)
@@ -378,11 +393,47 @@ def test_projections_equal_a_fresh_replay(api: LedgerClient, backend: Backend) -
     api.append(_night("night-2", namespace="team-b")[:9])
     api.append(_night("night-2", namespace="team-b")[9:12])
     api.close_submission("night-2", namespace="team-b", reason="no job starts any more")
+    # Reopened for a late shard and closed again: the counters a replay sums are the same.
+    api.reopen_submission("night-2", namespace="team-b", reason="a late shard")
+    late = planned("night-2", "s9", index=9)
+    late.namespace = "team-b"
+    api.append([late])
+    api.close_submission("night-2", namespace="team-b", reason="no job starts any more")
     summary = json.loads(api.summary("night"))
     assert (summary["submitted"], summary["verified"], summary["missing"]) == (8, 1, 1)
     assert summary["duplicate_shards"] == 1 and summary["failure_tags"] == {"nccl": 1}
     assert_projections_match_replay(api, backend.url, "night")
     assert_projections_match_replay(api, backend.url, "night-2", namespace="team-b")
+
+
+def test_a_closed_run_refuses_new_shards_until_it_is_reopened(
+    api: LedgerClient, backend: Backend
+) -> None:
+    api.append([planned(shard_id=f"s{i}", index=i) for i in range(2)])
+    close = api.close_submission("run-1", expected_shards=2)
+    before = backend.count_events()
+    with pytest.raises(LedgerRejected) as refused:
+        api.append([planned(shard_id="s0", index=0), planned(shard_id="s2", index=2)])
+    assert (refused.value.code, refused.value.reason) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "RUN_CLOSED",
+    )
+    assert f"was closed at sequence {close.sequence} (" in str(refused.value)
+    assert backend.count_events() == before
+    (same,) = api.append([planned(shard_id="s0", index=0)])
+    assert same.outcome == pb.APPEND_OUTCOME_ALREADY_PLANNED
+
+    reopen = api.reopen_submission("run-1")
+    (added,) = api.append([planned(shard_id="s2", index=2)])
+    assert added.outcome == pb.APPEND_OUTCOME_APPENDED
+    life = json.loads(api.summary("run-1"))["lifecycle"]
+    assert (life["state"], life["reopened_at_sequence"]) == ("open", reopen.sequence)
+    with pytest.raises(LedgerRejected) as again:
+        api.reopen_submission("run-1")
+    assert again.value.reason == "RUN_NOT_CLOSED"
+    api.close_submission("run-1", expected_shards=2)
+    assert json.loads(api.summary("run-1"))["lifecycle"]["state"] == "settled"
+    assert_projections_match_replay(api, backend.url, "run-1")
 
 
 def test_list_events_pages_and_tail_follows_new_events(api: LedgerClient) -> None:

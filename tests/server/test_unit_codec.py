@@ -19,6 +19,7 @@ from ledger_server.events import (
     Heartbeat,
     Payload,
     RecordedEvent,
+    RunReopened,
     ShardPlanned,
     SubmissionClosed,
 )
@@ -59,7 +60,9 @@ PAYLOADS: dict[str, Payload] = {
     ),
     "failed": AttemptFailed(tag=FailureTag.NCCL.value, message="ring broke"),
     "submission_closed": SubmissionClosed(reason="last wave planned", expected_shards=12),
+    "run_reopened": RunReopened(reason="a late wave"),
 }
+RUN_LEVEL = ("submission_closed", "run_reopened")
 
 
 def _event(kind: str) -> Event:
@@ -68,8 +71,8 @@ def _event(kind: str) -> Event:
         event_id=f"ev-{kind}",
         namespace="team-a",
         run_id="run-1",
-        shard_id="" if kind == "submission_closed" else "shard-0",
-        attempt_id="" if kind in ("planned", "verified", "submission_closed") else "a1",
+        shard_id="" if kind in RUN_LEVEL else "shard-0",
+        attempt_id="" if kind in ("planned", "verified", *RUN_LEVEL) else "a1",
         client_time_us=1_700_000_000_123_456,
         payload=payload,
     )
@@ -143,3 +146,13 @@ def test_a_coalesced_heartbeat_round_trips_through_protobuf_and_its_row() -> Non
     valid = validate(event)
     row = row_bytes(valid.event, run_sequence=2, receive_time_us=1_700_000_000_200_000)
     assert event_from_row(row)[0] == event
+
+
+@pytest.mark.parametrize(("reason", "payload"), [("", "{}"), ("late", '{"reason":"late"}')])
+def test_a_reopen_without_reason_has_an_empty_payload_like_a_close(
+    reason: str, payload: str
+) -> None:
+    event = dataclasses.replace(_event("run_reopened"), payload=RunReopened(reason=reason))
+    assert f'"kind":"run_reopened","namespace":"team-a","payload":{payload},' in (
+        event.content_json()
+    )

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from ledger_server.errors import InvalidEvent, LimitExceeded
-from ledger_server.events import AttemptFailed, Event, Heartbeat, ShardPlanned, SubmissionClosed
+from ledger_server.events import (
+    AttemptFailed,
+    Event,
+    Heartbeat,
+    RunReopened,
+    ShardPlanned,
+    SubmissionClosed,
+)
 from ledger_server.validation import MAX_PAYLOAD_BYTES, validate
 
 DIGEST = "cd" * 32
@@ -48,6 +55,13 @@ BAD: list[tuple[Event, str, str]] = [
         _event(SubmissionClosed(expected_shards=3_000_000_000), shard_id="", attempt_id=""),
         "submission_closed.expected_shards",
         "must be between 0 and 2147483647",
+    ),
+    # A reopen is run-level, as a close, and its reason has a close's limit.
+    (_event(RunReopened("late"), attempt_id=""), "shard_id", "must be empty (with attempt_id)"),
+    (
+        _event(RunReopened("x" * 1025), shard_id="", attempt_id=""),
+        "run_reopened.reason",
+        "longer than 1024 characters",
     ),
     (
         _event(Heartbeat(1, 0.5, {}, first_step=2, progress_calls=2)),

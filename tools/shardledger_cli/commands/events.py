@@ -125,5 +125,7 @@ def short_payload(event: Any, kind: str) -> str:
     if kind == "submission_closed":
         expected = f" expected={p.expected_shards}" if p.expected_shards else ""
         return f"run{expected}" + (f" reason={p.reason[:80]}" if p.reason else "")
+    if kind == "run_reopened":
+        return "run" + (f" reason={p.reason[:80]}" if p.reason else "")
     tag = pb.FailureTag.Name(p.tag).removeprefix("FAILURE_TAG_").lower()
     return f"tag={tag} {p.message[:80]}"

@@ -44,7 +44,8 @@ _MAX_BACKOFF_S: Final = 60.0
 
 DESCRIPTION: Final = f"""\
 Post the run's report as one JSON object to a webhook URL (--url, or
-${URL_ENV}): lifecycle (open, submission_closed, settled and since when),
+${URL_ENV}): lifecycle (open, submission_closed, settled and since when;
+reopened_at_sequence once `plan --reopen` opened it again),
 submitted / verified / failed / missing / running / stale / unverified, the
 completion and silent-error rates, the first-pass figures, the number of
 shards `shardledger resume` would hand back, and a one-line "text" that chat
@@ -173,6 +174,8 @@ def report(s: dict[str, Any]) -> dict[str, Any]:
     fp = s["first_pass"]
     resume = s["submitted"] - s["verified"]
     state = life["state"]
+    if state == "open" and life.get("reopened_at_sequence"):
+        state = f"reopened (at sequence {life['reopened_at_sequence']})"
     when = f" at {life['settled_at']}" if life.get("settled_at") else ""
     text = (
         f"{s['run_id']} {state.replace('_', ' ')}{when}: {s['verified']} of"

@@ -18,7 +18,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
 from shard_client.delivery import deliver
-from shard_client.errors import LedgerRejected
+from shard_client.errors import LedgerClientError, LedgerRejected
 from shard_client.ids import (
     PlanEntry,
     check_id,
@@ -34,12 +34,16 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.plan_entries import entries_from_dir, entries_from_manifest
+from shardledger_cli.commands.plan_refresh import refresh_inputs
 from shardledger_cli.output import count_shards, print_json, print_json_lines, progress
 from shardledger_cli.parsing import examples, json_help
 
 __all__ = ["Outcome", "keep_stored_indexes", "register", "send_plan"]
 
 BATCH: Final = 1000
+# The server's refusal of a new shard of a closed run (RUN_CLOSED): it refuses every
+# new shard alike, so the plan stops at the first batch it refuses.
+RUN_CLOSED: Final = "RUN_CLOSED"
 
 DESCRIPTION: Final = """\
 Register every shard of a run, one `planned` event each, before any job starts.
@@ -97,6 +101,18 @@ shardledger_run_settled, and the alerts about ended runs may fire. Closing again
 with the same words is an idempotent retry; of several closes, the one that
 closes earliest stands.
 
+A closed run takes no new shards: once its close has taken effect, a plan that
+adds a shard is refused by the ledger (RUN_CLOSED: "run R was closed at sequence
+N (TIME): plan --reopen to add shards"), exit 4, one line, and nothing of the
+plan is stored (the plan stops at the first batch refused; a batch is atomic).
+An identical re-plan of the shards it has is still fine (already planned).
+--reopen appends a run-level run_reopened event (with --reason, if given) that
+undoes the close: the run is open again, `status` says "reopened at sequence N"
+and no longer "settled", and new shards are accepted until the next --close.
+With a manifest or inputs, --reopen reopens first and then plans (and, with
+--close too, closes again after planning: a late wave in one command). A run
+that is not closed cannot be reopened (RUN_NOT_CLOSED, exit 4).
+
 Examples:
   shardledger plan night-01 --manifest jobs.jsonl
   shardledger plan night-01 --inputs /data/in --glob '*.bin' --expected-outputs out
@@ -104,11 +120,14 @@ Examples:
   SHARDLEDGER_LABEL_REGION=eu-1 shardledger plan night-01 --manifest jobs.jsonl --dry-run
   shardledger plan night-01 --manifest jobs.jsonl --close --submitted-until 2026-12-02T07:00Z
   shardledger plan night-01 --close --reason "last wave finished" --expected 1000 --json
+  shardledger plan night-01 --reopen --manifest late-wave.jsonl --add --close
 
-exit codes: 0 all shards new or already planned identically (and closed);
-1 some conflict, other params without --add, or broken links (nothing sent);
-2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
---close of an unknown run); 5 bad manifest or inputs (nothing sent)
+exit codes: 0 all shards new or already planned identically (and closed or
+reopened); 1 some conflict, other params without --add, or broken links
+(nothing sent); 2 a bad --label; 3 unreachable; 4 refused by the server (e.g.
+--close of an unknown run, new shards of a closed run without --reopen
+(RUN_CLOSED), --reopen of a run that is not closed (RUN_NOT_CLOSED)); 5 bad
+manifest or inputs (nothing sent)
 """
 
 
@@ -122,6 +141,9 @@ class Outcome:
     refused: list[tuple[PlanEntry, str]] = field(default_factory=list)
     # Stored shards this plan sends otherwise: {shard_id: {field: {stored, sent}}}.
     differences: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    # The ledger's RUN_CLOSED refusal, when the run is closed to new shards; the
+    # entries it kept out (and those never sent after it) are in `refused`.
+    run_closed: str = ""
 
 
 def register(
@@ -174,11 +196,27 @@ def register(
         help="add shards whose params none of the run's shards has (without it such a plan"
         " is refused: a re-plan with other params would grow a finished run)",
     )
+    p.add_argument(
+        "--refresh-inputs",
+        action="store_true",
+        help="read every planned input of RUN again and make the inputs as they are now its"
+        " plan: a shard whose input has other bytes gets a revision (its earlier attempts no"
+        " longer confirm it, so it is back in `resume`); a copied or touched input with the"
+        " same bytes only has its identity refreshed; gone inputs are listed (exit 1)."
+        " With --dry-run: say what would be revised",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan lines; send nothing")
     p.add_argument(
         "--close", action="store_true", help="declare the submission complete (after planning)"
     )
-    p.add_argument("--reason", default="", help="with --close: why, kept with the event")
+    p.add_argument(
+        "--reopen",
+        action="store_true",
+        help="undo the run's close so that new shards are accepted (before planning, if any)",
+    )
+    p.add_argument(
+        "--reason", default="", help="with --close or --reopen: why, kept with the event(s)"
+    )
     p.add_argument(
         "--submitted-until",
         type=aware_time,
@@ -217,16 +255,32 @@ def run_plan(args: argparse.Namespace) -> int:
         check_id("run id", args.run)
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
-    if not args.close and (args.reason or args.expected or args.submitted_until):
-        raise CommandError("--reason, --expected and --submitted-until go with --close", EXIT_USAGE)
+    if args.refresh_inputs:
+        if args.manifest or args.inputs or args.close or args.reopen or args.add:
+            raise CommandError(
+                "--refresh-inputs reads the run's own plan: it takes no --manifest, --inputs,"
+                " --add, --close or --reopen",
+                EXIT_USAGE,
+            )
+        return refresh_inputs(args)
+    if not args.close and (args.expected or args.submitted_until):
+        raise CommandError("--expected and --submitted-until go with --close", EXIT_USAGE)
+    if not (args.close or args.reopen) and args.reason:
+        raise CommandError("--reason goes with --close or --reopen", EXIT_USAGE)
     if not 0 <= args.expected <= MAX_EXPECTED_SHARDS:
         raise CommandError(f"--expected must be between 0 and {MAX_EXPECTED_SHARDS:,}", EXIT_USAGE)
     if args.manifest is None and args.inputs is None:
-        if not args.close:
-            raise CommandError("give --manifest FILE, --inputs DIR or --close", EXIT_USAGE)
+        if not (args.close or args.reopen):
+            raise CommandError(
+                "give --manifest FILE, --inputs DIR, --close or --reopen", EXIT_USAGE
+            )
         if args.dry_run:
             raise CommandError("--dry-run goes with --manifest or --inputs", EXIT_USAGE)
-        return _close(args, client_from(args), planned=None)
+        client = client_from(args)
+        reopened = _reopen(args, client) if args.reopen else None
+        if not args.close:
+            return _print_reopened(args, reopened)
+        return _close(args, client, planned=None, reopened=reopened)
     if args.manifest is None:
         entries = entries_from_dir(args)
     elif args.params is not None or args.expected_outputs is not None:
@@ -242,24 +296,71 @@ def run_plan(args: argparse.Namespace) -> int:
     stored = stored_plans(client, args.run, namespace=args.namespace)
     if not args.add:
         refuse_other_params(args.run, entries, stored)
+    # The renumbering note waits for the ledger's answer: a closed run (RUN_CLOSED) numbers
+    # nothing, and its refusal is the plan's one line.
+    notes: list[str] = []
     entries = keep_stored_indexes(
-        client, args.run, entries, namespace=args.namespace, stored=stored
+        client, args.run, entries, namespace=args.namespace, stored=stored, notes=notes
     )
     differences = {
         e.shard_id: diff
         for e in entries
         if e.shard_id in stored and (diff := plan_differences(e, labels, stored[e.shard_id]))
     }
+    # Reopened only once every local check passed: a plan refused here sends nothing.
+    reopened = _reopen(args, client) if args.reopen else None
     outcome = send_plan(
         client, args.run, entries, namespace=args.namespace, labels=labels, differences=differences
     )
+    if not outcome.run_closed:
+        for note in notes:
+            print(note, file=sys.stderr)
     if not args.close:
-        return _report(args, entries, outcome)
+        return _report(args, entries, outcome, reopened=reopened)
     if outcome.refused or outcome.conflicts:
         # A plan that did not fully register is not a complete submission.
-        print("shardledger: not closing the run: some shards did not register", file=sys.stderr)
-        return _report(args, entries, outcome)
-    return _close(args, client, planned=(entries, outcome))
+        if not outcome.run_closed:  # a closed run is closed already: nothing to say twice
+            print("shardledger: not closing the run: some shards did not register", file=sys.stderr)
+        return _report(args, entries, outcome, reopened=reopened)
+    return _close(args, client, planned=(entries, outcome), reopened=reopened)
+
+
+def _reopen(args: argparse.Namespace, client: LedgerClient) -> dict[str, object]:
+    """Sends the run's run_reopened event; returns what the report says of it."""
+    try:
+        result = client.reopen_submission(args.run, namespace=args.namespace, reason=args.reason)
+    except LedgerRejected as exc:
+        raise CommandError(
+            f"cannot reopen run {args.run}: {exc.reason}: {_refusal_text(exc)}", EXIT_REJECTED
+        ) from None
+    return {
+        "reopened": True,
+        "reopen_sequence": result.sequence,
+        "reopen_outcome": "appended"
+        if result.outcome == pb.APPEND_OUTCOME_APPENDED
+        else "duplicate",
+    }
+
+
+def _reopened_words(reopened: Mapping[str, object] | None) -> str:
+    """Returns the text report's words about a reopen sent before the rest ("" if none)."""
+    if reopened is None:
+        return ""
+    again = "" if reopened["reopen_outcome"] == "appended" else " (already reopened so)"
+    return f"reopened at sequence {reopened['reopen_sequence']}{again}; "
+
+
+def _print_reopened(args: argparse.Namespace, reopened: Mapping[str, object] | None) -> int:
+    """Reports a --reopen that came without a plan or a close."""
+    assert reopened is not None
+    if args.json:
+        print_json({"run_id": args.run, "namespace": args.namespace or "default", **reopened})
+    else:
+        print(
+            f"run {args.run}: {_reopened_words(reopened).removesuffix('; ')}: new shards are"
+            f" accepted until `shardledger plan {args.run} --close`"
+        )
+    return EXIT_OK
 
 
 def _close(
@@ -267,6 +368,7 @@ def _close(
     client: LedgerClient,
     *,
     planned: tuple[Sequence[PlanEntry], Outcome] | None,
+    reopened: Mapping[str, object] | None = None,
 ) -> int:
     """Sends the run's submission_closed event, then reports the plan (if any) and the close."""
     try:
@@ -279,7 +381,7 @@ def _close(
         )
     except LedgerRejected as exc:
         raise CommandError(
-            f"cannot close run {args.run}: {exc.reason}: {exc}", EXIT_REJECTED
+            f"cannot close run {args.run}: {exc.reason}: {_refusal_text(exc)}", EXIT_REJECTED
         ) from None
     closed = {
         "closed": True,
@@ -289,12 +391,22 @@ def _close(
         else "duplicate",
     }
     if planned is not None:
-        return _report(args, planned[0], planned[1], closed=closed)
+        return _report(args, planned[0], planned[1], closed=closed, reopened=reopened)
     if args.json:
-        print_json({"run_id": args.run, "namespace": args.namespace or "default", **closed})
+        print_json(
+            {
+                "run_id": args.run,
+                "namespace": args.namespace or "default",
+                **(reopened or {}),
+                **closed,
+            }
+        )
     else:
         again = "" if closed["close_outcome"] == "appended" else " (already closed so)"
-        print(f"run {args.run}: submission closed at sequence {result.sequence}{again}")
+        print(
+            f"run {args.run}: {_reopened_words(reopened)}submission closed at sequence"
+            f" {result.sequence}{again}"
+        )
     return EXIT_OK
 
 
@@ -384,6 +496,7 @@ def keep_stored_indexes(
     *,
     namespace: str = "",
     stored: Mapping[str, StoredPlan] | None = None,
+    notes: list[str] | None = None,
 ) -> list[PlanEntry]:
     """Returns the entries renumbered for a run that already has shards.
 
@@ -391,16 +504,20 @@ def keep_stored_indexes(
     re-sorted listing numbers the shards it already has as stored and the new ones
     after the highest stored index, in listing order: two shards never share an
     index (a Slurm array of the resume list would lose one). `stored` is the run's
-    shards when already read (stored_plans); else they are read here.
+    shards when already read (stored_plans); else they are read here. The note that
+    says so goes to stderr, or into `notes` for a caller that prints it later.
     """
     if stored is None:
         stored = stored_plans(client, run_id, namespace=namespace)
     indexes = {shard_id: s.plan_index for shard_id, s in stored.items()}
-    return _renumbered(run_id, entries, indexes)
+    return _renumbered(run_id, entries, indexes, notes)
 
 
 def _renumbered(
-    run_id: str, entries: Sequence[PlanEntry], stored: Mapping[str, int]
+    run_id: str,
+    entries: Sequence[PlanEntry],
+    stored: Mapping[str, int],
+    notes: list[str] | None = None,
 ) -> list[PlanEntry]:
     if not stored:
         return list(entries)
@@ -417,12 +534,15 @@ def _renumbered(
         # Only a plan that adds shards has new ones to number; a re-plan of shards the
         # run already has only keeps their stored indexes.
         after = f" (new shards are numbered from {max(stored.values()) + 1})"
-        print(
+        note = (
             f"shardledger: run {run_id} already has {count_shards(len(stored))}: {moved} of this"
             " plan's indexes follow the stored ones"
-            + (after if new else "; there are no new shards"),
-            file=sys.stderr,
+            + (after if new else "; there are no new shards")
         )
+        if notes is None:
+            print(note, file=sys.stderr)
+        else:
+            notes.append(note)
     return renumbered
 
 
@@ -451,17 +571,46 @@ def send_plan(
     """Sends the planned events in batches; refused shards are isolated, the rest still go.
 
     ``differences`` (plan_differences of stored shards) makes a refusal of such a shard
-    a conflict: the ledger says EVENT_ID_REUSED when only the labels differ.
+    a conflict: the ledger says EVENT_ID_REUSED when only the labels differ. A run
+    closed to new shards (RUN_CLOSED) refuses the first batch that adds one, whole:
+    nothing more is sent, and that batch's entries and the rest are refused.
     """
     events = plan_events(run_id, entries, namespace=namespace, labels=labels)
     outcome = Outcome(differences=dict(differences or {}))
     with progress("registering shards", len(events)) as advance:
         for start in range(0, len(events), BATCH):
             batch = events[start : start + BATCH]
-            for entry, result in zip(entries[start:], _deliver_all(client, batch), strict=False):
+            try:
+                results = _send_batch(client, batch)
+            except LedgerRejected as exc:  # RUN_CLOSED: the batch stored nothing
+                outcome.run_closed = _refusal_text(exc)
+                why = f"{exc.reason}: {outcome.run_closed}"
+                outcome.refused += [(entry, why) for entry in entries[start:]]
+                break
+            for entry, result in zip(entries[start:], results, strict=False):
                 _count(outcome, entry, result)
             advance(len(batch))
     return outcome
+
+
+def _send_batch(
+    client: LedgerClient, batch: Sequence[pb.ShardEvent]
+) -> list[pb.AppendResult | LedgerRejected]:
+    """Sends a batch whole; raises the ledger's RUN_CLOSED, isolates any other refusal."""
+    try:
+        return list(client.append(batch, retry=False))
+    except LedgerRejected as exc:
+        if exc.reason == RUN_CLOSED:
+            raise
+    except LedgerClientError:
+        pass  # unreachable for a moment: _deliver_all retries within the deadline
+    return _deliver_all(client, batch)
+
+
+def _refusal_text(exc: LedgerRejected) -> str:
+    """Returns the ledger's refusal without the batch position it names ("event 3: ...")."""
+    index = exc.metadata.get("event_index")
+    return str(exc).removeprefix(f"event {index}: ") if index is not None else str(exc)
 
 
 def _deliver_all(
@@ -484,6 +633,11 @@ def _deliver_all(
 
 def _count(outcome: Outcome, entry: PlanEntry, result: pb.AppendResult | LedgerRejected) -> None:
     if isinstance(result, LedgerRejected):
+        if result.reason == RUN_CLOSED:
+            # Isolated beside another refusal of its batch: reported once, as a whole.
+            outcome.run_closed = outcome.run_closed or _refusal_text(result)
+            outcome.refused.append((entry, f"{result.reason}: {outcome.run_closed}"))
+            return
         conflict = result.reason == "PLAN_CONFLICT" or entry.shard_id in outcome.differences
         target = outcome.conflicts if conflict else outcome.refused
         target.append((entry, f"{result.reason}: {result}"))
@@ -514,6 +668,7 @@ def _report(
     outcome: Outcome,
     *,
     closed: Mapping[str, object] | None = None,
+    reopened: Mapping[str, object] | None = None,
 ) -> int:
     # A re-plan that differs from a stored shard's plan (the ledger answers PLAN_CONFLICT,
     # or EVENT_ID_REUSED when only the labels differ) is a conflict: the first such shard
@@ -540,11 +695,27 @@ def _report(
             " or keep its stored plan",
             file=sys.stderr,
         )
+    closed_out = [e for e, why in outcome.refused if why.startswith(f"{RUN_CLOSED}:")]
     for entry, why in others + outcome.refused:
+        if not why.startswith(f"{RUN_CLOSED}:"):
+            print(
+                f"shardledger: shard {entry.shard_id} (plan index {entry.plan_index}): {why}",
+                file=sys.stderr,
+            )
+    if outcome.run_closed:
+        # One line for the run, not one per shard: every new shard is refused alike.
         print(
-            f"shardledger: shard {entry.shard_id} (plan index {entry.plan_index}): {why}",
+            f"shardledger: refused ({RUN_CLOSED}): {outcome.run_closed};"
+            + (
+                f" {count_shards(outcome.new)} of this plan were registered before it,"
+                f" {len(closed_out)} not"
+                if outcome.new
+                else " nothing of this plan was stored"
+            ),
             file=sys.stderr,
         )
+    # A plan the closed run refused alone has said all in that line (stdout stays empty).
+    only_closed = bool(closed_out) and len(closed_out) == len(outcome.refused)
     if args.json:
         print_json(
             {
@@ -556,12 +727,14 @@ def _report(
                 "conflicting": [e.shard_id for e, _ in outcome.conflicts],
                 "differences": outcome.differences,
                 "refused": [e.shard_id for e, _ in outcome.refused],
+                **({"run_closed": outcome.run_closed} if outcome.run_closed else {}),
+                **(reopened or {}),
                 **(closed or {}),
             }
         )
-    else:
+    elif not (only_closed and not outcome.conflicts):
         print(
-            f"run {args.run}: {len(entries)} shards: {outcome.new} new, "
+            f"run {args.run}: {_reopened_words(reopened)}{len(entries)} shards: {outcome.new} new, "
             f"{outcome.identical} already planned identically, "
             f"{len(outcome.conflicts)} conflicting"
             + (f", {len(outcome.refused)} refused" if outcome.refused else "")

@@ -20,11 +20,14 @@ from shard_client.ids import (
     plan_events,
     shard_id_for,
 )
+from shard_client.inputs import IDENTITY_KEY, line_identity, local_identity
 from shard_client.storage import ObjectInfo, is_remote, store_for
 from shardledger_cli.cli import EXIT_PROBLEMS, EXIT_USAGE, CommandError
 from shardledger_cli.output import progress
 
 MAX_ERRORS_SHOWN: Final = 20
+# path -> the identity _hash_one read of a local input (one plan per process).
+_IDENTITIES: dict[str, dict[str, int]] = {}
 _RULES_RUN: Final = "plan-check"  # any valid run id: the rules checked do not depend on it
 # The server refuses events whose canonical content exceeds 64 KiB; keep room for the envelope.
 MAX_ENTRY_CHARS: Final = 60 * 1024
@@ -58,7 +61,9 @@ def _entry(
 ) -> PlanEntry:
     """Returns the entry for a parsed line; digest is (size, blake3) when the input was hashed.
 
-    ``found`` is what the object store said of an object-storage input.
+    ``found`` is what the object store said of an object-storage input. The input's
+    identity (docs/concepts.md, "Input identity") goes into the event and, as
+    ``input_identity``, into the plan line a job is handed back.
     """
     given = obj.get("input_blake3", "")
     if digest is not None:
@@ -76,6 +81,10 @@ def _entry(
         )
     params = obj.get("params", {})
     shard_id = obj.get("shard_id") or shard_id_for(input_blake3=blake, params=params)
+    local = _IDENTITIES.get(obj["input"], {}) if digest is not None and not found else {}
+    identity = _line_identity(size, blake, local, found)
+    if identity:
+        obj = {**obj, IDENTITY_KEY: identity}  # what plan measured, over a line's own
     entry = PlanEntry(
         shard_id=shard_id,
         input_ref=obj["input"],
@@ -87,12 +96,27 @@ def _entry(
         plan_index=index,
         input_version_id=found.version_id if found else "",
         input_etag=found.etag if found else "",
+        input_mtime_ns=local.get("mtime_ns", 0),
+        input_inode=local.get("inode", 0),
+        input_device=local.get("device", 0),
     )
     entry.check()
     if len(entry.plan_line) + len(canonical_json(entry.definition())) > MAX_ENTRY_CHARS:
         raise ValueError(f"the line is too large (the limit is {MAX_ENTRY_CHARS} characters)")
     _check_server_rules(entry)
     return entry
+
+
+def _line_identity(
+    size: int, blake: str, local: dict[str, int], found: ObjectInfo | None
+) -> dict[str, Any]:
+    """Returns the identity a plan line carries; empty when plan read nothing of the input."""
+    if not local and found is None:
+        return {}
+    cheap: dict[str, Any] = dict(local)
+    if found is not None:
+        cheap.update(version_id=found.version_id, etag=found.etag)
+    return line_identity(size, blake, cheap)
 
 
 def _check_server_rules(entry: PlanEntry) -> None:
@@ -349,11 +373,22 @@ def _raise_errors(source: str, errors: Sequence[str]) -> None:
 
 
 def _hash_one(path: str) -> tuple[int, str] | str:
-    """Returns (size, blake3) of a file, or why it cannot be read."""
+    """Returns (size, blake3) of a file, or why it cannot be read.
+
+    The file's identity is read before and after its bytes (and kept in
+    _IDENTITIES): a file another pipeline rewrote meanwhile is no input to plan.
+    """
     try:
-        return hash_input(path)
+        before = os.stat(path)
+        digest = hash_input(path)
+        after = os.stat(path)
     except OSError as exc:
         return f"cannot read {path}: {exc.strerror or exc}"
+    identity = local_identity(after)
+    if local_identity(before) != identity or before.st_size != after.st_size:
+        return f"{path} changed while it was read: plan again once it is written"
+    _IDENTITIES[path] = identity
+    return digest
 
 
 def _hash_all(

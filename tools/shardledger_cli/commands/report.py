@@ -23,7 +23,7 @@ HELP: Final = {
     "status": """a run's summary: submitted = verified + failed + missing + ...
 
 Print the run summary: the reconciliation equation, the run's lifecycle (open,
-submission closed, settled: see `plan --close`), completion rate
+submission closed, settled: see `plan --close`; reopened: `plan --reopen`), completion rate
 (verified / submitted), silent error rate, failure tags, duplicates and
 fingerprint groups (every name is defined in docs/concepts.md). --json prints the summary object the server computed;
 its "lifecycle" object says whether the run is settled and since when.
@@ -284,9 +284,11 @@ def lifecycle_line(s: dict[str, Any]) -> str:
     if life.get("submission_closes_at"):
         return f"lifecycle          open until {life['submission_closes_at']} (--submitted-until)"
     if not life["submission_closed"]:
+        reopened = life.get("reopened_at_sequence")
         return (
-            "lifecycle          open: jobs may still start"
-            f" (`shardledger plan {s['run_id']} --close` once none will)"
+            "lifecycle          open"
+            + (f" (reopened at sequence {reopened}, {life['reopened_at']})" if reopened else "")
+            + f": jobs may still start (`shardledger plan {s['run_id']} --close` once none will)"
         )
     words = {"unverified": "committed, not verified", "unplanned": "announced, not planned"}
     waiting = ", ".join(

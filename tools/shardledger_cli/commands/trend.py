@@ -60,7 +60,7 @@ def register(
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="completion, silent errors and failure tags over recent runs; ruler drift",
         description="For the most recent runs (oldest first): lifecycle (open, closed,\n"
-        "settled: only a settled run's figures are final), completion rate (verified /\n"
+        "settled, reopened: only a settled run's figures are final), completion rate (verified /\n"
         "submitted), silent error rate, failure tags and fingerprint groups.\n\n"
         "Ruler runs (run id starting with --ruler-prefix) re-run a fixed sample set.\n"
         "Each is compared with the ruler run created before it, output by output:\n"
@@ -224,7 +224,17 @@ def _run_row(info: RunInfo, client: LedgerClient, ruler_prefix: str) -> dict[str
         # open, submission_closed or settled: a run's figures are final only once settled.
         "lifecycle": (s.get("lifecycle") or {}).get("state", "unknown"),
         "settled_at": (s.get("lifecycle") or {}).get("settled_at"),
+        # A run reopened to add shards (plan --reopen): its latest reopen, or None.
+        "reopened_at_sequence": (s.get("lifecycle") or {}).get("reopened_at_sequence"),
     }
+
+
+def _lifecycle_cell(row: dict[str, Any]) -> str:
+    """Returns the table's lifecycle cell: "closed" for submission_closed, "reopened" if open again."""
+    state = str(row["lifecycle"])
+    if state == "open" and row.get("reopened_at_sequence"):
+        return "reopened"
+    return state.replace("submission_closed", "closed")
 
 
 def _artifacts(
@@ -338,7 +348,7 @@ def print_report(report: dict[str, Any]) -> None:
         runs.add_row(
             r["run_id"] + (" (ruler)" if r["ruler"] else ""),
             r["created"],
-            r["lifecycle"].replace("submission_closed", "closed"),
+            _lifecycle_cell(r),
             str(r["submitted"]),
             str(r["verified"]),
             _percent(r["completion_rate"]),

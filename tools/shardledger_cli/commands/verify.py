@@ -43,11 +43,14 @@ from shardledger_cli.commands.verify_scan import (
     scan_events,
     unique,
 )
+from shardledger_cli.input_check import CHANGED, GONE, InputNow, check_inputs, collect_plans
 from shardledger_cli.parsing import json_help
 
 __all__ = ["Commit", "Recorder", "register", "verdict_event"]
 
 APPEND_BATCH: Final = 500
+# The verdict on a commit whose shard's input is no longer the one planned.
+INPUT_CHANGED: Final = "input_changed"
 MAX_REASON_CHARS: Final = 255
 MAX_DETAIL_CHARS: Final = 2000
 
@@ -121,6 +124,14 @@ def register(
         "--recheck",
         action="store_true",
         help="read again commits that already have a verdict (a scrub for bit rot)",
+    )
+    p.add_argument(
+        "--inputs",
+        action="store_true",
+        help="also read again the planned input of every shard with a current commit: one"
+        " that changed since it was planned (other bytes; a copy or a touch is no change) or"
+        " is gone gets a FAILED input_changed verdict on each of the shard's current commits,"
+        ' so the shard is back in `resume` (docs/concepts.md, "Input identity")',
     )
     json_help(p, single="the verification report")
     p.set_defaults(func=run_verify)
@@ -284,11 +295,15 @@ def run_verify(args: argparse.Namespace) -> int:
     """Verifies the run's committed artifacts and appends one verdict per commit."""
     root = check_root(args.root)
     client = client_from(args)
-    scan = scan_events(client.list_events(args.run, namespace=args.namespace, page_size=5000))
+    plans: dict[str, pb.ShardEvent] = {}
+    events = client.list_events(args.run, namespace=args.namespace, page_size=5000)
+    scan = scan_events(collect_plans(events, plans) if args.inputs else events)
     todo = plan(scan, recheck=args.recheck)
+    moved, unread = _moved_inputs(todo, plans, workers=args.workers) if args.inputs else ({}, {})
     reads: dict[tuple[str, str, int, str], list[CommitState]] = {}
     for state in todo.todo:
-        reads.setdefault(state.commit.read_key, []).append(state)
+        if state.commit.shard_id not in moved:  # judged by its input, not read again
+            reads.setdefault(state.commit.read_key, []).append(state)
     # Objects in a store are read through its URL; only local paths must lie under --root.
     held = [s.commit.path for s in (*todo.todo, *todo.skipped) if not is_remote(s.commit.path)]
     if held and not any(is_remote(k[0]) for k in reads) and not any_present(root, unique(held)):
@@ -325,8 +340,30 @@ def run_verify(args: argparse.Namespace) -> int:
                     )
                 )
                 tally.add(state, verdict.passed, verdict.reason, verdict.detail, earlier=False)
+        for state in _current(todo):
+            found = moved.get(state.commit.shard_id)
+            if found is None:
+                continue
+            verdict = CheckResult(False, INPUT_CHANGED, found.difference)
+            recorder.add(
+                verdict_event(
+                    state.commit,
+                    verdict,
+                    namespace=args.namespace,
+                    run_id=args.run,
+                    generation=len(state.verdicts),
+                )
+            )
+            tally.add(state, False, INPUT_CHANGED, found.difference, earlier=False)
+        for state in _current(todo):
+            if state.commit.shard_id in unread:
+                tally.unchecked.append(
+                    entry(state.commit, "input_unreadable", unread[state.commit.shard_id])
+                )
         recorder.flush()
     for state in todo.skipped:
+        if state.commit.shard_id in moved and state.commit.key in todo.current:
+            continue  # its new verdict is counted above
         passed, reason = state.verdicts[-1]
         tally.add(state, passed, reason, "", earlier=True)
     report = tally.report(args.run, root, read=len(first), recorder=recorder)
@@ -338,6 +375,26 @@ def run_verify(args: argparse.Namespace) -> int:
         _explain_unchecked(tally.unchecked, root)
         return EXIT_LOCAL
     return EXIT_PROBLEMS if tally.current_failed or recorder.refused else EXIT_OK
+
+
+def _current(todo: Any) -> list[CommitState]:
+    """Returns the current commits (the latest of each output, not superseded), in log order."""
+    return [s for s in (*todo.todo, *todo.skipped) if s.commit.key in todo.current]
+
+
+def _moved_inputs(
+    todo: Any, plans: Mapping[str, pb.ShardEvent], *, workers: int
+) -> tuple[dict[str, InputNow], dict[str, str]]:
+    """Reads again the planned inputs of the shards with current commits.
+
+    Returns the shards whose input changed or is gone, and those whose input could
+    not be read (shard id -> why: nothing is judged for them).
+    """
+    shard_ids = [sid for sid in unique(s.commit.shard_id for s in _current(todo)) if sid in plans]
+    with _Progress(len(shard_ids), enabled=sys.stderr.isatty()) as advance:
+        found, unread = check_inputs(plans, shard_ids, workers=workers, on_done=advance)
+    moved = {f.shard_id: f for f in found if f.status in (CHANGED, GONE)}
+    return moved, unread
 
 
 def _probe_stores(urls: Sequence[str]) -> None:

@@ -98,8 +98,12 @@ class ExecAttempt:
         )
         return self.ledger.emit(event)
 
-    def start(self, fp: Fingerprint) -> Ack:
-        """Records started and waits until the ledger (or the spool) holds it; raises a refusal."""
+    def start(self, fp: Fingerprint, seen: pb.InputSeen | None = None) -> Ack:
+        """Records started and waits until the ledger (or the spool) holds it; raises a refusal.
+
+        ``seen`` is what exec read of the input; the ack says whether the ledger finds it
+        other than the plan's (Ack.input_changed).
+        """
         timeout = Duration()
         timeout.FromNanoseconds(int(self._timeout_s * 1e9))
         try:
@@ -115,6 +119,7 @@ class ExecAttempt:
             fingerprint_digest=fp.digest,
             scheduler=None if found is None else pb.SchedulerIdentity(**found.fields()),
             process_start_ticks=process_start_ticks(),
+            input=seen,
         )
         # Waiting turns a wrong run or shard id into an error before the child runs.
         return self._emit(started=started).result(self.ledger.ack_timeout_s)

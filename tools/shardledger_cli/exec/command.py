@@ -12,6 +12,7 @@ from typing import Any, Final
 
 from shard_client import Ledger
 from shard_client.ids import check_id
+from shard_client.inputs import INPUT_CHECKS, PlannedInput
 from shard_client.options import ShardOptions
 from shardledger_cli.cli import (
     EXIT_USAGE,
@@ -34,6 +35,8 @@ from shardledger_cli.exec.target import (
 from shardledger_cli.parsing import json_help
 
 __all__ = ["register", "run_exec"]
+
+INPUT_CHECK_CHOICES: Final = (*INPUT_CHECKS, "off")
 
 DESCRIPTION: Final = f"""\
 Run any program (a shell script, a C++ renderer, a Julia simulation) as one
@@ -67,11 +70,17 @@ Placeholders in the command: {PLACEHOLDERS}. The child also gets
 $SHARDLEDGER_RUN, $SHARDLEDGER_SHARD, $SHARDLEDGER_ATTEMPT and, from a plan
 line, $SHARDLEDGER_PLAN_LINE and $SHARDLEDGER_INPUT.
 
+Input: with a plan line (or --input), the input is read again before the
+child starts and compared with the plan (docs/concepts.md, "Input identity"): an
+input with other bytes than planned, or gone, is failed(input_changed) and the
+child never runs (exit 66).
+
 exit codes: the child's own exit status (128+N when signal N killed it);
 124 the hang watchdog stopped it; 65 it exited 0 but its outputs were refused
-(failed(incomplete)); 74 committing them failed; 126/127 the command could not
+(failed(incomplete)); 66 its input is not the one planned (failed(input_changed),
+the child never ran); 74 committing them failed; 126/127 the command could not
 be run. Before the child starts: 2 usage, 4 refused by the ledger (unknown run
-or shard), 5 local error. A ledger that cannot be reached is no exit: started
+or shard), 5 local error (an input that cannot be read). A ledger that cannot be reached is no exit: started
 waits --unavailable-after seconds, then spools, and the child runs; at the end
 exec waits $SHARDLEDGER_EXIT_WAIT (default 10 s) for the spool to drain and
 leaves the rest to `shardledger spool drain`.
@@ -153,6 +162,22 @@ def register(
     )
     shard.add_argument(
         "--attempt-id", metavar="ID", help="the attempt's id (default: a fresh random one)"
+    )
+    shard.add_argument(
+        "--input",
+        metavar="REF",
+        help="the input the child reads (a path or URL), checked against the plan before it"
+        ' starts; default: the plan line\'s "input" (whose input_identity says what the plan'
+        " recorded)",
+    )
+    shard.add_argument(
+        "--input-check",
+        choices=INPUT_CHECK_CHOICES,
+        default="identity",
+        help="identity (default): compare the input's size, mtime, inode and device (an"
+        " object's version id and ETag) with the plan, re-hashing only when they differ;"
+        " hash: always re-hash; off: no check. A changed input is failed(input_changed),"
+        " exit 66, and the child never runs",
     )
     outs = p.add_argument_group("outputs")
     outs.add_argument(
@@ -296,7 +321,17 @@ def _spec(args: argparse.Namespace) -> ExecSpec:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except OSError as exc:
         raise CommandError(f"cannot prepare the outputs: {exc}") from None
+    planned_input = None
+    if args.input_check != "off":
+        line = target.plan_line or {}
+        named = args.input or line.get("input")
+        if isinstance(named, str) and named:
+            # The plan line's own identity counts only for the input it names.
+            same = args.input is None or args.input == line.get("input")
+            planned_input = PlannedInput.of({**line, "input": named} if same else {"input": named})
     return ExecSpec(
+        input=planned_input,
+        input_check=args.input_check if args.input_check != "off" else "identity",
         run_id=args.run,
         target=target,
         attempt_id=attempt_id,

@@ -21,9 +21,12 @@ from typing import Any, Final
 from shard_client import Ledger
 from shard_client.errors import LedgerClientError
 from shard_client.fingerprint import Fingerprint
+from shard_client.inputs import PlannedInput, observe
 from shard_client.signals import diagnostics_dir
+from shard_client.storage import is_remote, storage_error
 from shard_client.vocabulary import FailureTag
 from shard_client.watchdog import HangPolicy
+from shardledger_cli.cli import CommandError
 from shardledger_cli.exec.attempt import ExecAttempt
 from shardledger_cli.exec.diagnose import write_bundle
 from shardledger_cli.exec.outcome import cgroup_oom_kills, judge_failure, oom_delta
@@ -39,6 +42,7 @@ from shardledger_cli.exec.target import Target, child_env
 __all__ = [
     "EXIT_COMMIT_FAILED",
     "EXIT_HUNG",
+    "EXIT_INPUT_CHANGED",
     "EXIT_NOT_EXECUTABLE",
     "EXIT_NOT_FOUND",
     "EXIT_OUTPUTS_REFUSED",
@@ -51,6 +55,7 @@ log = logging.getLogger("shard_client")
 
 EXIT_OUTPUTS_REFUSED: Final = 65  # sysexits' EX_DATAERR
 EXIT_COMMIT_FAILED: Final = 74  # sysexits' EX_IOERR
+EXIT_INPUT_CHANGED: Final = 66  # sysexits' EX_NOINPUT: the planned input is not there
 EXIT_HUNG: Final = 124  # timeout(1)'s
 EXIT_NOT_EXECUTABLE: Final = 126  # the shells'
 EXIT_NOT_FOUND: Final = 127
@@ -71,6 +76,9 @@ class ExecSpec:
     liveness: Liveness
     term_grace_s: float
     fingerprint: Fingerprint
+    # The input checked against the plan before the child starts (None: not checked).
+    input: PlannedInput | None = None
+    input_check: str = "identity"
 
 
 @dataclass(slots=True)
@@ -219,7 +227,21 @@ def execute(spec: ExecSpec, ledger: Ledger) -> Report:
         outputs=spec.outputs,
         progress_file=progress_file,
     )
-    attempt.start(spec.fingerprint)
+    seen, changed = (None, "")
+    if spec.input is not None:
+        # Read before started: an input that cannot be read stops exec here (exit 5).
+        try:
+            seen, changed = observe(spec.input, check=spec.input_check)
+        except Exception as exc:  # botocore's errors are no OSError; the child never runs
+            typed = storage_error(exc, spec.input.ref) if is_remote(spec.input.ref) else None
+            raise CommandError(f"cannot read the input: {typed or exc}") from None
+    ack = attempt.start(spec.fingerprint, seen)
+    changed = ack.input_changed or changed
+    if changed and spec.input is not None:
+        # The child never runs on other bytes than the plan's.
+        _fail(attempt, report, FailureTag.INPUT_CHANGED, f"input {spec.input.ref}: {changed}", [])
+        report.exit_code = EXIT_INPUT_CHANGED
+        return report
     os.makedirs(os.path.dirname(progress_file), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(progress_file)

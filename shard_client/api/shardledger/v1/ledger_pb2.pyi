@@ -28,6 +28,7 @@ class FailureTag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_TAG_DATA: _ClassVar[FailureTag]
     FAILURE_TAG_INCOMPLETE: _ClassVar[FailureTag]
     FAILURE_TAG_UNKNOWN: _ClassVar[FailureTag]
+    FAILURE_TAG_INPUT_CHANGED: _ClassVar[FailureTag]
 
 class AppendOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,13 +48,14 @@ FAILURE_TAG_NCCL: FailureTag
 FAILURE_TAG_DATA: FailureTag
 FAILURE_TAG_INCOMPLETE: FailureTag
 FAILURE_TAG_UNKNOWN: FailureTag
+FAILURE_TAG_INPUT_CHANGED: FailureTag
 APPEND_OUTCOME_UNSPECIFIED: AppendOutcome
 APPEND_OUTCOME_APPENDED: AppendOutcome
 APPEND_OUTCOME_DUPLICATE: AppendOutcome
 APPEND_OUTCOME_ALREADY_PLANNED: AppendOutcome
 
 class ShardEvent(_message.Message):
-    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "submission_closed", "sequence", "run_sequence", "receive_time", "row_hash", "row_format")
+    __slots__ = ("event_id", "namespace", "run_id", "shard_id", "attempt_id", "client_time", "planned", "started", "heartbeat", "checkpoint", "artifact_committed", "verified", "failed", "submission_closed", "run_reopened", "sequence", "run_sequence", "receive_time", "row_hash", "row_format")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class ShardEvent(_message.Message):
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     SUBMISSION_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    RUN_REOPENED_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RUN_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -87,15 +90,16 @@ class ShardEvent(_message.Message):
     verified: ArtifactVerified
     failed: AttemptFailed
     submission_closed: RunSubmissionClosed
+    run_reopened: RunReopened
     sequence: int
     run_sequence: int
     receive_time: _timestamp_pb2.Timestamp
     row_hash: bytes
     row_format: int
-    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., submission_closed: _Optional[_Union[RunSubmissionClosed, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ..., row_format: _Optional[int] = ...) -> None: ...
+    def __init__(self, event_id: _Optional[str] = ..., namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., attempt_id: _Optional[str] = ..., client_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., planned: _Optional[_Union[ShardPlanned, _Mapping]] = ..., started: _Optional[_Union[AttemptStarted, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., artifact_committed: _Optional[_Union[ArtifactCommitted, _Mapping]] = ..., verified: _Optional[_Union[ArtifactVerified, _Mapping]] = ..., failed: _Optional[_Union[AttemptFailed, _Mapping]] = ..., submission_closed: _Optional[_Union[RunSubmissionClosed, _Mapping]] = ..., run_reopened: _Optional[_Union[RunReopened, _Mapping]] = ..., sequence: _Optional[int] = ..., run_sequence: _Optional[int] = ..., receive_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., row_hash: _Optional[bytes] = ..., row_format: _Optional[int] = ...) -> None: ...
 
 class ShardPlanned(_message.Message):
-    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels", "input_version_id", "input_etag")
+    __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "plan_line", "plan_index", "labels", "input_version_id", "input_etag", "input_mtime_ns", "input_inode", "input_device", "input_revision")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,10 @@ class ShardPlanned(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     INPUT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_ETAG_FIELD_NUMBER: _ClassVar[int]
+    INPUT_MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_INODE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_REVISION_FIELD_NUMBER: _ClassVar[int]
     input_ref: str
     input_bytes: int
     input_blake3: str
@@ -123,10 +131,34 @@ class ShardPlanned(_message.Message):
     labels: _containers.ScalarMap[str, str]
     input_version_id: str
     input_etag: str
-    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., input_version_id: _Optional[str] = ..., input_etag: _Optional[str] = ...) -> None: ...
+    input_mtime_ns: int
+    input_inode: int
+    input_device: int
+    input_revision: bool
+    def __init__(self, input_ref: _Optional[str] = ..., input_bytes: _Optional[int] = ..., input_blake3: _Optional[str] = ..., params_json: _Optional[str] = ..., expected_outputs: _Optional[_Iterable[str]] = ..., plan_line: _Optional[str] = ..., plan_index: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., input_version_id: _Optional[str] = ..., input_etag: _Optional[str] = ..., input_mtime_ns: _Optional[int] = ..., input_inode: _Optional[int] = ..., input_device: _Optional[int] = ..., input_revision: _Optional[bool] = ...) -> None: ...
+
+class InputSeen(_message.Message):
+    __slots__ = ("input_ref", "size_bytes", "mtime_ns", "inode", "device", "version_id", "etag", "blake3_hex")
+    INPUT_REF_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_HEX_FIELD_NUMBER: _ClassVar[int]
+    input_ref: str
+    size_bytes: int
+    mtime_ns: int
+    inode: int
+    device: int
+    version_id: str
+    etag: str
+    blake3_hex: str
+    def __init__(self, input_ref: _Optional[str] = ..., size_bytes: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., inode: _Optional[int] = ..., device: _Optional[int] = ..., version_id: _Optional[str] = ..., etag: _Optional[str] = ..., blake3_hex: _Optional[str] = ...) -> None: ...
 
 class AttemptStarted(_message.Message):
-    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels", "rank", "world_size", "local_rank", "launch_id", "restart_count", "gpu_count")
+    __slots__ = ("host", "pid", "heartbeat_timeout", "fingerprint", "fingerprint_digest", "scheduler", "process_start_ticks", "labels", "rank", "world_size", "local_rank", "launch_id", "restart_count", "gpu_count", "input")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +187,7 @@ class AttemptStarted(_message.Message):
     LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
     host: str
     pid: int
     heartbeat_timeout: _duration_pb2.Duration
@@ -169,7 +202,8 @@ class AttemptStarted(_message.Message):
     launch_id: str
     restart_count: int
     gpu_count: int
-    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., gpu_count: _Optional[int] = ...) -> None: ...
+    input: InputSeen
+    def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., gpu_count: _Optional[int] = ..., input: _Optional[_Union[InputSeen, _Mapping]] = ...) -> None: ...
 
 class SchedulerIdentity(_message.Message):
     __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
@@ -316,6 +350,12 @@ class RunSubmissionClosed(_message.Message):
     submitted_until: _timestamp_pb2.Timestamp
     def __init__(self, reason: _Optional[str] = ..., expected_shards: _Optional[int] = ..., submitted_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class RunReopened(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class AppendEventsRequest(_message.Message):
     __slots__ = ("events",)
     EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -323,14 +363,16 @@ class AppendEventsRequest(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[ShardEvent, _Mapping]]] = ...) -> None: ...
 
 class AppendResult(_message.Message):
-    __slots__ = ("event_id", "sequence", "outcome")
+    __slots__ = ("event_id", "sequence", "outcome", "input_changed")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    INPUT_CHANGED_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     sequence: int
     outcome: AppendOutcome
-    def __init__(self, event_id: _Optional[str] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[AppendOutcome, str]] = ...) -> None: ...
+    input_changed: str
+    def __init__(self, event_id: _Optional[str] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[AppendOutcome, str]] = ..., input_changed: _Optional[str] = ...) -> None: ...
 
 class AppendEventsResponse(_message.Message):
     __slots__ = ("results",)
@@ -526,7 +568,7 @@ class RunSummary(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ..., lifecycle: _Optional[_Union[RunLifecycle, _Mapping]] = ...) -> None: ...
 
 class RunLifecycle(_message.Message):
-    __slots__ = ("state", "submission_closed", "submission_closed_at", "submission_closed_at_us", "submission_closed_at_sequence", "submission_closes_at", "expected_shards", "settled", "settled_at", "settled_at_us", "waiting_on")
+    __slots__ = ("state", "submission_closed", "submission_closed_at", "submission_closed_at_us", "submission_closed_at_sequence", "submission_closes_at", "expected_shards", "settled", "settled_at", "settled_at_us", "waiting_on", "reopened_at_sequence", "reopened_at", "reopened_at_us")
     STATE_FIELD_NUMBER: _ClassVar[int]
     SUBMISSION_CLOSED_FIELD_NUMBER: _ClassVar[int]
     SUBMISSION_CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -538,6 +580,9 @@ class RunLifecycle(_message.Message):
     SETTLED_AT_FIELD_NUMBER: _ClassVar[int]
     SETTLED_AT_US_FIELD_NUMBER: _ClassVar[int]
     WAITING_ON_FIELD_NUMBER: _ClassVar[int]
+    REOPENED_AT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REOPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    REOPENED_AT_US_FIELD_NUMBER: _ClassVar[int]
     state: str
     submission_closed: bool
     submission_closed_at: str
@@ -549,7 +594,10 @@ class RunLifecycle(_message.Message):
     settled_at: str
     settled_at_us: int
     waiting_on: RunWaitingOn
-    def __init__(self, state: _Optional[str] = ..., submission_closed: _Optional[bool] = ..., submission_closed_at: _Optional[str] = ..., submission_closed_at_us: _Optional[int] = ..., submission_closed_at_sequence: _Optional[int] = ..., submission_closes_at: _Optional[str] = ..., expected_shards: _Optional[int] = ..., settled: _Optional[bool] = ..., settled_at: _Optional[str] = ..., settled_at_us: _Optional[int] = ..., waiting_on: _Optional[_Union[RunWaitingOn, _Mapping]] = ...) -> None: ...
+    reopened_at_sequence: int
+    reopened_at: str
+    reopened_at_us: int
+    def __init__(self, state: _Optional[str] = ..., submission_closed: _Optional[bool] = ..., submission_closed_at: _Optional[str] = ..., submission_closed_at_us: _Optional[int] = ..., submission_closed_at_sequence: _Optional[int] = ..., submission_closes_at: _Optional[str] = ..., expected_shards: _Optional[int] = ..., settled: _Optional[bool] = ..., settled_at: _Optional[str] = ..., settled_at_us: _Optional[int] = ..., waiting_on: _Optional[_Union[RunWaitingOn, _Mapping]] = ..., reopened_at_sequence: _Optional[int] = ..., reopened_at: _Optional[str] = ..., reopened_at_us: _Optional[int] = ...) -> None: ...
 
 class RunWaitingOn(_message.Message):
     __slots__ = ("running", "stale", "unverified", "unplanned")
