@@ -31,7 +31,7 @@ def run_line(ledger: Ledger, run_id: str, line: dict[str, Any], *, out_dir: str)
     """Runs one shard: counts the words of its input and commits the counts as "counts"."""
     shard_id = line["shard_id"]
     target = Path(out_dir) / f"{shard_id}.counts.json"
-    with ledger.shard(run_id, shard_id, expected_outputs=["counts"]) as shard:
+    with ledger.shard(run_id, shard_id, expected_outputs=["counts"], input=line) as shard:
         text = Path(line["input"]).read_text(encoding="utf-8")
         if line.get("params", {}).get("lowercase"):
             text = text.lower()

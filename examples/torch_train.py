@@ -24,7 +24,10 @@ What the SDK adds to an ordinary training loop:
   seconds; the attempt is recorded as failed(preempted) and the shard lands in
   the resume list;
 * weights and metrics are committed with ``shard.atomic_write``; a clean exit
-  without both is recorded as failed(incomplete), never as a success.
+  without both is recorded as failed(incomplete), never as a success;
+* ``input=line`` re-reads the input's identity against the plan when the shard
+  starts: an input another pipeline rewrote since ``plan`` is recorded as
+  failed(input_changed) before any step runs.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ def run_line(
         checkpoint_dir=work / "checkpoints",
         heartbeat_timeout=120.0,  # stale on the ledger after this long without a beat
         sigterm_grace=30.0,
+        input=line,  # re-checked against the plan: a rewritten input stops it here
     ) as shard:
         resumed = train(shard, line, work, deadlock_at_step)
         print(f"{shard_id}: resumed from step {resumed}" if resumed else f"{shard_id}: fresh start")

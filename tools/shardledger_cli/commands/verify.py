@@ -320,6 +320,21 @@ def run_verify(args: argparse.Namespace) -> int:
     validators = load_entry_point_validators()
     recorder = Recorder(client)
     tally = Tally(current=todo.current)
+
+    def record(state: CommitState, verdict: CheckResult) -> None:
+        """Queues the verdict on one commit and counts it."""
+        generation = len(state.verdicts)
+        recorder.add(
+            verdict_event(
+                state.commit,
+                verdict,
+                namespace=args.namespace,
+                run_id=args.run,
+                generation=generation,
+            )
+        )
+        tally.add(state, verdict.passed, verdict.reason, verdict.detail, earlier=False)
+
     first = [group[0].commit for group in reads.values()]
     with _Progress(len(first), enabled=not args.json and sys.stderr.isatty()) as advance:
         for read, result in check_all(
@@ -330,31 +345,11 @@ def run_verify(args: argparse.Namespace) -> int:
                 if verdict.reason in VERIFIER_REASONS and not verdict.passed:
                     tally.unchecked.append(entry(state.commit, verdict.reason, verdict.detail))
                     continue
-                recorder.add(
-                    verdict_event(
-                        state.commit,
-                        verdict,
-                        namespace=args.namespace,
-                        run_id=args.run,
-                        generation=len(state.verdicts),
-                    )
-                )
-                tally.add(state, verdict.passed, verdict.reason, verdict.detail, earlier=False)
+                record(state, verdict)
         for state in _current(todo):
             found = moved.get(state.commit.shard_id)
-            if found is None:
-                continue
-            verdict = CheckResult(False, INPUT_CHANGED, found.difference)
-            recorder.add(
-                verdict_event(
-                    state.commit,
-                    verdict,
-                    namespace=args.namespace,
-                    run_id=args.run,
-                    generation=len(state.verdicts),
-                )
-            )
-            tally.add(state, False, INPUT_CHANGED, found.difference, earlier=False)
+            if found is not None:
+                record(state, CheckResult(False, INPUT_CHANGED, found.difference))
         for state in _current(todo):
             if state.commit.shard_id in unread:
                 tally.unchecked.append(
