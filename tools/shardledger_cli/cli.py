@@ -121,6 +121,10 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+# --quiet: no progress on stderr (shardledger_cli.output.progress reads it).
+QUIET = False
+
+
 def common_parent() -> argparse.ArgumentParser:
     """Returns the options every client command shares."""
     parent = argparse.ArgumentParser(add_help=False)
@@ -152,6 +156,12 @@ def common_parent() -> argparse.ArgumentParser:
     )
     group.add_argument("--tls-key", metavar="PEM", default=None, help="client key for mutual TLS")
     parent.add_argument("--json", action="store_true", help=JSON_RULE)
+    parent.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (by default a bar on a terminal, and a line every 10 s"
+        " of long work when piped)",
+    )
     return parent
 
 
@@ -375,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()  # a bare `shardledger` asks what there is
         return EXIT_OK
     args = parser.parse_args(argv)
+    global QUIET
+    QUIET = bool(getattr(args, "quiet", False))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any, Final
 
 from shard_client.atomic import atomic_write
+from shardledger_cli import cli
 from shardledger_cli.cli import CommandError
 
 REASON_KEY: Final = "_resume_reason"
@@ -30,21 +31,94 @@ def print_json_lines(values: Iterable[Any]) -> None:
         write(json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n")
 
 
+# How often a piped progress report prints a line (a Slurm job log, a CI log).
+PIPED_EVERY_S: Final = 10.0
+
+
 def progress(label: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
-    """Returns a context yielding advance(n): a rich progress bar when stderr is a terminal."""
-    if not sys.stderr.isatty() or total < 2:
+    """Returns a context yielding advance(n) for work of ``total`` items.
+
+    On a terminal: a bar with N/M, rate and time left. Piped (a batch log): after the
+    work has run PIPED_EVERY_S, one line on stderr every PIPED_EVERY_S with N/M, the
+    rate and the time left, and a last line when it ends, so a long verify in a Slurm
+    job log is never silent; work that ends sooner prints nothing. --quiet: neither.
+    """
+    if cli.QUIET or total < 2:
         return nullcontext(lambda n: None)
+    if not sys.stderr.isatty():
+        return _lines(label, total)
 
     @contextmanager
     def bar() -> Iterator[Callable[[int], None]]:
         from rich.console import Console
-        from rich.progress import Progress
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            ProgressColumn,
+            Task,
+            TaskProgressColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+        from rich.text import Text
 
-        with Progress(console=Console(stderr=True), transient=True) as shown:
+        class Rate(ProgressColumn):
+            """Items per second (rich's speed columns count bytes)."""
+
+            def render(self, task: Task) -> Text:
+                return Text(f"{task.speed:,.1f}/s" if task.speed else "")
+
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            Rate(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=Console(stderr=True), transient=True) as shown:
             task = shown.add_task(label, total=total)
             yield lambda n: shown.advance(task, n)
 
     return bar()
+
+
+@contextmanager
+def _lines(
+    label: str,
+    total: int,
+    *,
+    every_s: float = PIPED_EVERY_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[Callable[[int], None]]:
+    """Yields advance(n) that reports progress as a line every ``every_s`` (see progress)."""
+    start = last = clock()
+    done = 0
+    printed = False
+
+    def line(now: float) -> None:
+        elapsed = max(now - start, 1e-9)
+        rate = done / elapsed
+        left = f"{(total - done) / rate:.0f} s left" if rate > 0 and done < total else "done"
+        print(
+            f"shardledger: {label}: {done:,}/{total:,} ({100 * done // total}%),"
+            f" {rate:,.1f}/s, {left}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def advance(n: int) -> None:
+        nonlocal done, last, printed
+        done += n
+        now = clock()
+        if now - last >= every_s:
+            line(now)
+            last, printed = now, True
+
+    yield advance
+    if printed:
+        line(clock())
 
 
 def ts_us(ts: Any) -> int:

@@ -44,6 +44,7 @@ from shardledger_cli.commands.verify_scan import (
     unique,
 )
 from shardledger_cli.input_check import CHANGED, GONE, InputNow, check_inputs, collect_plans
+from shardledger_cli.output import progress
 from shardledger_cli.parsing import json_help
 
 __all__ = ["Commit", "Recorder", "register", "verdict_event"]
@@ -336,9 +337,9 @@ def run_verify(args: argparse.Namespace) -> int:
         tally.add(state, verdict.passed, verdict.reason, verdict.detail, earlier=False)
 
     first = [group[0].commit for group in reads.values()]
-    with _Progress(len(first), enabled=not args.json and sys.stderr.isatty()) as advance:
+    with progress("verifying", len(first)) as step:
         for read, result in check_all(
-            first, root=root, workers=args.workers, validators=validators, on_done=advance
+            first, root=root, workers=args.workers, validators=validators, on_done=lambda: step(1)
         ):
             for state in reads[read.read_key]:
                 verdict = _keyed(scan, state.commit, root, result)
@@ -386,8 +387,8 @@ def _moved_inputs(
     not be read (shard id -> why: nothing is judged for them).
     """
     shard_ids = [sid for sid in unique(s.commit.shard_id for s in _current(todo)) if sid in plans]
-    with _Progress(len(shard_ids), enabled=sys.stderr.isatty()) as advance:
-        found, unread = check_inputs(plans, shard_ids, workers=workers, on_done=advance)
+    with progress("reading planned inputs", len(shard_ids)) as step:
+        found, unread = check_inputs(plans, shard_ids, workers=workers, on_done=lambda: step(1))
     moved = {f.shard_id: f for f in found if f.status in (CHANGED, GONE)}
     return moved, unread
 
@@ -444,28 +445,3 @@ def _keyed(scan: Any, commit: Commit, root: str, result: CheckResult) -> CheckRe
     if keyed is None or not result.passed:
         return result
     return check_keyed(keyed, root=root, path=commit.path)
-
-
-class _Progress:
-    """A rich progress bar on stderr when it is a terminal, else nothing."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self.total = total
-        self.enabled = enabled and total > 0
-        self._bar: Any = None
-        self._task: Any = None
-
-    def __enter__(self) -> Callable[[], None]:
-        if not self.enabled:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self._bar = Progress(console=Console(file=sys.stderr), transient=True)
-        self._bar.start()
-        self._task = self._bar.add_task("verifying", total=self.total)
-        return lambda: self._bar.advance(self._task)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
