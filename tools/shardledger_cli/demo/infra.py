@@ -100,6 +100,11 @@ class Watchdog:
         self.unrecorded: dict[str, Action] = {}  # stopped, failed(timeout) not yet taken
         self.started = StartedIndex(run_id, namespace)
         self._hold_until = 0.0
+        # After an outage: shard id -> attempt id of the attempts that ran through it, until
+        # each is heard from again (received after _since_us) or has ended; then _settle_s.
+        self._awaiting: dict[str, str] = {}
+        self._since_us = 0
+        self._settle_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="demo-watchdog", daemon=True)
 
@@ -111,6 +116,36 @@ class Watchdog:
         """Pauses the watchdog for some seconds (inf: until the next hold)."""
         self._hold_until = time.monotonic() + seconds
 
+    def running_attempts(self) -> dict[str, str]:
+        """Returns shard id -> latest attempt id of the run's running shards (the ledger's view)."""
+        shards = self.client.shards(self.run_id, namespace=self.namespace, state="running")
+        return {s.shard_id: s.view.latest_attempt for s in shards}
+
+    def hold_until_heard(
+        self, attempts: Mapping[str, str], *, since_us: int, settle_s: float, deadline_s: float
+    ) -> None:
+        """Pauses until each attempt was heard from after ``since_us`` (or ended), then settle_s.
+
+        After an outage a job's events come back only once its sender's backoff lets it
+        retry and its spool drains, which on a busy machine takes longer than any fixed
+        pause: until then an attempt that ran through the outage only looks silent. A
+        job that never speaks again (it hung meanwhile) is watched after ``deadline_s``.
+        """
+        self._awaiting, self._since_us, self._settle_s = dict(attempts), since_us, settle_s
+        self._hold_until = time.monotonic() + (deadline_s if attempts else settle_s)
+
+    def _heard_all(self) -> bool:
+        """Drops the awaited attempts the ledger heard from (or that ended); True once none is left."""
+        for shard in self.client.shards(self.run_id, namespace=self.namespace):
+            attempt = self._awaiting.get(shard.shard_id)
+            if attempt is None:
+                continue
+            view = shard.view
+            ended = view.latest_attempt != attempt or shard.state not in ("running", "stale")
+            if ended or (view.HasField("last_seen_us") and view.last_seen_us >= self._since_us):
+                del self._awaiting[shard.shard_id]
+        return not self._awaiting
+
     def stop(self) -> None:
         """Stops watching and waits for a pass in progress."""
         self._stop.set()
@@ -119,6 +154,10 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self._awaiting:
+                with contextlib.suppress(LedgerClientError):
+                    if self._heard_all():
+                        self._hold_until = min(self._hold_until, time.monotonic() + self._settle_s)
             if time.monotonic() < self._hold_until:
                 continue
             with contextlib.suppress(LedgerClientError):

@@ -16,7 +16,9 @@ from typing import Any, Final
 import numpy as np
 
 from shard_client.atomic import atomic_write
+from shard_client.backoff import SENDER_MAX_DELAY_S
 from shard_client.client import LedgerClient
+from shard_client.errors import LedgerClientError
 from shard_client.spooldir import drain_spool_dirs
 from shardledger_cli.cli import CommandError
 from shardledger_cli.cli import main as cli_main
@@ -38,9 +40,12 @@ from shardledger_cli.demo.report import Ui
 HEARTBEAT_TIMEOUT_S: Final = 3.0
 WATCHDOG_GRACE_S: Final = 1.0
 OUTAGE_S: Final = 3.0
-# After the ledger is back, workers need a moment to reconnect and drain their
-# spools; until then attempts that ran through the outage look silent.
-HOLD_AFTER_OUTAGE_S: Final = HEARTBEAT_TIMEOUT_S + 5.0
+# After the ledger is back, workers need a moment to reconnect (their senders retry
+# at most SENDER_MAX_DELAY_S apart) and drain their spools; until then attempts that ran
+# through the outage look silent. The watchdog waits until each of them was heard from
+# again (or ended), then a heartbeat timeout more; one that never speaks again (it hung
+# meanwhile) is watched after HOLD_AFTER_OUTAGE_S at most.
+HOLD_AFTER_OUTAGE_S: Final = SENDER_MAX_DELAY_S + HEARTBEAT_TIMEOUT_S + 30.0
 SETTLE_TIMEOUT_S: Final = 60.0
 BASE_IMAGE: Final = "sha256:project-x-train-2024.06"
 DRIFTED_IMAGE: Final = "sha256:project-x-train-2024.06-hotfix"
@@ -77,6 +82,8 @@ class Outage:
     restart_at: float = 0.0
     up_at: float = 0.0
     _down_mono: float = 0.0
+    # The attempts running when the ledger was killed (shard id -> attempt id).
+    running: dict[str, str] | None = field(default_factory=dict)
 
     def holds(self, task: dict[str, Any]) -> bool:
         """Returns whether a task must wait: a worker that dies now would strand its spool."""
@@ -87,6 +94,10 @@ class Outage:
         if self.state == "waiting" and done >= self.trigger:
             assert self.server is not None
             self.watchdog.hold(math.inf)  # a dead ledger makes every attempt look silent
+            try:
+                self.running = self.watchdog.running_attempts()
+            except LedgerClientError:  # not known: the watchdog then waits its whole deadline
+                self.running = None
             self.server.kill()
             self.down_at, self._down_mono, self.state = time.time(), time.monotonic(), "down"
             self.note("running shards (ledger SIGKILLed: jobs spool their events)")
@@ -104,7 +115,15 @@ class Outage:
         self.up_at, self.state = time.time(), "done"
         self.note("running shards (ledger restarted: spools draining)")
         self.on_up()
-        self.watchdog.hold(HOLD_AFTER_OUTAGE_S)
+        if self.running is None:
+            self.watchdog.hold(HOLD_AFTER_OUTAGE_S)
+            return
+        self.watchdog.hold_until_heard(
+            self.running,
+            since_us=int(self.restart_at * 1_000_000),
+            settle_s=HEARTBEAT_TIMEOUT_S,
+            deadline_s=HOLD_AFTER_OUTAGE_S,
+        )
 
 
 @dataclass(slots=True)
