@@ -345,6 +345,7 @@ class Shard:
             threading.Thread(
                 target=terminate_self,
                 args=(self.shard_id, self.options.kill_grace or 30.0),
+                kwargs={"stack_label": self._stack_label},
                 name=f"shard_client-stop-{self.shard_id}",
                 daemon=True,
             ).start()

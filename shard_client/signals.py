@@ -14,7 +14,13 @@ from typing import IO, Any, Final
 
 from shard_client.failures import Preempted
 
-__all__ = ["DIAG_ENV", "SigtermGrace", "diagnostics_dir", "stack_dumps_on_sigusr1"]
+__all__ = [
+    "DIAG_ENV",
+    "SigtermGrace",
+    "diagnostics_dir",
+    "discard_empty_stack",
+    "stack_dumps_on_sigusr1",
+]
 
 DIAG_ENV: Final = "SHARDLEDGER_DIAG_DIR"
 _stack_owner: list[IO[str]] = []  # the file SIGUSR1 dumps into now, if ours
@@ -89,6 +95,18 @@ def diagnostics_dir() -> str:
     )
 
 
+def discard_empty_stack(attempt_id: str) -> None:
+    """Removes <diagnostics dir>/<attempt>.stack if nothing was dumped into it.
+
+    stack_dumps_on_sigusr1 removes it when its block ends; a process about to be
+    SIGKILLed (its own watchdog's last step, or another's) never gets there.
+    """
+    path = os.path.join(diagnostics_dir(), f"{attempt_id}.stack")
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
+
+
 @contextlib.contextmanager
 def stack_dumps_on_sigusr1(attempt_id: str) -> Iterator[str]:
     """Makes SIGUSR1 dump every thread's stack to <diagnostics dir>/<attempt>.stack meanwhile.
@@ -115,6 +133,4 @@ def stack_dumps_on_sigusr1(attempt_id: str) -> Iterator[str]:
         else:  # an inner shard ended first: the outer one gets the signal back
             faulthandler.register(signal.SIGUSR1, file=_stack_owner[-1], all_threads=True)
         stream.close()
-        with contextlib.suppress(OSError):
-            if os.path.getsize(path) == 0:
-                os.unlink(path)
+        discard_empty_stack(attempt_id)

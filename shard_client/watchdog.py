@@ -40,6 +40,7 @@ from typing import Final
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.diagnostics import BundleContext, write_bundle
 from shard_client.errors import LedgerClientError
+from shard_client.signals import discard_empty_stack
 
 __all__ = [
     "DEFAULT_HANG_GRACE_S",
@@ -209,7 +210,9 @@ class Watchdog:
             log.warning("peer_stop_diagnostics_written shard=%s path=%s", ctx.shard_id, info.path)
         except Exception as exc:  # diagnostics are evidence; stopping matters more
             log.error("peer_stop_diagnostics_failed shard=%s error=%r", ctx.shard_id, exc)
-        terminate_self(ctx.shard_id, self.policy.kill_grace, kill=self._kill)
+        terminate_self(
+            ctx.shard_id, self.policy.kill_grace, kill=self._kill, stack_label=ctx.attempt_id
+        )
 
     def _stop(self, quiet: float, threshold: float, basis: str) -> None:
         ctx, policy = self._context, self.policy
@@ -236,7 +239,7 @@ class Watchdog:
             log.warning("hang_failure_recorded shard=%s tag=timeout", ctx.shard_id)
         except LedgerClientError as exc:  # still stopped: the ledger sees it stale instead
             log.error("hang_failure_not_recorded shard=%s error=%s", ctx.shard_id, exc)
-        terminate_self(ctx.shard_id, policy.kill_grace, kill=self._kill)
+        terminate_self(ctx.shard_id, policy.kill_grace, kill=self._kill, stack_label=ctx.attempt_id)
 
     def join(self, timeout: float) -> None:
         """Waits for the stopping thread (tests with a fake kill)."""
@@ -245,9 +248,17 @@ class Watchdog:
 
 
 def terminate_self(
-    label: str, kill_grace: float, *, kill: Callable[[int, int], None] = os.kill
+    label: str,
+    kill_grace: float,
+    *,
+    kill: Callable[[int, int], None] = os.kill,
+    stack_label: str = "",
 ) -> None:
-    """Sends this process SIGTERM and, ``kill_grace`` seconds later if it still lives, SIGKILL."""
+    """Sends this process SIGTERM and, ``kill_grace`` seconds later if it still lives, SIGKILL.
+
+    Before the SIGKILL the attempt's empty stack file (``stack_label``) is removed: the
+    kill leaves no cleanup to run.
+    """
     pid = os.getpid()
     log.warning("hang_sigterm_sent shard=%s pid=%d", label, pid)
     kill(pid, signal.SIGTERM)
@@ -258,4 +269,6 @@ def terminate_self(
     for handler in logging.getLogger().handlers + log.handlers:
         with contextlib.suppress(Exception):  # the last line must reach the log before KILL
             handler.flush()
+    if stack_label:
+        discard_empty_stack(stack_label)
     kill(pid, signal.SIGKILL)

@@ -297,6 +297,26 @@ def test_watch_kill_stale_handles_twenty_hung_attempts_in_about_one_grace_period
     assert took < 2 * 2 + 4, f"20 hung attempts took {took:.1f} s"
 
 
+def test_a_killed_attempt_leaves_no_empty_stack_file_behind_but_a_dump_stays(
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    children: list[subprocess.Popen[bytes]],
+) -> None:
+    diag = tmp_path / "diag"
+    diag.mkdir()
+    client.append([planned(shard_id=s, index=i) for i, s in enumerate(("empty", "dumped"))])
+    for shard_id in ("empty", "dumped"):
+        hang_attempt(client, children, shard_id, f"att-{shard_id}")
+    # What the SDK leaves for a process SIGKILL stops: the SIGUSR1 file it opened at start.
+    (diag / "att-empty.stack").write_text("")
+    (diag / "att-dumped.stack").write_text("Thread 0x1 (most recent call first):\n")
+    wait_stale(client, {"empty", "dumped"})
+    assert kill_stale(client, diag, "0.5") == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in diag.glob("*.stack")) == ["att-dumped.stack"]
+
+
 def test_watch_never_signals_a_reused_pid_whose_start_time_differs(
     client: LedgerClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

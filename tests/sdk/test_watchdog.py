@@ -89,6 +89,8 @@ def test_a_deadlocked_job_with_default_settings_is_recorded_timeout_with_its_sta
     assert [(e.shard_id, e.reason) for e in client.resume("run-1")] == [
         ("shard-0", "failed:timeout")
     ]
+    # SIGKILL ran no cleanup, yet its never-used SIGUSR1 stack file is gone: only evidence stays.
+    assert list((tmp_path / "diag").glob("*.stack")) == []
 
 
 def test_a_hung_job_that_handles_sigterm_stops_within_its_grace_and_is_recorded_once(

@@ -7,7 +7,9 @@ server clock. With --kill-stale, for each one (many at once, --parallel):
      (py-spy when installed, else SIGUSR1, which the SDK routes to
      faulthandler) and the last lines of the job's log (--log-file);
   2. stop it, through what its started event recorded:
-       Slurm job       scancel --signal=TERM --full JOBID, after --grace: scancel JOBID
+       Slurm job       scancel --signal=TERM --full JOBID, after --grace: scancel JOBID,
+                       then `scontrol -o show job JOBID` until it left (both must be
+                       on this host's PATH and reach the cluster's slurmctld)
        Kubernetes pod  kubectl delete pod POD --namespace NS --grace-period=GRACE
        --kill-command  your command, e.g. 'ssh {host} kill -TERM {pid}' (no shell)
        this host       SIGTERM, --grace, SIGKILL: only when the pid's start time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import uuid
@@ -253,9 +254,23 @@ def handle_stale(
     )
     if stopped is None:
         return action
+    if stopped:
+        _discard_empty_stack(diag_dir, target.attempt_id)  # the process is gone: no dump comes
     if stopped or record_remote:
         _record_or_keep(action, target, append, namespace, 0, unrecorded)
     return action
+
+
+def _discard_empty_stack(diag_dir: Path, attempt_id: str) -> None:
+    """Removes the stopped attempt's <attempt>.stack if nothing was ever dumped into it.
+
+    The SDK removes it when its block ends; a process that SIGKILL stopped never gets
+    there, and an empty file per killed attempt is clutter, not evidence.
+    """
+    path = diag_dir / f"{attempt_id}.stack"
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
 
 
 def _record_or_keep(
