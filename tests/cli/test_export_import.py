@@ -249,6 +249,8 @@ def test_importing_a_run_that_exists_is_refused_and_changes_nothing(
     before = rows_of(target)
     code, _, err = _import(capsys, exported, target)
     assert code == 4 and "RUN_EXISTS" in err
+    # A local command's words: no ledger refused anything.
+    assert f"cannot import {exported} into {target}" in err and "refused" not in err
     assert rows_of(target) == before
 
 

@@ -258,7 +258,8 @@ def test_a_wrong_root_records_nothing_and_the_right_root_then_verifies_everythin
         "missing-dir": "does not exist",
         "a-file": "is not a directory",
         # The SDK records absolute paths, so each lies outside a root elsewhere.
-        "empty-dir": "holds none of the run's 3 artifacts: is it the right directory? (all 3 lie"
+        "empty-dir": "holds none of the run's 3 artifact files (3 commits): is it the right"
+        " directory? (all 3 lie"
         f" outside it, under {out})",
     }
     assert said[wrong] in stderr
@@ -291,8 +292,8 @@ def test_a_root_holding_none_of_the_runs_relative_paths_is_refused(
     code, report, stderr = verify(capsys, target, elsewhere)
     assert (code, report) == (5, {})
     assert (
-        f"--root {elsewhere} holds none of the run's 2 artifacts: is it the right directory?"
-        in stderr
+        f"--root {elsewhere} holds none of the run's 2 artifact files (2 commits): is it the"
+        " right directory?" in stderr
     )
     assert verdicts(client) == []
     assert verify(capsys, target, out)[0] == 0

@@ -330,12 +330,18 @@ def run_import(args: argparse.Namespace) -> int:
         print(f"shardledger: refusing {args.file}: {exc}; nothing was written", file=sys.stderr)
         return EXIT_PROBLEMS
     except ConflictError as exc:
-        raise CommandError(f"refused ({exc.reason}): {exc}", code=EXIT_REJECTED) from None
+        # Exit 4 as documented ("the run or an event id exists"), in a local command's words.
+        raise CommandError(
+            f"cannot import {args.file} into {args.db}: {exc} ({exc.reason}); nothing was written",
+            code=EXIT_REJECTED,
+        ) from None
     except LedgerError as exc:
         print(f"shardledger: refusing {args.file}: {exc}; nothing was written", file=sys.stderr)
         return EXIT_PROBLEMS
     except WriterBusy as exc:
-        raise CommandError(f"refused: {exc}; nothing was written", code=EXIT_LOCAL) from None
+        raise CommandError(
+            f"cannot import {args.file}: {exc}; nothing was written", code=EXIT_LOCAL
+        ) from None
     finally:
         store.close()
     summary = {

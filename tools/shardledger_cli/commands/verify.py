@@ -315,8 +315,8 @@ def run_verify(args: argparse.Namespace) -> int:
         share = f"all {len(away)}" if len(away) == len(paths) else f"{len(away)} of them"
         hint = f" ({share} lie outside it, under {common_dir(root, away)})" if away else ""
         raise CommandError(
-            f"--root {args.root} holds none of the run's {len(paths)} artifacts: is it the right"
-            f" directory?{hint} Nothing was recorded."
+            f"--root {args.root} holds none of the run's {len(paths)} artifact files"
+            f" ({len(held)} commits): is it the right directory?{hint} Nothing was recorded."
         )
     validators = load_entry_point_validators()
     recorder = Recorder(client)
