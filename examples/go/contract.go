@@ -8,7 +8,10 @@ import (
 	"fmt"
 	"math/big"
 	"regexp"
+	"sort"
 	"strconv"
+	"strings"
+	"unicode/utf16"
 
 	"lukechampine.com/blake3"
 )
@@ -93,6 +96,67 @@ func fingerprintDigest(fields map[string]string) (string, error) {
 		return "", err
 	}
 	return blake3Hex(text), nil
+}
+
+// legacyFingerprintDigest is the digest SDKs computed before RFC 8785 (Python's
+// json.dumps(sort_keys=True, separators=(",", ":")), non-ASCII escaped): the ledger
+// still accepts it from a spool and stores the RFC 8785 digest instead.
+func legacyFingerprintDigest(fields map[string]string) string {
+	if len(fields) == 0 {
+		return ""
+	}
+	keys := []string{}
+	for k := range fields {
+		if !identityKey.MatchString(k) {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys) // UTF-8 byte order is code point order, as Python sorts
+	var b strings.Builder
+	b.WriteByte('{')
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		writeASCII(&b, k)
+		b.WriteByte(':')
+		writeASCII(&b, fields[k])
+	}
+	b.WriteByte('}')
+	return blake3Hex([]byte(b.String()))
+}
+
+// writeASCII writes a string as Python's json with ensure_ascii: everything outside
+// U+0020-U+007E escaped, astral characters as a surrogate pair, lowercase hex.
+func writeASCII(b *strings.Builder, s string) {
+	b.WriteByte('"')
+	for _, r := range s {
+		switch {
+		case r == '"' || r == '\\':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case r == '\b':
+			b.WriteString(`\b`)
+		case r == '\f':
+			b.WriteString(`\f`)
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r == '\r':
+			b.WriteString(`\r`)
+		case r == '\t':
+			b.WriteString(`\t`)
+		case r < 0x20 || r > 0x7e:
+			if r > 0xffff {
+				hi, lo := utf16.EncodeRune(r)
+				fmt.Fprintf(b, `\u%04x\u%04x`, hi, lo)
+			} else {
+				fmt.Fprintf(b, `\u%04x`, r)
+			}
+		default:
+			b.WriteRune(r)
+		}
+	}
+	b.WriteByte('"')
 }
 
 // safeInts writes integers past 2^53 as decimal strings, at the two levels of an

@@ -1,9 +1,12 @@
 // shardledger-go: a small Go client of the shardledger contract, built from proto/ with
-// Debian's Go toolchain (examples/go/build.sh). It checks the contract's test vectors
-// and runs a night against a live ledger:
+// Debian's Go toolchain (examples/go/build.sh). It checks the contract's test vectors,
+// encodes events into rows, and runs a night (and every event kind) against a live ledger:
 //
 //	shardledger-go vectors tests/data/contract_vectors.json
+//	shardledger-go rows < events.jsonl    # {"event": ShardEvent JSON, ...} per line
 //	shardledger-go night -target 127.0.0.1:50551 -run night-01 -spec night.json -out DIR
+//	shardledger-go kinds -target 127.0.0.1:50551 -run kinds-01
+//	shardledger-go codecs                 # which gRPC codec can send each kind
 //
 // Every result is one JSON object per line on stdout; the exit status is 0 when every
 // check held.
@@ -56,7 +59,8 @@ func fail(format string, args ...interface{}) {
 
 func main() {
 	if len(os.Args) < 2 {
-		fail("usage: shardledger-go vectors FILE | night -target ADDR -run RUN -spec FILE -out DIR")
+		fail("usage: shardledger-go vectors FILE | rows | night -target ADDR -run RUN -spec FILE -out DIR" +
+			" | kinds -target ADDR -run RUN | codecs")
 	}
 	switch os.Args[1] {
 	case "vectors":
@@ -64,8 +68,14 @@ func main() {
 			fail("usage: shardledger-go vectors FILE")
 		}
 		os.Exit(checkVectors(os.Args[2]))
+	case "rows":
+		os.Exit(runRows())
 	case "night":
 		os.Exit(runNight(os.Args[2:]))
+	case "kinds":
+		os.Exit(runKinds(os.Args[2:]))
+	case "codecs":
+		os.Exit(runCodecs())
 	default:
 		fail("unknown command %q", os.Args[1])
 	}
@@ -141,8 +151,10 @@ func checkVectors(path string) int {
 			fields[k] = s.(string)
 		}
 		got, err := fingerprintDigest(fields)
-		check("fingerprint "+m["digest"].(string), err == nil && got == m["digest"].(string),
-			fmt.Sprintf("got %s (%v)", got, err))
+		legacy := legacyFingerprintDigest(fields)
+		check("fingerprint "+m["digest"].(string),
+			err == nil && got == m["digest"].(string) && legacy == m["legacy_digest"].(string),
+			fmt.Sprintf("got %s, legacy %s (%v)", got, legacy, err))
 	}
 	prev := make([]byte, 32)
 	for _, c := range v["rows"].([]interface{}) {
@@ -152,15 +164,22 @@ func checkVectors(path string) int {
 		receive, _ := m["receive_time_us"].(json.Number).Int64()
 		row := encodeRow(content, seq, receive)
 		prev = chainHash(prev, row)
+		again, backErr := readBack([]byte(m["row"].(string)))
 		check(fmt.Sprintf("row %d", seq),
-			err == nil && string(row) == m["row"].(string) && hex.EncodeToString(prev) == m["row_hash"].(string),
-			fmt.Sprintf("got %s (%v)", row, err))
+			err == nil && string(row) == m["row"].(string) && hex.EncodeToString(prev) == m["row_hash"].(string) &&
+				backErr == nil && again == m["row"].(string),
+			fmt.Sprintf("got %s (%v), read back %s (%v)", row, err, again, backErr))
 	}
 	for _, c := range v["legacy_rows"].([]interface{}) {
 		m := c.(map[string]interface{})
 		prevHash, _ := hex.DecodeString(m["prev_hash"].(string))
 		got := hex.EncodeToString(chainHash(prevHash, []byte(m["row"].(string))))
 		check("legacy row", got == m["row_hash"].(string), "got "+got)
+	}
+	for _, c := range v["event_rows"].([]interface{}) {
+		m := c.(map[string]interface{})
+		problem := checkEventRow(m)
+		check("event row "+m["name"].(string), problem == "", problem)
 	}
 	emit(map[string]interface{}{"check": "vectors", "passed": passed, "failed": failed})
 	if len(failed) > 0 {

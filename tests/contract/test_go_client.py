@@ -5,6 +5,11 @@ contract (docs/contract.md), reproduces the test vectors, and runs a night whose
 `shardledger status --json` is the night the Python SDK writes. A shard planned by
 one language and run by the other is one shard.
 
+It also writes rows: a differential test feeds hypothesis-generated events of every
+kind (tests/contract/event_strategies.py) to `shardledger-go rows` and to the server's
+own path, and their rows and hashes must be equal byte for byte; and it sends every
+event kind to a live ledger and re-derives each row hash from what ListEvents returns.
+
 CI installs the toolchain (.ci/run); without `go` and `protoc` these tests are skipped.
 """
 
@@ -13,13 +18,21 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
+from google.protobuf import json_format
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, row_bytes
+from ledger_server.codec import decode_event
+from ledger_server.errors import LedgerError
+from ledger_server.validation import MAX_TIMESTAMP_US, validate
 from shard_client import Ledger
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
@@ -28,6 +41,7 @@ from shard_client.failures import DataError
 from shard_client.fingerprint import Fingerprint
 from shard_client.ids import PlanEntry, plan_events, shard_id_for
 from tests.builders import run_cli
+from tests.contract.event_strategies import events
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "tests" / "data" / "contract_vectors.json"
@@ -150,6 +164,7 @@ def test_go_reproduces_the_contract_vectors(go_client: Path) -> None:
             "fingerprint_digests",
             "rows",
             "legacy_rows",
+            "event_rows",
         )
     )
     assert lines == [{"check": "vectors", "passed": expected, "failed": []}]
@@ -225,3 +240,133 @@ def test_a_night_from_go_is_the_night_from_python_and_their_shards_are_one(
     assert _status(capsys, client.target, "night-mixed") == python_night
     assert python_night["submitted"] == 4
     assert python_night["fingerprint_groups"] == {fingerprint_digest(FINGERPRINT): 4}
+
+
+# --- rows, two implementations ------------------------------------------------------
+
+# Enough to meet every rule many times, few enough for a CI run (a few seconds).
+DIFFERENTIAL_EXAMPLES = 400
+
+
+@pytest.fixture(scope="module")
+def go_rows(go_client: Path) -> Iterator[Callable[[dict[str, Any]], dict[str, Any]]]:
+    """Returns a function that asks one `shardledger-go rows` process for one row."""
+    proc = subprocess.Popen(
+        [str(go_client), "rows"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def ask(request: dict[str, Any]) -> dict[str, Any]:
+        stdin.write(json.dumps(request, ensure_ascii=False) + "\n")
+        stdin.flush()
+        line = stdout.readline()
+        assert line, f"shardledger-go rows exited with {proc.poll()}"
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    yield ask
+    stdin.close()
+    assert proc.wait(timeout=30) == 0
+
+
+@settings(
+    max_examples=DIFFERENTIAL_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    msg=events(),
+    run_sequence=st.sampled_from([1, 2**53 - 1, 2**53, 2**53 + 1, 2**63 - 1])
+    | st.integers(1, 2**63 - 1),
+    receive_time_us=st.integers(0, MAX_TIMESTAMP_US),
+    prev=st.binary(min_size=32, max_size=32),
+)
+def test_go_and_python_write_the_same_row_for_any_event(
+    go_rows: Callable[[dict[str, Any]], dict[str, Any]],
+    msg: pb.ShardEvent,
+    run_sequence: int,
+    receive_time_us: int,
+    prev: bytes,
+) -> None:
+    try:
+        valid = validate(decode_event(msg))
+    except LedgerError as exc:  # the strategies make valid events: a refusal is a bug in them
+        raise AssertionError(f"the strategy made an invalid event: {exc}") from exc
+    row = encode_row(valid.canonical, run_sequence=run_sequence, receive_time_us=receive_time_us)
+    assert row == row_bytes(valid.event, run_sequence=run_sequence, receive_time_us=receive_time_us)
+    answer = go_rows(
+        {
+            "event": json_format.MessageToDict(msg, preserving_proto_field_name=True),
+            "run_sequence": run_sequence,
+            "receive_time_us": receive_time_us,
+            "prev_hash": prev.hex(),
+        }
+    )
+    assert answer == {
+        "content": valid.canonical,
+        "row": row.decode(),
+        "row_hash": chain_hash(prev, row).hex(),
+        "read_back": row.decode(),  # Go decodes the row into its ShardEvent and back
+    }
+
+
+def test_go_refuses_a_digest_that_is_not_the_fingerprints(
+    go_rows: Callable[[dict[str, Any]], dict[str, Any]],
+) -> None:
+    msg = pb.ShardEvent(event_id="e", run_id="r", shard_id="s", attempt_id="a")
+    msg.started.heartbeat_timeout.seconds = 60
+    msg.started.fingerprint["gpu.0.name"] = "H100"
+    msg.started.fingerprint_digest = "0" * 64
+    answer = go_rows({"event": json_format.MessageToDict(msg), "run_sequence": 1})
+    assert "FINGERPRINT_DIGEST_MISMATCH" in answer["error"]
+
+
+def test_go_sends_every_kind_and_rederives_every_row_hash(
+    go_client: Path, client: LedgerClient
+) -> None:
+    done = subprocess.run(
+        [str(go_client), "kinds", "-target", client.target, "-run", "kinds-go"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert done.returncode == 0, (lines, done.stderr)
+    summary = lines[-1]
+    assert summary["step"] == "kinds" and summary["ok"], lines
+    oneof = pb.ShardEvent.DESCRIPTOR.oneofs_by_name["payload"]
+    assert sorted(summary["sent"]) == sorted(f.name for f in oneof.fields)
+    assert {line["outcome"] for line in lines if line["step"] == "append"} == {
+        "APPEND_OUTCOME_APPENDED"
+    }
+    assert not any(line.get("input_changed") for line in lines if line["step"] == "append")
+    # Python reads the same run and re-derives the same chain from the same events.
+    events = list(client.list_events("kinds-go"))
+    assert len(events) == summary["rows_verified"] == sum(summary["sent"].values())
+    prev = GENESIS_HASH
+    for event in events:
+        row = row_bytes(
+            decode_event(event),
+            run_sequence=event.run_sequence,
+            receive_time_us=event.receive_time.seconds * 1_000_000
+            + event.receive_time.nanos // 1000,
+        )
+        prev = chain_hash(prev, row)
+        assert prev == event.row_hash, event.event_id
+
+
+def test_go_sends_every_kind_through_the_forced_codec(go_client: Path) -> None:
+    # grpc 1.33's default codec (github.com/golang/protobuf 1.3 on Debian) panics on any
+    # message with a oneof set; the client forces a protobuf API v2 codec on every call.
+    code, lines, err = _go(go_client, "codecs")
+    assert code == 0, (lines, err)
+    forced = next(line for line in lines if line["codec"] == "forced")
+    oneof = pb.ShardEvent.DESCRIPTOR.oneofs_by_name["payload"]
+    assert set(forced["results"]) >= {f.name for f in oneof.fields}
+    assert set(forced["results"].values()) == {"ok"}
