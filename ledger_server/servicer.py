@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
-from typing import Any, Final
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, Final, TypeVar
 
 import grpc
+import structlog
+from google.protobuf import any_pb2, json_format
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status as grpc_rpc_status
 
 from ledger_server import codec
 from ledger_server.audit_rpc import AuditRpcMixin
@@ -15,10 +20,10 @@ from ledger_server.auth import APPEND, READ, Forbidden, authorize, effective_nam
 from ledger_server.errors import EventRejected, InvalidEvent, LedgerError
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
 from ledger_server.metrics import LedgerMetrics
-from ledger_server.rpc_status import abort_on_error
+from ledger_server.rpc_status import ERROR_DOMAIN, abort_on_error
 from ledger_server.service import LedgerService
 from ledger_server.signing import SigningKey
-from ledger_server.validation import check_id
+from ledger_server.validation import check_id, check_nanos
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.canonical import legacy_json
@@ -34,6 +39,11 @@ READ_BUDGET_BYTES: Final = 4 * 1024 * 1024
 # the byte budget never holds thousands of large rows in memory.
 _EVENTS_PER_READ: Final = 256
 TAIL_POLL_S: Final = 1.0
+# The field path json_format names, one "Failed to parse X field" per level.
+_PARSE_FIELD: Final = re.compile(r"Failed to parse (\w+) field")
+
+log = structlog.get_logger("shardledger.server")
+_Built = TypeVar("_Built")
 
 
 def _token(value: Any) -> str:
@@ -57,6 +67,34 @@ def _int64(value: Any) -> int:
     if not -(2**63) <= number < 2**63:
         raise ValueError("outside the 64-bit range")
     return number
+
+
+def built(
+    context: grpc.ServicerContext,
+    message: str,
+    build: Callable[[dict[str, Any]], _Built],
+    value: dict[str, Any],
+) -> _Built:
+    """Returns build(value), or ends the call INTERNAL, naming the field that cannot hold its value.
+
+    A stored value wider than the response field it is copied to (validation should have
+    refused it at the door) makes protobuf raise; uncaught, that is an UNKNOWN with no name.
+    """
+    try:
+        return build(value)
+    except (json_format.ParseError, ValueError, TypeError) as exc:
+        field = ".".join([message, *_PARSE_FIELD.findall(str(exc))])
+        log.error("response_field_out_of_range", field=field, error=str(exc))
+        info = any_pb2.Any()
+        info.Pack(
+            error_details_pb2.ErrorInfo(
+                reason="RESPONSE_FIELD_OUT_OF_RANGE", domain=ERROR_DOMAIN, metadata={"field": field}
+            )
+        )
+        text = f"{field}: a recorded value does not fit this response field ({exc})"
+        status = status_pb2.Status(code=code_pb2.INTERNAL, message=text, details=[info])
+        context.abort_with_status(grpc_rpc_status.to_status(status))
+        raise AssertionError("unreachable") from exc  # abort_with_status always raises
 
 
 def entry_bytes(message: Any) -> int:
@@ -85,6 +123,21 @@ class BytePage:
         """Counts one entry of size bytes."""
         self.count += 1
         self.bytes += size
+
+
+# The Timestamps and Durations of an event, by payload: decoding folds their nanos into µs.
+_DURATIONS: Final = {"started": "heartbeat_timeout", "checkpoint": "write_duration"}
+_TIMESTAMPS: Final = {"submission_closed": "submitted_until"}
+
+
+def _check_time_parts(msg: pb.ShardEvent) -> None:
+    """Raises InvalidEvent for a Timestamp or Duration whose nanos are not a fraction of a second."""
+    check_nanos("client_time", msg.client_time.nanos)
+    kind = msg.WhichOneof("payload")
+    name = _DURATIONS.get(kind or "") or _TIMESTAMPS.get(kind or "")
+    if kind and name:
+        payload = getattr(msg, kind)
+        check_nanos(f"{kind}.{name}", getattr(payload, name).nanos, duration=kind in _DURATIONS)
 
 
 def _page_size(value: int) -> int:
@@ -137,6 +190,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     if scope is None:
                         scope = scopes[key] = self._scope(context, APPEND, *key)
                     msg.namespace = scope
+                    _check_time_parts(msg)
                     events.append(codec.decode_event(msg))
                 except LedgerError as exc:
                     raise EventRejected(index, exc) from None
@@ -233,7 +287,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             return pb.GetRunSummaryResponse(
                 summary_json=legacy_json(summary),
                 as_of_time=codec.us_timestamp(summary["as_of_us"]),
-                summary=codec.run_summary_pb(summary),
+                summary=built(context, "RunSummary", codec.run_summary_pb, summary),
             )
 
     def GetRunReport(
@@ -243,7 +297,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             ns = self._scope(context, READ, request.namespace, request.run_id)
             report = self.ledger.report(ns, request.run_id)
             return pb.GetRunReportResponse(
-                report=codec.run_report_pb(report),
+                report=built(context, "RunReport", codec.run_report_pb, report),
                 as_of_time=codec.us_timestamp(report["as_of_us"]),
             )
 
@@ -263,7 +317,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
             at = self.ledger.clock()
             groups = self.ledger.compare(ns, run_ids, request.label, now=at)
             return pb.CompareRunsResponse(
-                groups=[codec.label_group_pb(g) for g in groups],
+                groups=[built(context, "LabelGroup", codec.label_group_pb, g) for g in groups],
                 as_of_time=codec.us_timestamp(at),
             )
 
@@ -293,7 +347,7 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     shard_id=v["shard_id"],
                     state=v["state"],
                     view_json=legacy_json(v),
-                    view=codec.shard_details_pb(v),
+                    view=built(context, "ShardDetails", codec.shard_details_pb, v),
                 )
                 size = entry_bytes(msg)
                 if not page.admits(size):

@@ -57,6 +57,9 @@ MAX_EXPECTED_SHARDS: Final = 2**31 - 1
 
 # The last microsecond a protobuf Timestamp may hold: 9999-12-31T23:59:59.999999Z.
 MAX_TIMESTAMP_US: Final = 253_402_300_799_999_999
+# A Timestamp's or Duration's nanos are a fraction of its second: more would be folded
+# into the seconds as the event is decoded, and it would be kept other than it was sent.
+MAX_NANOS: Final = 999_999_999
 _ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]*")
 _NAMESPACE_RE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _HEX64_RE: Final = re.compile(r"[0-9a-f]{64}")
@@ -86,6 +89,13 @@ def check_id(field_name: str, value: str, *, required: bool = True) -> None:
             field_name,
             "must start with a letter or digit and use only letters, digits and ._:@+=/-",
         )
+
+
+def check_nanos(field_name: str, nanos: int, *, duration: bool = False) -> None:
+    """Raises InvalidEvent unless nanos is a Timestamp's (or a Duration's) fraction of a second."""
+    low = -MAX_NANOS if duration else 0
+    if not low <= nanos <= MAX_NANOS:
+        raise InvalidEvent(field_name, f"nanos must be in [{low}, {MAX_NANOS}]")
 
 
 def check_namespace(value: str) -> str:

@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
+MAX_INTERVAL_STEPS: Final = 2**31 - 1
+
 __all__ = [
     "CheckpointAdvice",
     "advise",
@@ -70,7 +72,9 @@ def advise(
         reason = "t* is at least T: one checkpoint per shard (at the end) is enough"
     else:
         reason = "t* = sqrt(2·T·w/p) minimises p·t/2 + (T/t)·w"
-    steps = max(1, round(t * steps_per_s)) if steps_per_s else None
+    # Saturated at the proto's int32 (CheckpointAdvice.interval_steps): a job counting
+    # tokens as steps may need more, and "every 2**31 - 1 steps" says the same then.
+    steps = min(max(1, round(t * steps_per_s)), MAX_INTERVAL_STEPS) if steps_per_s else None
     return CheckpointAdvice(T, w, p, attempts, t, steps, waste, reason)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from shard_client import atomic
+from shardledger_cli.exec.guard import GUARD_BOUND_S
 from tests.builders import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -298,17 +299,48 @@ def test_sigterm_to_exec_is_forwarded_and_recorded_as_preempted(
     assert_nothing_committed(night)
 
 
-def _kill_attempt_processes(attempt_id: str) -> None:
-    """Kills what is left of an attempt whose wrapper died (its child carries the attempt id)."""
+def _stat(pid: str) -> tuple[str, int] | None:
+    """Returns a process's state letter and process group, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+    return state, int(pgrp)
+
+
+def _attempt_processes(attempt_id: str) -> dict[int, str]:
+    """Returns the live processes of an attempt (each carries its id), pid to command line."""
     marker = f"SHARDLEDGER_ATTEMPT={attempt_id}".encode()
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if marker in environ.split(b"\0"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        stat = _stat(pid)
+        # A zombie is dead; whether it is reaped is its new parent's business (PID 1 here).
+        if marker in environ.split(b"\0") and stat is not None and stat[0] != "Z":
+            found[int(pid)] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+    return found
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Returns the live processes of a process group."""
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        stat = _stat(pid)
+        if stat is not None and stat[0] != "Z" and stat[1] == pgid:
+            members.append(int(pid))
+    return members
+
+
+def _kill_attempt_processes(attempt_id: str) -> None:
+    """Kills what is left of an attempt after a failed test, so none outlives the suite."""
+    for pid in _attempt_processes(attempt_id):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -319,22 +351,47 @@ def orphan_cleanup() -> Iterator[list[str]]:
         _kill_attempt_processes(attempt_id)
 
 
-def test_sigkill_of_exec_itself_leaves_the_shard_stale_and_a_rerun_commits(
+# The guard's documented bound (docs/exec.md), plus what a loaded 2-core machine may take
+# to schedule the guard and deliver the kills.
+ORPHAN_BOUND_S = GUARD_BOUND_S + 5.0
+
+
+def test_sigkill_of_exec_itself_kills_its_child_and_grandchild_and_a_rerun_commits(
     night: Night, capsys: pytest.CaptureFixture[str], orphan_cleanup: list[str]
 ) -> None:
     orphan_cleanup.append("a-killed-wrapper")
-    proc = subprocess.Popen(
-        night.argv("--attempt-id", "a-killed-wrapper", "--no-watchdog"),
-        env=night.env("hang"),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
+    # A quiet child mid-write, with a grandchild (a background job) it waits for.
+    script = (
+        'printf "half of the counts" > "$SHARDLEDGER_OUTPUT_COUNTS"; sleep 3600 &'
+        ' echo "SHARDLEDGER_PROGRESS step=2"; wait'
     )
+    argv = _with_command(
+        night.argv("--attempt-id", "a-killed-wrapper", "--no-watchdog"), "bash", "-c", script
+    )
+    proc = subprocess.Popen(argv, env=night.env(), cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     _wait_for_line(proc.stdout, "SHARDLEDGER_PROGRESS step=2")
+    deadline = time.monotonic() + 30
+    while "sleep 3600" not in _attempt_processes("a-killed-wrapper").values():
+        assert time.monotonic() < deadline, _attempt_processes("a-killed-wrapper")
+        time.sleep(0.05)
+    (child,) = [p for p, cmd in _attempt_processes("a-killed-wrapper").items() if "bash" in cmd]
+    child_stat = _stat(str(child))
+    assert child_stat is not None
+    pgid = child_stat[1]
+    assert len(night.leftovers()) == 1  # the half-written temp file of "counts"
     proc.kill()
     proc.wait(10)
-    _kill_attempt_processes("a-killed-wrapper")
+    # Nothing of the attempt survives: not the child, not its grandchild, not the guard,
+    # and not the temp file (the guard removes it; no rerun has come yet).
+    deadline = time.monotonic() + ORPHAN_BOUND_S
+    while _attempt_processes("a-killed-wrapper") or _group_members(pgid) or night.leftovers():
+        assert time.monotonic() < deadline, (
+            _attempt_processes("a-killed-wrapper"),
+            _group_members(pgid),
+            night.leftovers(),
+        )
+        time.sleep(0.05)
     deadline = time.monotonic() + 30
     while night.view(capsys)["state"] != "stale":
         assert time.monotonic() < deadline, night.view(capsys)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shard_client.classify import failure_tag_of_output
 from shard_client.vocabulary import FailureTag
+from shardledger_cli.exec.guard import GUARD_BOUND_S, Guard, spawn
 from shardledger_cli.exec.outcome import cgroup_oom_kills, judge_failure, signal_of
 from shardledger_cli.exec.outputs import DeclaredOutput, env_name, parse_output
 from shardledger_cli.exec.progress import Progress, parse_progress, parse_progress_file
@@ -145,3 +150,67 @@ def test_the_shard_comes_from_one_source_only() -> None:
         resolve_target(shard=None, plan_line=None, plan_file="p.jsonl", index=None, env={})
     with pytest.raises(ValueError, match="name the shard"):
         resolve_target(shard=None, plan_line=None, plan_file=None, index=None, env={})
+
+
+def _output_of(proc: subprocess.Popen[bytes]) -> str:
+    out, _ = proc.communicate(timeout=30)
+    return out.decode()
+
+
+def test_the_child_dies_with_its_parent_and_keeps_the_default_sigpipe() -> None:
+    # PR_GET_PDEATHSIG (2), read by the command itself: the launcher's setting survives exec.
+    code = (
+        "import ctypes; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0);"
+        " print(v.value)"
+    )
+    assert _output_of(spawn([sys.executable, "-c", code], os.environ, guard=None)) == "9\n"
+    # The wrapper (Python) ignores SIGPIPE; a shell pipeline in the child must not.
+    status = _output_of(spawn(["grep", "SigIgn", "/proc/self/status"], os.environ, guard=None))
+    ignored = int(status.split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1))
+
+
+def test_a_command_that_cannot_be_run_raises_as_popen_does(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        spawn(["no-such-command-here"], os.environ, guard=None)
+    script = tmp_path / "job.sh"
+    script.write_text("echo hi\n")  # not executable
+    with pytest.raises(PermissionError):
+        spawn([str(script)], os.environ, guard=None)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_when_exec_ends_without_disarming_the_guard_kills_the_group_and_removes_the_temps(
+    tmp_path: Path,
+) -> None:
+    temp = tmp_path / ".shardledger-tmp-a.out.txt"
+    temp.write_text("half of a file")
+    guard = Guard.start(attempt_id="a-unit", temps=[str(temp)])
+    proc = spawn(["sh", "-c", "sleep 60 & echo $!; wait"], os.environ, guard=guard)
+    assert proc.stdout is not None
+    grandchild = int(proc.stdout.readline())
+    # What the kernel does to the guard's pipe when exec is SIGKILLed: close it, armed.
+    guard.close()
+    assert proc.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + GUARD_BOUND_S + 5.0
+    while not _gone(grandchild) or temp.exists():
+        assert time.monotonic() < deadline, (grandchild, temp.exists())
+        time.sleep(0.05)
+
+
+def test_a_disarmed_guard_leaves_the_files_to_exec(tmp_path: Path) -> None:
+    temp = tmp_path / ".shardledger-tmp-a.out.txt"
+    temp.write_text("a whole file, about to be committed")
+    guard = Guard.start(attempt_id="a-unit", temps=[str(temp)])
+    proc = spawn(["true"], os.environ, guard=guard)
+    assert proc.wait(30) == 0
+    guard.disarm()
+    guard.close()
+    assert temp.read_text() == "a whole file, about to be committed"

@@ -70,6 +70,11 @@ Placeholders in the command: {PLACEHOLDERS}. The child also gets
 $SHARDLEDGER_RUN, $SHARDLEDGER_SHARD, $SHARDLEDGER_ATTEMPT and, from a plan
 line, $SHARDLEDGER_PLAN_LINE and $SHARDLEDGER_INPUT.
 
+The child never outlives exec: it runs in its own process group with a
+parent-death signal (PR_SET_PDEATHSIG, SIGKILL), and a guard process holding a
+pipe from exec SIGKILLs that whole group, grandchildren too, and removes the
+attempt's temp files within a second of exec's death, SIGKILL included.
+
 Input: with a plan line (or --input), the input is read again before the
 child starts and compared with the plan (docs/concepts.md, "Input identity"): an
 input with other bytes than planned, or gone, is failed(input_changed) and the

@@ -29,6 +29,7 @@ from shard_client.watchdog import HangPolicy
 from shardledger_cli.cli import CommandError
 from shardledger_cli.exec.attempt import ExecAttempt
 from shardledger_cli.exec.diagnose import write_bundle
+from shardledger_cli.exec.guard import Guard
 from shardledger_cli.exec.outcome import cgroup_oom_kills, judge_failure, oom_delta
 from shardledger_cli.exec.outputs import (
     DeclaredOutput,
@@ -206,6 +207,16 @@ def _judge(
     report.exit_code = result.exit_code
 
 
+def _start_guard(spec: ExecSpec, progress_file: str) -> Guard | None:
+    """Starts the process that kills the child's group and removes its temps if exec dies."""
+    temps = [o.temp for o in spec.outputs] + [progress_file]
+    try:
+        return Guard.start(attempt_id=spec.attempt_id, temps=temps)
+    except OSError as exc:  # the child still dies with exec (PDEATHSIG); its children may not
+        log.warning("exec_guard_unavailable attempt=%s error=%s", spec.attempt_id, exc)
+        return None
+
+
 def execute(spec: ExecSpec, ledger: Ledger) -> Report:
     """Runs the attempt; raises LedgerClientError when started is refused (the child never ran)."""
     report = Report(spec.run_id, spec.target.shard_id, spec.attempt_id)
@@ -252,6 +263,7 @@ def execute(spec: ExecSpec, ledger: Ledger) -> Report:
         message = hang.message(spec.policy.kill_grace if spec.policy else 0, spec.liveness)
         report.recorded = attempt.fail(FailureTag.TIMEOUT, message, diagnostics=hang.diagnostics)
 
+    guard = _start_guard(spec, progress_file)
     supervisor = Supervisor(
         argv=argv,
         env=env,
@@ -262,6 +274,7 @@ def execute(spec: ExecSpec, ledger: Ledger) -> Report:
         liveness=spec.liveness,
         term_grace_s=spec.term_grace_s,
         progress_file=progress_file,
+        guard=guard,
     )
     attempt.start_beats()
     oom_before = cgroup_oom_kills()
@@ -283,3 +296,5 @@ def execute(spec: ExecSpec, ledger: Ledger) -> Report:
         discard_temps(spec.outputs)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(progress_file)
+        if guard is not None:
+            guard.close()

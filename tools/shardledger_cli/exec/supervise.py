@@ -11,7 +11,9 @@ default action would be to die of it.
 
 When the child exits, whatever is left of its process group (a background job
 of a shell script) is killed before anything else: a straggler holding an
-output open could otherwise write into it after the commit.
+output open could otherwise write into it after the commit. When the wrapper
+itself dies, the child's parent-death signal and the guard kill the group
+(exec/guard.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shard_client.atomic import CommitInfo
 from shard_client.signals import diagnostics_dir
 from shard_client.watchdog import HangPolicy, ProgressClock
 from shardledger_cli.exec.diagnose import group_report, write_bundle
+from shardledger_cli.exec.guard import Guard, spawn
 from shardledger_cli.exec.progress import Progress, parse_progress, parse_progress_file
 
 __all__ = ["FORWARDED", "TAIL_LINES", "ChildResult", "Hang", "Supervisor"]
@@ -103,6 +106,7 @@ class Supervisor:
     liveness: Liveness = "output"
     term_grace_s: float = 30.0
     progress_file: str = ""
+    guard: Guard | None = None  # kills the child's group if the wrapper dies
     clock: ProgressClock = field(init=False, default_factory=ProgressClock)
     _tail: deque[str] = field(init=False, default_factory=lambda: deque(maxlen=TAIL_LINES))
     _signals: list[int] = field(init=False, default_factory=list)
@@ -143,15 +147,8 @@ class Supervisor:
 
     def _run(self) -> ChildResult:
         self.clock = ProgressClock()
-        proc = subprocess.Popen(
-            list(self.argv),
-            env=dict(self.env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            # Its own group: the wrapper forwards each signal once, to every process
-            # of the job, and a terminal's Ctrl-C reaches the wrapper alone.
-            process_group=0,
-        )
+        # Its own group, with a parent-death signal, under the guard (exec/guard.py).
+        proc = spawn(self.argv, self.env, guard=self.guard)
         self._proc = proc
         for signum in list(self._signals):  # arrived while the child was being created
             with contextlib.suppress(ProcessLookupError):
@@ -166,6 +163,8 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         returncode = proc.wait()
+        if self.guard is not None:
+            self.guard.disarm()
         for reader in readers:
             reader.join(_DRAIN_S)
         self._poll_progress_file()
