@@ -14,7 +14,7 @@ import structlog
 
 from ledger_server.batch import AppendResult, BatchFolder
 from ledger_server.errors import LedgerError
-from ledger_server.store.base import ConcurrentWriteError, Store
+from ledger_server.store.base import ConcurrentWriteError, Store, StoreUnreachable
 from ledger_server.validation import ValidEvent
 
 log = structlog.get_logger("shardledger.ledger")
@@ -85,7 +85,8 @@ class GroupCommitter:
         try:
             outcomes = self._write_group_retrying(jobs)
         except Exception as exc:  # the commit itself failed: nobody is acknowledged
-            log.error("group_commit_failed", error=str(exc), jobs=len(jobs))
+            if not isinstance(exc, StoreUnreachable):  # refused at once: store_health logs it
+                log.error("group_commit_failed", error=str(exc), jobs=len(jobs))
             self._folder.forget()  # it may hold what was folded but never committed
             for job in jobs:
                 job.future.set_exception(exc)

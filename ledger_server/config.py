@@ -38,6 +38,9 @@ class ServerConfig:
     auth: str = "auto"
     # Prometheus /metrics (plain HTTP): HOST:PORT, port 0 picks one; None turns it off.
     metrics_listen: str | None = None
+    # Seconds between background probes of the store while it takes writes (health follows
+    # them); while it fails the probe runs every 0.25 s (store.base.PROBE_RETRY_S).
+    store_probe_interval_s: float = 1.0
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

@@ -60,6 +60,8 @@ REJECT_REASONS: Final = (
     *("RUN_CLOSED", "RUN_NOT_CLOSED"),
     *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
+    # A response that cannot hold a recorded value (servicer.built).
+    "RESPONSE_FIELD_OUT_OF_RANGE",
     # Authentication and authorization refusals (auth.py), counted per call.
     *("TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_INVALID", "TOKEN_REVOKED", "TOKEN_EXPIRED"),
     *("ROLE_FORBIDDEN", "NAMESPACE_FORBIDDEN", "RUN_PREFIX_FORBIDDEN"),
@@ -131,6 +133,30 @@ class LedgerMetrics:
             registry=r,
         )
         self.store_writable.set(1)
+        self.serving = Gauge(
+            "shardledger_serving",
+            "1 while health says SERVING (the store takes writes, by the last append or probe),"
+            " 0 while NOT_SERVING.",
+            registry=r,
+        )
+        self.serving.set(1)
+        self.health_transitions = Counter(
+            "shardledger_health_transitions",
+            "Changes of the health status driven by the store, by the status changed to.",
+            ["to"],
+            registry=r,
+        )
+        self.health_changed_time = Gauge(
+            "shardledger_health_last_transition_time_seconds",
+            "Unix time of the latest change of the store-driven health status (0: none yet).",
+            registry=r,
+        )
+        self.store_probe_failures = Counter(
+            "shardledger_store_probe_failures",
+            "Background probes of the store that found it unable to take a write, by kind.",
+            ["kind"],
+            registry=r,
+        )
         # Called with the store error of a failed append, or None after one that committed.
         self.on_store_write: Callable[[StoreError | None], None] | None = None
         # Every reason is exported from the start, so rate() sees 0 and not an absent series.
@@ -139,6 +165,9 @@ class LedgerMetrics:
             self.calls_rejected.labels(reason)
         for kind in STORE_FAULTS:
             self.store_write_errors.labels(kind)
+            self.store_probe_failures.labels(kind)
+        for status in ("SERVING", "NOT_SERVING"):
+            self.health_transitions.labels(status)
         # Bound once: labels() takes a lock and builds a key on every call of the hot path.
         self._append_ok = self.append_seconds.labels("ok")
         self._append_rejected = self.append_seconds.labels("rejected")
@@ -177,6 +206,18 @@ class LedgerMetrics:
         self.store_writable.set(0 if error is not None else 1)
         if self.on_store_write is not None:
             self.on_store_write(error)
+
+    def observe_health(self, serving: bool, at: float) -> None:
+        """Records a change of the store-driven health status at unix time at."""
+        self.serving.set(1 if serving else 0)
+        self.health_transitions.labels("SERVING" if serving else "NOT_SERVING").inc()
+        self.health_changed_time.set(at)
+
+    def observe_probe(self, error: StoreError | None) -> None:
+        """Records one background probe of the store (None: a write could commit)."""
+        if error is not None:
+            kind = error.reason if error.reason in STORE_FAULTS else "STORE_UNAVAILABLE"
+            self.store_probe_failures.labels(kind).inc()
 
     def observe_group(self, jobs: int, events: int) -> None:
         """Records one group commit of jobs batches holding events events."""

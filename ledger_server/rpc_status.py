@@ -66,6 +66,13 @@ def rich_status(exc: LedgerError | StoreError) -> grpc.Status:
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
     details = [info]
+    if isinstance(exc, StoreError) and exc.retry_after_s is not None and not exc.permanent:
+        # AIP-193: how long to wait before resending (the store's probe retries that often).
+        delay = any_pb2.Any()
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
+        delay.Pack(retry)
+        details.append(delay)
     field = metadata.get("field")
     if field:
         bad = any_pb2.Any()

@@ -38,7 +38,7 @@ from ledger_server.startup import (
 )
 from ledger_server.store.base import StoreError
 from ledger_server.store.urls import redact_url
-from ledger_server.store_health import StoreHealth
+from ledger_server.store_health import StoreHealth, StoreProbe
 from ledger_server.upgrade import upgrade_projections
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -60,10 +60,13 @@ class RunningServer:
     metrics: LedgerMetrics
     metrics_http: Any = None
     metrics_port: int | None = None
+    probe: StoreProbe | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, drains in-flight calls, closes the database."""
         self.health.enter_graceful_shutdown()
+        if self.probe is not None:
+            self.probe.stop()
         # grpcio's graceful stop can wait forever on a call that never finishes (a stuck
         # stream, a framework service that failed to decode a request): the drain is
         # bounded, and then every call is cancelled so a SIGTERM always ends the process.
@@ -179,7 +182,13 @@ def _start(
             ) from None
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics.on_store_write = StoreHealth(health_servicer, ("", SERVICE_NAME)).observe
+    store_health = StoreHealth(
+        health_servicer, ("", SERVICE_NAME), on_change=metrics.observe_health
+    )
+    metrics.on_store_write = store_health.observe
+    probe = StoreProbe(ledger.store, store_health, interval_s=config.store_probe_interval_s)
+    probe.on_probe = metrics.observe_probe
+    probe.start()
     log.info(
         "server_started",
         listen=config.listen,
@@ -189,9 +198,18 @@ def _start(
         mutual_tls=bool(config.client_ca),
         auth="tokens" if require_tokens else "off",
         metrics_port=metrics_port,
+        store_probe_interval_s=config.store_probe_interval_s,
     )
     return RunningServer(
-        server, port, ledger, health_servicer, interceptor, metrics, metrics_http, metrics_port
+        server,
+        port,
+        ledger,
+        health_servicer,
+        interceptor,
+        metrics,
+        metrics_http,
+        metrics_port,
+        probe,
     )
 
 

@@ -89,6 +89,12 @@ def check_config(config: ServerConfig) -> None:
         raise StartupError(
             f"--grace must be a number of seconds >= 0, not {config.grace_s}", usage=True
         )
+    if not (math.isfinite(config.store_probe_interval_s) and config.store_probe_interval_s > 0):
+        raise StartupError(
+            "--store-probe-interval must be a number of seconds above 0,"
+            f" not {config.store_probe_interval_s}",
+            usage=True,
+        )
 
 
 def check_free(listen: str, option: str) -> None:

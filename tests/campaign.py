@@ -1,7 +1,8 @@
 """Knobs that `python -m tools.campaign` turns on the crash and fuzz tests, and their tallies.
 
 Unset, every knob leaves a test at its CI size. ``SHARDLEDGER_CAMPAIGN_KILLS`` sets
-the SIGKILLs of each kill loop, ``SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS`` the wall time the
+the SIGKILLs of each kill loop, ``SHARDLEDGER_CAMPAIGN_FAILOVERS`` the stop-and-promote
+rounds of the PostgreSQL failover loop, ``SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS`` the wall time the
 fuzz campaign keeps going after its quotas (shared among its tests),
 ``SHARDLEDGER_CAMPAIGN_FUZZ_SCALE`` multiplies the fuzz quotas, and
 ``SHARDLEDGER_CAMPAIGN_REPORT_DIR`` is where each test leaves a JSON tally of what
@@ -19,6 +20,7 @@ ENV_KILLS: Final = "SHARDLEDGER_CAMPAIGN_KILLS"
 ENV_FUZZ_SECONDS: Final = "SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS"
 ENV_FUZZ_SCALE: Final = "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE"
 ENV_REPORT_DIR: Final = "SHARDLEDGER_CAMPAIGN_REPORT_DIR"
+ENV_FAILOVERS: Final = "SHARDLEDGER_CAMPAIGN_FAILOVERS"
 
 
 def _number(name: str, default: float, *, minimum: float) -> float:
@@ -37,6 +39,11 @@ def _number(name: str, default: float, *, minimum: float) -> float:
 def kills(default: int) -> int:
     """Returns the SIGKILLs a kill loop makes: the campaign's setting, else the default."""
     return int(_number(ENV_KILLS, default, minimum=1))
+
+
+def failovers(default: int) -> int:
+    """Returns the stop-and-promote rounds of the failover loop: the campaign's setting, else the default."""
+    return int(_number(ENV_FAILOVERS, default, minimum=1))
 
 
 def fuzz_seconds() -> float:

@@ -295,43 +295,77 @@ def start_replicated_pair() -> tuple[PgCluster, PgCluster]:
     hba.write_text(f"host replication {REPLICATION_ROLE} 127.0.0.1/32 trust\n" + hba.read_text())
     primary.start()
     primary.wait_ready()
-    standby = _new_cluster()
+    # The same settings: each becomes the other's standby after a failover, and a standby
+    # refuses to start with a lower max_wal_senders (and others) than its primary's.
+    standby = _new_cluster(settings=primary.settings)
     try:
         import psycopg
 
         with psycopg.connect(primary.admin_url, autocommit=True) as conn:
             conn.execute(f"CREATE ROLE {REPLICATION_ROLE} WITH REPLICATION LOGIN")
-        assert standby.data_dir is not None
-        subprocess.run(
-            standby._cmd(
-                "pg_basebackup",
-                *("-D", str(standby.data_dir), "-h", "127.0.0.1", "-p", str(primary.port)),
-                *("-U", REPLICATION_ROLE, "-X", "stream", "--no-sync"),
-            ),
-            check=True,
-            capture_output=True,
-        )
-        conninfo = (
-            f"host=127.0.0.1 port={primary.port} user={REPLICATION_ROLE}"
-            f" application_name={STANDBY_NAME}"
-        )
-        with open(standby.data_dir / "postgresql.auto.conf", "a") as fh:
-            fh.write(f"primary_conninfo = '{conninfo}'\n")
-        (standby.data_dir / "standby.signal").touch()
-        if standby.run_as:
-            pw = pwd.getpwnam(standby.run_as)
-            os.chown(standby.data_dir / "standby.signal", pw.pw_uid, pw.pw_gid)
-        standby.start()
-        standby.wait_ready()
-        with psycopg.connect(primary.admin_url, autocommit=True) as conn:
-            conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'")
-            conn.execute("SELECT pg_reload_conf()")
-        _wait_streaming(primary)
+        _start_standby(standby, primary)
     except BaseException:
         standby.destroy()
         primary.destroy()
         raise
     return primary, standby
+
+
+def _start_standby(standby: PgCluster, primary: PgCluster) -> None:
+    """Makes standby a base backup of primary, starts it streaming, and makes it synchronous."""
+    import psycopg
+
+    assert standby.data_dir is not None
+    subprocess.run(
+        standby._cmd(
+            "pg_basebackup",
+            *("-D", str(standby.data_dir), "-h", "127.0.0.1", "-p", str(primary.port)),
+            # fast: a spread checkpoint (the default) can take minutes, and just after a
+            # promotion one is already under way.
+            *("-U", REPLICATION_ROLE, "-X", "stream", "--no-sync", "--checkpoint=fast"),
+        ),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    conninfo = (
+        f"host=127.0.0.1 port={primary.port} user={REPLICATION_ROLE}"
+        f" application_name={STANDBY_NAME}"
+    )
+    # The backup carries the primary's own settings: a primary_conninfo (once it was a
+    # standby itself) and synchronous_standby_names, which would make this server, once
+    # promoted, wait forever for a standby it does not have.
+    auto = standby.data_dir / "postgresql.auto.conf"
+    kept = [
+        line
+        for line in auto.read_text().splitlines()
+        if not line.startswith(("primary_conninfo", "synchronous_standby_names"))
+    ]
+    auto.write_text("\n".join([*kept, f"primary_conninfo = '{conninfo}'", ""]))
+    (standby.data_dir / "standby.signal").touch()
+    if standby.run_as:
+        pw = pwd.getpwnam(standby.run_as)
+        for path in (auto, standby.data_dir / "standby.signal"):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+    standby.start()
+    standby.wait_ready()
+    with psycopg.connect(primary.admin_url, autocommit=True) as conn:
+        conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'")
+        conn.execute("SELECT pg_reload_conf()")
+    _wait_streaming(primary)
+
+
+def rejoin_as_standby(old: PgCluster, primary: PgCluster) -> None:
+    """Rebuilds a crashed former primary, on its own port, as the synchronous standby of primary.
+
+    A primary stopped with ``-m immediate`` may hold WAL its standby never received, so it
+    cannot follow the promoted standby's timeline as it is; a fresh base backup replaces its
+    files (pg_rewind would need wal_log_hints or data checksums).
+    """
+    assert old.data_dir is not None
+    old.kill()
+    shutil.rmtree(old.data_dir)
+    _start_standby(old, primary)
 
 
 def promote(standby: PgCluster) -> None:

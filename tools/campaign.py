@@ -2,13 +2,16 @@
 
     python -m tools.campaign --kills 100 --fuzz-seconds 1800
     python -m tools.campaign --suites crash,fuzz --kills 5 --fuzz-seconds 60
+    python -m tools.campaign --suites failover --failovers 50
 
 It runs the suite's own fault tests under pytest with the knobs of tests/campaign.py:
 
     crash     tests/server/test_crash_safety.py   SIGKILL a SQLite server under 4 clients, N times
     replicas  tests/server/test_replicas.py       SIGKILL a PostgreSQL replica N times under load,
                                                   and crash the database itself (pg_ctl -m immediate)
-    failover  tests/server/test_pg_failover.py    crash a primary, promote its synchronous standby
+    failover  tests/server/test_pg_failover.py    crash a primary, promote its synchronous standby;
+                                                  the loop does it F times (--failovers) and holds
+                                                  each replica to the documented recovery bound
     fuzz      tests/server/test_fuzz.py           the fuzz quotas, then S more seconds of fuzzing
 
 and prints kills made, acknowledged events checked, lost, moved and duplicated counts,
@@ -36,8 +39,12 @@ SUITES: Final = {
     "failover": ["tests/server/test_pg_failover.py"],
     "fuzz": ["tests/server/test_fuzz.py"],
 }
-# The counts a kill suite's tally carries (tests/campaign.py); any nonzero is a data-safety fault.
-FAULTS: Final = ("lost", "moved", "duplicated", "unacknowledged_stored", "half_written_batches")
+# The counts a kill suite's tally carries (tests/campaign.py); any nonzero is a data-safety fault,
+# or (the failover loop's last two) a replica that hung a call or came back past its bound.
+FAULTS: Final = (
+    *("lost", "moved", "duplicated", "unacknowledged_stored", "half_written_batches"),
+    *("deadline_exceeded", "over_bound"),
+)
 
 
 def _suites(text: str) -> list[str]:
@@ -58,13 +65,18 @@ def _positive(text: str) -> float:
 
 
 def run_campaign(
-    suites: list[str], kills: int, fuzz_seconds: float, fuzz_scale: float
+    suites: list[str],
+    kills: int,
+    fuzz_seconds: float,
+    fuzz_scale: float,
+    failovers: int = 50,
 ) -> dict[str, Any]:
     """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict."""
     with tempfile.TemporaryDirectory(prefix="shardledger-campaign-") as reports:
         env = {
             **os.environ,
             "SHARDLEDGER_CAMPAIGN_KILLS": str(kills),
+            "SHARDLEDGER_CAMPAIGN_FAILOVERS": str(failovers),
             "SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS": str(fuzz_seconds),
             "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE": str(fuzz_scale),
             "SHARDLEDGER_CAMPAIGN_REPORT_DIR": reports,
@@ -106,6 +118,7 @@ def run_campaign(
         "settings": {
             "suites": suites,
             "kills": kills,
+            "failovers": failovers,
             "fuzz_seconds": fuzz_seconds,
             "fuzz_scale": fuzz_scale,
         },
@@ -130,6 +143,12 @@ def print_summary(result: dict[str, Any]) -> None:
                 f"{name}: {tally['kills']} kills, {tally['acknowledged']} acknowledged events"
                 f" checked; {faults}; chains {'ok' if tally.get('chains_ok') else 'BROKEN'}"
             )
+        if "first_ack_s" in tally:
+            acks = tally["first_ack_s"]
+            print(
+                f"{name}: first acknowledgement after each promotion, per replica: max"
+                f" {max(acks, default=0):.2f} s over {len(acks)} (bound {tally['bound_s']} s)"
+            )
     if result["fuzz_codes"]:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(result["fuzz_codes"].items()))
         print(f"fuzz: {totals['fuzz_requests']} requests ({codes})")
@@ -153,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kills", type=int, default=100, help="SIGKILLs per kill loop (100)")
     parser.add_argument(
+        "--failovers",
+        type=int,
+        default=50,
+        help="stop-and-promote rounds of the PostgreSQL failover loop (50)",
+    )
+    parser.add_argument(
         "--fuzz-seconds", type=float, default=1800.0, help="fuzzing past the quotas (1800)"
     )
     parser.add_argument(
@@ -166,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-results/campaign.json", help="JSON file to write")
     args = parser.parse_args(argv)
-    if args.kills < 1 or args.fuzz_seconds < 0:
-        parser.error("--kills must be at least 1 and --fuzz-seconds at least 0")
-    result = run_campaign(args.suites, args.kills, args.fuzz_seconds, args.fuzz_scale)
+    if args.kills < 1 or args.failovers < 1 or args.fuzz_seconds < 0:
+        parser.error("--kills and --failovers must be at least 1 and --fuzz-seconds at least 0")
+    result = run_campaign(
+        args.suites, args.kills, args.fuzz_seconds, args.fuzz_scale, failovers=args.failovers
+    )
     print_summary(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
+
+# How often the server's probe retries a store that failed (store_health.StoreProbe), and so
+# the delay a refused caller is told to wait before resending (google.rpc.RetryInfo).
+PROBE_RETRY_S: Final = 0.25
 
 
 class StoreError(Exception):
@@ -19,6 +23,8 @@ class StoreError(Exception):
 
     reason: str = "STORE_UNAVAILABLE"
     permanent: bool = False
+    # How long a client should wait before resending (sent as google.rpc.RetryInfo), if known.
+    retry_after_s: float | None = None
 
 
 class StoreFull(StoreError):
@@ -57,6 +63,18 @@ class StoreSyncFailed(StoreError):
 
     reason = "STORE_SYNC_FAILED"
     permanent = True
+
+
+class StoreUnreachable(StoreError):
+    """No writable database can be reached; calls are refused at once until a probe reaches one.
+
+    Raised without touching the connection pool while the store's background probe
+    fails, so a call never waits out its deadline for a database that is not there.
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ConcurrentWriteError(StoreError):
@@ -265,6 +283,16 @@ class Store(Protocol):
 
     def revoke_token(self, token_id: str, *, now_us: int) -> bool:
         """Marks a token revoked; returns False when there is no such live token."""
+
+    def probe(self) -> StoreError | None:
+        """Checks cheaply that a write could commit now; returns the fault, or None.
+
+        Called by the server's background probe (store_health.StoreProbe), never on the
+        hot path; it must return within a few seconds and never raise.
+        """
+
+    def on_fault(self, wake: Callable[[], None]) -> None:
+        """Calls wake whenever a call meets a fault the next probe should look at at once."""
 
     def close(self) -> None:
         """Closes every connection."""

@@ -41,17 +41,46 @@ from typing import Any, Final
 from urllib.parse import unquote
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
 from ledger_server.store import postgres_sql as q
-from ledger_server.store.base import RunRow, ShardRow, StoredEvent, TokenRow
+from ledger_server.store.base import (
+    PROBE_RETRY_S,
+    RunRow,
+    ShardRow,
+    StoredEvent,
+    StoreError,
+    TokenRow,
+)
+from ledger_server.store.pg_pool import PgPool
 from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
 from ledger_server.store.urls import split_libpq
 
 __all__ = ["PostgresStore", "split_url"]
 
-# Query parameters the store reads itself (libpq would refuse them).
-POOL_OPTIONS: Final = {"pool_min_size": 1, "pool_max_size": 16, "pool_timeout": 5.0}
+# Query parameters the store reads itself (libpq would refuse them). pool_timeout: how long
+# a call waits for a free connection; write_timeout: the statement_timeout of each statement
+# of an append's transaction but its COMMIT (see PostgresStore.write).
+POOL_OPTIONS: Final = {
+    "pool_min_size": 1,
+    "pool_max_size": 16,
+    "pool_timeout": 5.0,
+    "write_timeout": 4.0,
+}
+# libpq's connect_timeout applies to each host of a multi-host URL in turn, so with the old
+# primary's host silently gone a connection takes up to this long per host it tries first.
+CONNECT_TIMEOUT_S: Final = 2
+# libpq settings the store adds when the URL has none of its own. A server whose host
+# vanishes without a reset (a dead machine, a partition) leaves a session waiting on a
+# socket that never answers: statement_timeout is the server's and cannot end it, so the
+# kernel must. Unacknowledged data ends it after tcp_user_timeout (ms), an idle wait (a
+# query sent, no answer) after keepalives_idle + interval x count seconds.
+LIBPQ_DEFAULTS: Final = {
+    "connect_timeout": str(CONNECT_TIMEOUT_S),
+    "tcp_user_timeout": "5000",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+}
 
 
 def split_url(url: str) -> tuple[str, dict[str, float]]:
@@ -71,8 +100,8 @@ def split_url(url: str) -> tuple[str, dict[str, float]]:
             options[key] = float(unquote(value))
         else:
             kept.append(item)
-    if not any(item.partition("=")[0] == "connect_timeout" for item in kept):
-        kept.append("connect_timeout=5")
+    given = {item.partition("=")[0] for item in kept}
+    kept += [f"{key}={value}" for key, value in LIBPQ_DEFAULTS.items() if key not in given]
     return parts._replace(query="&".join(kept)).join(), options
 
 
@@ -93,21 +122,17 @@ class PostgresStore:
     def __init__(self, url: str) -> None:
         self.url = url
         conninfo, options = split_url(url)
-        self._pool: ConnectionPool[Conn] = ConnectionPool(
+        self._write_timeout_ms = int(options["write_timeout"] * 1000)
+        self._pool = PgPool(
             conninfo,
             min_size=int(options["pool_min_size"]),
             max_size=int(options["pool_max_size"]),
             timeout=options["pool_timeout"],
-            kwargs={"autocommit": True},
             configure=_configure,
-            # A connection that died with the server (restart, failover) is dropped at
-            # checkout instead of failing the caller's query.
-            check=ConnectionPool.check_connection,
-            name="shardledger",
-            open=False,
+            probe_timeout_ms=int(CONNECT_TIMEOUT_S * 1000),
+            retry_after_s=PROBE_RETRY_S,
         )
-        with edge():
-            self._pool.open(wait=True, timeout=options["pool_timeout"])
+        self._pool.open()
         try:
             self._migrate()
         except BaseException:
@@ -151,16 +176,24 @@ class PostgresStore:
     def write(self) -> Iterator[PgWriteTx]:
         """Opens the write transaction; it commits durably when the context exits cleanly."""
         with edge():
-            conn = self._pool.getconn()
+            pool, conn = self._pool.checkout()
         try:
-            with edge():
+            with edge(), conn.pipeline():
                 conn.execute("BEGIN")
+                # Bounds every statement below (a lock wait, a server that stopped answering)
+                # under the callers' deadlines.
+                conn.execute(f"SET LOCAL statement_timeout = {self._write_timeout_ms}")
             tx = PgWriteTx(conn)
             try:
                 yield tx
                 with edge():
                     tx.flush()
-                    conn.execute("COMMIT")
+                    with conn.pipeline():
+                        # Never the COMMIT: a COMMIT cancelled while it waits for the
+                        # synchronous standby returns success with a mere WARNING, and the
+                        # append would be acknowledged without being on the standby.
+                        conn.execute("SET LOCAL statement_timeout = 0")
+                        conn.execute("COMMIT")
             except BaseException:
                 if (
                     not conn.closed
@@ -171,7 +204,7 @@ class PostgresStore:
                         conn.execute("ROLLBACK")
                 raise
         finally:
-            self._pool.putconn(conn)
+            self._pool.checkin(pool, conn)
 
     def read(self) -> PgReadView:
         """Returns the read view (thread-safe: each query borrows a pooled connection)."""
@@ -262,6 +295,14 @@ class PostgresStore:
         with edge(), self._pool.connection() as conn, conn.transaction():
             for statement in q.SQL_SYNC_SEQUENCES:
                 conn.execute(statement)
+
+    def probe(self) -> StoreError | None:
+        """Checks on the probe's own connection that a write could commit now (see pg_pool)."""
+        return self._pool.probe()
+
+    def on_fault(self, wake: Callable[[], None]) -> None:
+        """Calls wake (the server's probe) whenever a call meets a dead connection."""
+        self._pool.on_fault = wake
 
     def close(self) -> None:
         """Closes every connection."""

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, Final
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Final, Protocol
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import TupleRow
-from psycopg_pool import ConnectionPool
 
 from ledger_server.states import RESUME_STATES
 from ledger_server.store import postgres_sql as q
 from ledger_server.store.base import (
+    PROBE_RETRY_S,
     ConcurrentWriteError,
     ImmutableRowError,
     RunRow,
@@ -49,7 +49,11 @@ def translate(exc: psycopg.Error) -> StoreError:
     if kind is not None:
         cls, advice = kind
         return cls(f"PostgreSQL: {message} ({exc.sqlstate}); {advice}")
-    return StoreError(f"{type(exc).__name__}: {message}")
+    error = StoreError(f"{type(exc).__name__}: {message}")
+    if isinstance(exc, psycopg.OperationalError):
+        # A lost connection, a failed connect, a pool timeout: the probe retries this often.
+        error.retry_after_s = PROBE_RETRY_S
+    return error
 
 
 # SQLSTATEs that name a storage fault, with what the operator does about it.
@@ -256,10 +260,17 @@ class PgWriteTx:
         self._heads[run_pk] = (event_count, head_hash, now_us, run_pk)
 
 
+class Connections(Protocol):
+    """Where reads borrow connections (pg_pool.PgPool)."""
+
+    def connection(self) -> AbstractContextManager[Conn]:
+        """Lends a checked connection for the block."""
+
+
 class PgReadView:
     """Reads; each call borrows a pooled connection, streams hold one in a snapshot."""
 
-    def __init__(self, pool: ConnectionPool[Conn]) -> None:
+    def __init__(self, pool: Connections) -> None:
         self._pool = pool
 
     def rows(self, sql: str, params: Any) -> list[TupleRow]:

@@ -7,12 +7,18 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from ledger_server.store import sqlite_sql as q
-from ledger_server.store.base import StoreError, StoreSyncFailed, TokenRow, WriterBusy
+from ledger_server.store.base import (
+    StoreError,
+    StoreReadOnly,
+    StoreSyncFailed,
+    TokenRow,
+    WriterBusy,
+)
 from ledger_server.store.sqlite_errors import translate
 from ledger_server.store.sqlite_tx import SqliteReadView, SqliteWriteTx
 
@@ -274,6 +280,34 @@ class SqliteStore:
                 (now_us, token_id),
             )
             return cur.rowcount == 1
+
+    def probe(self) -> StoreError | None:
+        """Checks cheaply that a write could commit: no failed fsync, the file writable.
+
+        The file and its directory (where the -wal and -shm files live) must be writable by
+        this process on a file system mounted read-write. A full disk shows only in a write,
+        and is reported by the append that meets it.
+        """
+        if self._sync_failed is not None:
+            return self._sync_failed
+        if self.path == ":memory:":
+            return None
+        directory = os.path.dirname(os.path.abspath(self.path))
+        try:
+            read_only_mount = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+        except OSError as exc:
+            return StoreError(f"cannot reach {directory}: {exc.strerror}")
+        unwritable = [p for p in (self.path, directory) if not os.access(p, os.W_OK)]
+        if read_only_mount or unwritable:
+            where = "its file system is mounted read-only" if read_only_mount else "no write access"
+            return StoreReadOnly(
+                f"{self.path}: {where} ({', '.join(unwritable) or directory}); the server needs"
+                " write access to the file, its -wal and -shm files and their directory"
+            )
+        return None
+
+    def on_fault(self, wake: Callable[[], None]) -> None:
+        """Nothing to watch: every fault of a file shows in the write that meets it."""
 
     def close(self) -> None:
         """Closes every connection."""

@@ -156,10 +156,13 @@ def test_launch_pool_exits_nonzero_when_a_job_fails(ledger: str, tmp_path: Path)
         check=False,
     )
     assert proc.returncode == 1
-    assert "FileNotFoundError" in proc.stdout
+    # The job names its input (input=line): a line whose input is not the planned one
+    # stops before any work, tagged input_changed, and the pool says which shard.
+    assert "InputChanged" in proc.stdout and broken["shard_id"] in proc.stdout
     views = [json.loads(v.view_json) for v in LedgerClient(ledger).shards("ex-fail")]
     failed = [v for v in views if v["state"] == "failed"]
     assert [v["shard_id"] for v in failed] == [broken["shard_id"]]
+    assert failed[0]["detail"] == "input_changed"
 
 
 def test_torch_train_checkpoints_on_sigterm_and_its_rerun_resumes(

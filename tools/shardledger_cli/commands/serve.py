@@ -109,6 +109,14 @@ def register(
         default=10.0,
         help="seconds to drain in-flight calls on SIGTERM",
     )
+    p.add_argument(
+        "--store-probe-interval",
+        type=non_negative_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between background checks that the database takes writes (health"
+        " follows them; every 0.25 s while it does not)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--port-file", default=None, help="write the bound port to this file once serving"
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         auth=args.auth,
         signing_key=args.signing_key,
         metrics_listen=args.metrics_listen,
+        store_probe_interval_s=args.store_probe_interval,
     )
 
     def ready(port: int) -> None:
