@@ -96,6 +96,8 @@ def test_a_round_below_the_reports_thresholds_is_rejected_with_the_reason(
         "0.6",
         "--min-rounds",
         "3",
+        "--format",
+        "table",
         "--server",
         target,
     )

@@ -337,7 +337,7 @@ def test_token_commands_still_work_on_an_existing_ledger(
     SqliteStore(db).close()
     code, out, _ = cli(capsys, "token", "create", "--role", "reader", "--db", str(db))
     assert code == EXIT_OK and out.startswith("slt_")
-    code, out, _ = cli(capsys, "token", "list", "--db", f"sqlite:///{db}")
+    code, out, _ = cli(capsys, "token", "list", "--db", f"sqlite:///{db}", "--format", "table")
     assert code == EXIT_OK and " active " in out
 
 

@@ -137,7 +137,7 @@ def test_the_run_report_prices_failures_and_advises_the_checkpoint_interval(
     assert math.isclose(a["expected_waste_s"], p * a["interval_s"] / 2 + T / a["interval_s"] * w)
     assert checkpoint_advice("night-d", client=client).as_json() == a  # the SDK's own answer
 
-    code, text, _ = report(capsys, target, "night-d")
+    code, text, _ = report(capsys, target, "night-d", "--format", "table")
     assert code == EXIT_OK
     assert "what failures cost" in text and "checkpoint every" in text
     assert "did not count" in text
@@ -234,5 +234,7 @@ def test_status_costs_adds_the_reports_figures_under_new_keys(
     assert status["costs"] == expected["costs"]
     assert status["checkpoint_advice"] == expected["checkpoint_advice"]
     assert status["submitted"] == 5  # the summary's own keys are unchanged
-    code, text, _ = run_cli(capsys, "status", "night-d", "--costs", "--server", target)
+    code, text, _ = run_cli(
+        capsys, "status", "night-d", "--costs", "--format", "table", "--server", target
+    )
     assert "what failures cost" in text and "submitted 5 =" in text

@@ -133,7 +133,7 @@ def cli(running: RunningServer, capsys: pytest.CaptureFixture[str]) -> Any:
 def test_status_prints_the_reconciliation_equation_and_exits_1_when_shards_are_unverified(
     cli: Any,
 ) -> None:
-    code, out, _ = cli("status", RUN)
+    code, out, _ = cli("status", RUN, "--format", "table")  # the layout for a person
     assert code == 1
     assert (
         "submitted 11 = verified 2 + failed 2 + missing 4 + running 1 + stale 1 + unverified 1"

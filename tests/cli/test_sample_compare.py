@@ -178,7 +178,9 @@ def test_a_wrong_result_is_a_disagreement_with_its_numbers_and_an_interval(
     code, report = compare(capsys, target, "--tolerance", "out=max_abs:0.1")
     [d] = report["disagreements"]
     assert d["max_abs"] == pytest.approx(0.25) and d["tolerance"] == "max_abs"
-    code, text, _ = run_cli(capsys, "compare", "night-01", "night-01-ref", "--server", target)
+    code, text, _ = run_cli(
+        capsys, "compare", "night-01", "night-01-ref", "--format", "table", "--server", target
+    )
     assert code == EXIT_PROBLEMS and "DISAGREES" in text and "Wilson interval" in text
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any, Final
 
@@ -187,3 +187,61 @@ def atomic_output(path: str | None) -> Iterator[IO[str]]:
 def count_shards(n: int) -> str:
     """Returns "1 shard" or "N shards": counts printed as integers, with the right plural."""
     return f"{n} shard" if n == 1 else f"{n} shards"
+
+
+# --format plain (the default when stdout is not a terminal; the rule is in parsing.py):
+# blocks of tab-separated lines, a header line then one line per row. A line starting
+# with "#" is a comment: a block's name just before its header ("# shards"), or a note.
+
+
+def tsv_cell(value: Any) -> str:
+    """Returns a value as one plain field: no tab or newline inside, no edge blanks."""
+    return " ".join(str(value).replace("\t", " ").splitlines()).strip()
+
+
+def print_note(text: str, *, plain: bool) -> None:
+    """Prints a line of prose: as a "# " comment in plain output, so no block gains a row."""
+    sys.stdout.write(("# " + tsv_cell(text) if plain else text) + "\n")
+
+
+def print_table(
+    title: str | None,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    plain: bool,
+    console: Any = None,
+    upper: bool = True,
+) -> None:
+    """Prints a table: rich (nothing cut, wide cells fold), or plain with a "# title" line."""
+    if plain:
+        out = sys.stdout
+        if title:
+            out.write(f"# {tsv_cell(title)}\n")
+        out.write("\t".join(tsv_cell(h).upper() if upper else tsv_cell(h) for h in headers) + "\n")
+        out.writelines("\t".join(tsv_cell(c) for c in row) + "\n" for row in rows)
+        return
+    from rich.console import Console
+    from rich.table import Column, Table
+
+    if console is None:
+        # markup off: ids, tags and reasons are data, never rich markup.
+        console = Console(file=sys.stdout, markup=False, highlight=False)
+    cells = [[str(c) for c in row] for row in rows]
+
+    def numeric(i: int) -> bool:
+        return bool(cells) and all(r[i].rstrip(" %").replace(".", "").isdigit() for r in cells)
+
+    columns = [
+        Column(h, justify="right" if numeric(i) else "left", overflow="fold")
+        for i, h in enumerate(headers)
+    ]
+    table = Table(*columns, title=title)
+    for row in cells:
+        table.add_row(*row)
+    # A terminal narrower than the table gets a wider console: rows wrap on screen
+    # rather than cells being cut with an ellipsis (a timestamp, a shard id).
+    need = sum(max([len(h), *(len(r[i]) for r in cells)]) + 3 for i, h in enumerate(headers)) + 1
+    if need > console.width:
+        console.width = need
+    console.print(table)

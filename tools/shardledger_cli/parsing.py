@@ -21,6 +21,13 @@ A command module uses them like this (see commands/report.py)::
   $SHARDLEDGER_DATABASE_URL wherever a database is opened directly.
 * `--json` prints an object for a single answer and JSON Lines (one object a
   line) for lists and streams; `json_help` states which in each command's help.
+* Output formats: every command that prints a table or a report takes `--format
+  table|plain|json` (`add_format_option`; `--json` is `--format json`). table is for
+  a person, the default on a terminal. plain, the default when stdout is not a
+  terminal, never draws boxes: blocks of tab-separated lines, each a header line then
+  its rows; a command printing several blocks puts a `# NAME` line before each, and
+  any other line starting with `#` is a note. Scripts should read --json, whose shape
+  is stable; plain is for grep, cut and logs.
 """
 
 from __future__ import annotations
@@ -170,8 +177,10 @@ def add_format_option(parser: argparse.ArgumentParser) -> None:
         dest="output_format",
         choices=FORMATS,
         default=None,
-        help="table (rich, the default on a terminal), plain (tab-separated columns, the"
-        " default when stdout is not a terminal) or json (as --json)",
+        help="table: for a person (the default on a terminal); plain: tab-separated, a"
+        " header line per block, a '# NAME' line before each block where there are"
+        " several, other '#' lines notes, never box drawing (the default when stdout is"
+        " not a terminal); json: as --json, what a script should read",
     )
 
 

@@ -30,8 +30,8 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.trend import ShardArtifacts, consistency_of, shard_artifacts
-from shardledger_cli.output import print_json
-from shardledger_cli.parsing import json_help
+from shardledger_cli.output import print_json, print_table
+from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["register", "run_accept"]
 
@@ -80,6 +80,7 @@ def register(
     p.add_argument("--max-silent", type=_rate, default=0.01, help="default 0.01")
     p.add_argument("--min-consistency", type=_rate, default=0.95, help="default 0.95")
     json_help(p, single="the acceptance verdict, each step with its figures and threshold")
+    add_format_option(p)
     p.set_defaults(func=run_accept)
 
 
@@ -255,13 +256,25 @@ def run_accept(args: argparse.Namespace) -> int:
             for s in steps
         ],
     }
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json(report)
     else:
-        for s in steps:
-            print(f"{s.number}. {s.name}: {s.status.upper()}")
-            for reason in s.reasons:
-                print(f"     {reason}")
-        failed = [r for s in steps for r in s.reasons if s.status == "fail"]
-        print(f"verdict: {verdict.upper()}" + (f" ({failed[0]})" if failed else ""))
+        _print(steps, verdict, plain=fmt == "plain")
     return EXIT_OK if accepted else EXIT_PROBLEMS
+
+
+def _print(steps: list[Step], verdict: str, *, plain: bool) -> None:
+    """Prints each step and the verdict: lines, or a "# steps" and a "# verdict" block."""
+    failed = [r for s in steps for r in s.reasons if s.status == "fail"]
+    if plain:
+        rows = [(s.number, s.name, s.status, "; ".join(s.reasons)) for s in steps]
+        print_table("steps", ("step", "name", "status", "reasons"), rows, plain=True)
+        first = failed[0] if failed else ""
+        print_table("verdict", ("verdict", "reason"), [(verdict, first)], plain=True)
+        return
+    for s in steps:
+        print(f"{s.number}. {s.name}: {s.status.upper()}")
+        for reason in s.reasons:
+            print(f"     {reason}")
+    print(f"verdict: {verdict.upper()}" + (f" ({failed[0]})" if failed else ""))

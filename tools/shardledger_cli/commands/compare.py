@@ -40,8 +40,8 @@ from shardledger_cli.cli import (
     CommandError,
     client_from,
 )
-from shardledger_cli.output import print_json
-from shardledger_cli.parsing import json_help
+from shardledger_cli.output import print_json, print_table
+from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["Tolerance", "parse_tolerance", "register", "run_compare", "wilson_interval"]
 
@@ -138,6 +138,7 @@ def register(
     json_help(
         p, single="the comparison: agreement rate, each disagreement, the silent error estimate"
     )
+    add_format_option(p)
     p.set_defaults(func=run_compare)
 
 
@@ -282,8 +283,11 @@ def run_compare(args: argparse.Namespace) -> int:
         "threshold": args.threshold,
         "above_threshold": rate is None or rate > args.threshold,
     }
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json(report)
+    elif fmt == "plain":
+        _print_plain(report)
     else:
         _print(report)
     return EXIT_PROBLEMS if report["above_threshold"] else EXIT_OK
@@ -315,3 +319,29 @@ def _print(r: dict[str, Any]) -> None:
         f" ({100 * i['confidence']:.0f} % Wilson interval {_pct(i['low'])} to {_pct(i['high'])});"
         f" threshold {_pct(r['threshold'])}: {'ABOVE' if r['above_threshold'] else 'ok'}"
     )
+
+
+def _print_plain(r: dict[str, Any]) -> None:
+    """Prints a "# comparison" block of FIELD/VALUE rows and a "# disagreements" block."""
+    i = r["interval"]
+    fields = [
+        ("run", r["run_id"]),
+        ("reference", r["reference_run_id"]),
+        ("compared outputs", r["compared_outputs"]),
+        ("agreed", r["agreed"]),
+        ("agreement rate", _pct(r["agreement_rate"])),
+        ("structure only", r["structure_only"]),
+        *((f"not compared: {k.replace('_', ' ')}", n) for k, n in r["not_compared"].items()),
+        ("silent error rate", _pct(r["silent_error_rate"])),
+        (f"{100 * i['confidence']:.0f} % interval", f"{_pct(i['low'])} to {_pct(i['high'])}"),
+        ("threshold", _pct(r["threshold"])),
+        ("above threshold", "yes" if r["above_threshold"] else "no"),
+    ]
+    print_table("comparison", ("field", "value"), fields, plain=True)
+    heads = ("shard", "output", "blake3", "reference blake3", "max abs", "max rel")
+    rows = [
+        [d["shard_id"], d["output"], d["blake3"], d["reference_blake3"]]
+        + [f"{d[k]:.3g}" if k in d else "" for k in ("max_abs", "max_rel")]
+        for d in r["disagreements"]
+    ]
+    print_table("disagreements", heads, rows, plain=True)

@@ -18,8 +18,8 @@ from shardledger_cli.cli import (
 from shardledger_cli.commands.trend import RUN_SCAN
 from shardledger_cli.figures import compare_runs
 from shardledger_cli.figures import run_report as fetch_report
-from shardledger_cli.output import atomic_output, equation, print_json
-from shardledger_cli.parsing import json_help
+from shardledger_cli.output import atomic_output, equation, print_json, print_table
+from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["print_costs", "register", "run_report", "run_report_json"]
 
@@ -86,7 +86,8 @@ def register(
         help=f"runs for --by without RUNs, and the HTML trend (default {DEFAULT_LAST})",
     )
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of RUN")
-    json_help(p, single="the report (a run's figures, or the --by table)")
+    json_help(p, single="the report (a run's figures); with --by, one JSON line per group")
+    add_format_option(p)
     p.set_defaults(func=run_report)
 
 
@@ -109,7 +110,7 @@ def run_report(args: argparse.Namespace) -> int:
                 f"no runs in namespace {args.namespace or 'default'!r} to compare", EXIT_PROBLEMS
             )
         groups = compare_runs(client, list(names), args.by, namespace=args.namespace)
-        return _print_by(groups, len(names), args.by, as_json=args.json)
+        return _print_by(groups, len(names), args.by, fmt=output_format(args))
     if len(args.runs) != 1:
         raise CommandError("name one RUN (or compare several with --by LABEL)", EXIT_USAGE)
     report = run_report_json(client, args.runs[0], namespace=args.namespace)
@@ -127,10 +128,11 @@ def run_report(args: argparse.Namespace) -> int:
             out.write(page)
         print(f"wrote {args.html} ({len(page)} bytes, no external resources)")
         return EXIT_OK
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json(report)
     else:
-        _print_run(report)
+        _print_run(report, plain=fmt == "plain")
     return EXIT_OK
 
 
@@ -147,90 +149,132 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.3f} GPU-h" if seconds >= 36 else f"{seconds:.1f} GPU-s"
 
 
-def _print_run(r: dict[str, Any]) -> None:
+def _print_run(r: dict[str, Any], *, plain: bool) -> None:
     s, c, a = r["summary"], r["costs"], r["checkpoint_advice"]
     labels = ", ".join(f"{k}={v}" for k, v in r["labels"].items()) or "none"
-    print(f"run {r['run_id']} (namespace {r['namespace']}; labels {labels})")
-    print(equation(s))
     fp = s.get("first_pass") or {}
-    print(
-        f"completion         first pass {_pct(fp.get('completion_rate', 0.0))}"
-        f"  now {_pct(s['completion_rate'])}"
-    )
-    print(
-        f"silent errors      first pass {_pct(fp.get('silent_error_rate', 0.0))}"
-        f"  now {_pct(s['silent_error_rate'])}"
-    )
-    print(
-        f"reconciliation     {_pct(fp.get('reconciliation_rate', 0.0))} verified on the first"
-        " attempt"
-    )
-    print_costs(c, a)
-
-
-def print_costs(c: dict[str, Any], a: dict[str, Any]) -> None:
-    """Prints what the failures cost and the checkpoint advice (report and status --costs)."""
-    print("what failures cost (report 1, §4.3)")
-    print(
-        f"  GPU time         {_hours(c['gpu_s'])}: counted {_hours(c['counted_gpu_s'])},"
-        f" still running {_hours(c['running_gpu_s'])}"
-    )
-    lost = c["lost_gpu_s"]
-    print(
-        f"  did not count    {_hours(c['not_counted_gpu_s'])}: reruns after a failure"
-        f" {_hours(lost['reruns'])}, failed verification {_hours(lost['silent'])},"
-        f" duplicates {_hours(lost['duplicates'])}, zombies {_hours(lost['zombies'])},"
-        f" hung {_hours(lost['hung'])}"
-    )
-    print(
-        f"  hangs            {c['hangs']}, {c['hang_lost_s']:.1f} s of work lost since their"
-        " last checkpoint"
-    )
-    print(f"  share            {_pct(c['not_counted_share'])} of the run's GPU time did not count")
-    if c["gpus_unknown_attempts"]:
-        print(
-            f"  note             {c['gpus_unknown_attempts']} attempts did not say how many GPUs"
-            " they held: counted as one each"
+    rows = [
+        (
+            "completion",
+            f"first pass {_pct(fp.get('completion_rate', 0.0))}  now {_pct(s['completion_rate'])}",
+        ),
+        (
+            "silent errors",
+            f"first pass {_pct(fp.get('silent_error_rate', 0.0))}"
+            f"  now {_pct(s['silent_error_rate'])}",
+        ),
+        (
+            "reconciliation",
+            f"{_pct(fp.get('reconciliation_rate', 0.0))} verified on the first attempt",
+        ),
+    ]
+    if plain:
+        head = [("run", r["run_id"]), ("namespace", r["namespace"]), ("labels", labels)]
+        print_table(
+            "report", ("field", "value"), [*head, ("equation", equation(s)), *rows], plain=True
         )
-    print("checkpoint interval (report 1, §3.2: minimise p·t/2 + (T/t)·w)")
-    T, w, p = a["shard_duration_s"], a["checkpoint_write_s"], a["reclaim_probability"]
-    print(
-        f"  inputs           T {_num(T, 's')}, w {_num(w, 's')}, p {_num(p, '')}"
-        f" over {a['attempts']} attempts"
-    )
-    if a["interval_s"] is None:
-        print(f"  advice           none: {a['reason']}")
     else:
-        steps = f" (about {a['interval_steps']} steps)" if a["interval_steps"] else ""
-        print(
-            f"  advice           checkpoint every {a['interval_s']:.3g} s{steps};"
-            f" expected waste {a['expected_waste_s']:.2f} s per shard ({a['reason']})"
+        print(f"run {r['run_id']} (namespace {r['namespace']}; labels {labels})")
+        print(equation(s))
+        print("".join(f"{k:<19}{v}\n" for k, v in rows), end="")
+    print_costs(c, a, plain=plain)
+
+
+def print_costs(c: dict[str, Any], a: dict[str, Any], *, plain: bool = False) -> None:
+    """Prints what the failures cost and the checkpoint advice (report and status --costs).
+
+    Plain: a "# costs" and a "# checkpoint interval" block of FIELD/VALUE rows.
+    """
+    costs, advice = _cost_rows(c), _advice_rows(a)
+    if plain:
+        print_table("costs", ("field", "value"), costs, plain=True)
+        print_table("checkpoint interval", ("field", "value"), advice, plain=True)
+        return
+    print("what failures cost (report 1, §4.3)")
+    print("".join(f"  {k:<17}{v}\n" for k, v in costs), end="")
+    print("checkpoint interval (report 1, §3.2: minimise p·t/2 + (T/t)·w)")
+    print("".join(f"  {k:<17}{v}\n" for k, v in advice), end="")
+
+
+def _cost_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
+    lost = c["lost_gpu_s"]
+    rows = [
+        (
+            "GPU time",
+            f"{_hours(c['gpu_s'])}: counted {_hours(c['counted_gpu_s'])},"
+            f" still running {_hours(c['running_gpu_s'])}",
+        ),
+        (
+            "did not count",
+            f"{_hours(c['not_counted_gpu_s'])}: reruns after a failure"
+            f" {_hours(lost['reruns'])}, failed verification {_hours(lost['silent'])},"
+            f" duplicates {_hours(lost['duplicates'])}, zombies {_hours(lost['zombies'])},"
+            f" hung {_hours(lost['hung'])}",
+        ),
+        (
+            "hangs",
+            f"{c['hangs']}, {c['hang_lost_s']:.1f} s of work lost since their last checkpoint",
+        ),
+        ("share", f"{_pct(c['not_counted_share'])} of the run's GPU time did not count"),
+    ]
+    if c["gpus_unknown_attempts"]:
+        rows.append(
+            (
+                "note",
+                f"{c['gpus_unknown_attempts']} attempts did not say how many GPUs"
+                " they held: counted as one each",
+            )
         )
+    return rows
+
+
+def _advice_rows(a: dict[str, Any]) -> list[tuple[str, str]]:
+    T, w, p = a["shard_duration_s"], a["checkpoint_write_s"], a["reclaim_probability"]
+    inputs = f"T {_num(T, 's')}, w {_num(w, 's')}, p {_num(p, '')} over {a['attempts']} attempts"
+    if a["interval_s"] is None:
+        return [("inputs", inputs), ("advice", f"none: {a['reason']}")]
+    steps = f" (about {a['interval_steps']} steps)" if a["interval_steps"] else ""
+    return [
+        ("inputs", inputs),
+        (
+            "advice",
+            f"checkpoint every {a['interval_s']:.3g} s{steps};"
+            f" expected waste {a['expected_waste_s']:.2f} s per shard ({a['reason']})",
+        ),
+    ]
 
 
 def _num(x: float | None, unit: str) -> str:
     return "unknown" if x is None else f"{x:.4g}{' ' + unit if unit else ''}".rstrip()
 
 
-def _print_by(groups: Sequence[dict[str, Any]], runs: int, label: str, *, as_json: bool) -> int:
-    if as_json:
+def _print_by(groups: Sequence[dict[str, Any]], runs: int, label: str, *, fmt: str) -> int:
+    if fmt == "json":
         for g in groups:
             print(json.dumps(g, sort_keys=True))
+        return EXIT_OK
+    rows = [
+        ["runs", *(str(len(g["runs"])) for g in groups)],
+        ["shards", *(str(g["shards"]) for g in groups)],
+    ]
+    for key, name in FIELD_METRICS:
+        cells = [_pct(g[key]) if key.endswith(("rate", "share")) else str(g[key]) for g in groups]
+        rows.append([name, *cells])
+    rows.append(["GPU time", *(_hours(g["gpu_s"]) for g in groups)])
+    rows.append(["GPU time not counted", *(_hours(g["lost_gpu_s"]) for g in groups)])
+    heads = [f"by {label}", *(g["value"] for g in groups)]
+    if fmt == "plain":
+        print_table(None, heads, rows, plain=True, upper=False)  # headers are label values
         return EXIT_OK
     from rich.console import Console
     from rich.table import Column, Table
 
     table = Table(
-        f"by {label}",
-        *(Column(g["value"], justify="right") for g in groups),
+        heads[0],
+        *(Column(h, justify="right") for h in heads[1:]),
         title=f"{runs} runs (report 1, §2.2; docs/metrics.md)",
     )
-    table.add_row("runs", *(str(len(g["runs"])) for g in groups))
-    table.add_row("shards", *(str(g["shards"]) for g in groups))
-    for key, name in FIELD_METRICS:
-        cells = [_pct(g[key]) if key.endswith(("rate", "share")) else str(g[key]) for g in groups]
-        table.add_row(name, *cells)
-    table.add_row("GPU time", *(_hours(g["gpu_s"]) for g in groups))
-    table.add_row("GPU time not counted", *(_hours(g["lost_gpu_s"]) for g in groups))
+    for row in rows:
+        table.add_row(*row)
     Console(markup=False, highlight=False).print(table)
     return EXIT_OK

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Final
 
 from ledger_server.states import QUERY_ALIASES, QUERY_STATES, canonical_query
@@ -13,7 +13,15 @@ from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.commands.events import run_events
 from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume
 from shardledger_cli.commands.shards import run_shards
-from shardledger_cli.output import REASON_KEY, count_shards, equation, iso_us, print_json, ts_us
+from shardledger_cli.output import (
+    REASON_KEY,
+    count_shards,
+    equation,
+    iso_us,
+    print_json,
+    print_table,
+    ts_us,
+)
 from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 
 __all__ = ["lifecycle_line", "register", "render_summary", "run_runs", "run_status"]
@@ -195,35 +203,43 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         render_summary(summary, plain=fmt == "plain")
         if "costs" in summary:
-            print_costs(summary["costs"], summary["checkpoint_advice"])
+            print_costs(summary["costs"], summary["checkpoint_advice"], plain=fmt == "plain")
     done = summary["submitted"] > 0 and summary["verified"] == summary["submitted"]
     return EXIT_OK if done else EXIT_PROBLEMS
 
 
 def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
-    """Prints the summary on stdout: rich tables, or plain tab-separated tables when plain."""
+    """Prints the summary on stdout: lines and rich tables, or plain blocks when plain.
+
+    Plain: a "# summary" block of FIELD/VALUE rows first, then one block per table.
+    """
     from rich.console import Console
 
     # markup off: shard ids, tags and reasons are data, never rich markup.
     console = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
+    fields: list[tuple[str, str]] = []
+
+    def say(field: str, value: str, *, key: str = "") -> None:
+        """One line: "field   value" on a terminal; a summary row (named key) when plain."""
+        if plain:
+            fields.append((key or field.strip(), value))
+        else:
+            console.print(f"{field:<19}{value}")
+
+    life = lifecycle_line(s)
     if plain:
-        # No styles, no terminal width: lines as they are, for logs, mail and grep.
-        console = Console(
-            file=sys.stdout,
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-            color_system=None,
-            force_terminal=False,
-            width=10_000,
+        fields += [("run", str(s["run_id"])), ("namespace", str(s["namespace"]))]
+        fields += [("as of", iso_us(s.get("as_of_us"))), ("events", str(s.get("event_count", 0)))]
+        fields += [("head", str(s.get("head_hash", ""))), ("equation", equation(s))]
+        fields += [("lifecycle", life[19:])]  # the line's own label is the field name
+    else:
+        console.print(
+            f"run {s['run_id']} (namespace {s['namespace']}) as of {iso_us(s.get('as_of_us'))}, "
+            f"{s.get('event_count', 0)} events, head {str(s.get('head_hash', ''))[:16]}",
+            style="bold",
         )
-    console.print(
-        f"run {s['run_id']} (namespace {s['namespace']}) as of {iso_us(s.get('as_of_us'))}, "
-        f"{s.get('event_count', 0)} events, head {str(s.get('head_hash', ''))[:16]}",
-        style="bold",
-    )
-    console.print(equation(s))
-    console.print(lifecycle_line(s))
+        console.print(equation(s))
+        console.print(life)
     sub = s["submitted"] or 1
     rows = [
         (label, str(s[key]), f"{100 * s[key] / sub:.1f} %")
@@ -237,29 +253,38 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
             ("unverified", "unverified (committed, not yet verified)"),
         )
     ]
-    print_table(console, "shards", ("state", "shards", "share"), rows, plain=plain)
-    console.print(f"completion rate    {100 * s['completion_rate']:.2f} %  (verified / submitted)")
-    console.print(
-        f"silent error rate  {100 * s['silent_error_rate']:.2f} %  "
-        f"({s['silent_errors']} reported success but failed verification or were incomplete)"
+    tables: list[
+        tuple[str, tuple[str, ...], list[tuple[str, str, str]] | list[tuple[str, str]]]
+    ] = []
+    tables.append(("shards", ("state", "shards", "share"), rows))
+    if not plain:
+        print_table(*tables.pop(), plain=False, console=console)
+    say("completion rate", f"{100 * s['completion_rate']:.2f} %  (verified / submitted)")
+    say(
+        "silent error rate",
+        f"{100 * s['silent_error_rate']:.2f} %  "
+        f"({s['silent_errors']} reported success but failed verification or were incomplete)",
     )
     dups = ", ".join(f"{k} {n}" for k, n in sorted(s["duplicates"].items()))
-    console.print(f"duplicates         {s['duplicate_shards']} shards: {dups}")
-    console.print(
-        f"repairs            {count_shards(s.get('repairs', 0))}  "
-        "(a rerun replaced a failed, corrupted or missing result)"
+    say("duplicates", f"{s['duplicate_shards']} shards: {dups}")
+    say(
+        "repairs",
+        f"{count_shards(s.get('repairs', 0))}  "
+        "(a rerun replaced a failed, corrupted or missing result)",
     )
-    console.print(f"attempts           {s['attempts']}")
-    _first_pass(console, s)
+    say("attempts", str(s["attempts"]))
+    _first_pass(say, s)
     if s.get("numeric"):
-        console.print(
-            f"numeric pollution  {count_shards(s['numeric'])} reported NaN/Inf metrics"
-            f" (shardledger shards {s['run_id']} --json shows the first step)"
+        say(
+            "numeric pollution",
+            f"{count_shards(s['numeric'])} reported NaN/Inf metrics"
+            f" (shardledger shards {s['run_id']} --json shows the first step)",
         )
     if s.get("late_attempts"):
-        console.print(
-            f"late events        {s['late_attempts']} attempts' events arrived late from a"
-            " spool: the figures above were wrong until they did"
+        say(
+            "late events",
+            f"{s['late_attempts']} attempts' events arrived late from a"
+            " spool: the figures above were wrong until they did",
         )
     for title, key, head in (
         ("failure tags (latest attempt of failed shards)", "failure_tags", "tag"),
@@ -270,8 +295,11 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
         counts: dict[str, int] = s.get(key) or {}
         ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         if ordered:
-            pairs = [(k, str(n)) for k, n in ordered]
-            print_table(console, title, (head, "shards"), pairs, plain=plain)
+            tables.append((title, (head, "shards"), [(k, str(n)) for k, n in ordered]))
+    if plain:
+        print_table("summary", ("field", "value"), fields, plain=True)
+    for title, heads, cells in tables:
+        print_table(title, heads, cells, plain=plain, console=console)
 
 
 def lifecycle_line(s: dict[str, Any]) -> str:
@@ -297,8 +325,8 @@ def lifecycle_line(s: dict[str, Any]) -> str:
     return f"lifecycle          submission closed, waiting on {waiting}"
 
 
-def _first_pass(console: Any, s: dict[str, Any]) -> None:
-    """Prints the first-pass figures beside the current ones (history no rerun rewrites)."""
+def _first_pass(say: Callable[..., None], s: dict[str, Any]) -> None:
+    """Says the first-pass figures beside the current ones (history no rerun rewrites)."""
     fp = s.get("first_pass")
     if not fp:
         return
@@ -307,21 +335,27 @@ def _first_pass(console: Any, s: dict[str, Any]) -> None:
         if fp["closed"]
         else "still open: no verdict yet, so every attempt so far belongs to it"
     )
-    console.print(f"first pass         {when}")
-    console.print(
-        f"  completion       {100 * fp['completion_rate']:.2f} %  now {100 * s['completion_rate']:.2f} %"
+    say("first pass", when)
+    say(
+        "  completion",
+        f"{100 * fp['completion_rate']:.2f} %  now {100 * s['completion_rate']:.2f} %",
+        key="first pass completion",
     )
-    console.print(
-        f"  silent errors    {100 * fp['silent_error_rate']:.2f} %  "
-        f"now {100 * s['silent_error_rate']:.2f} %"
+    say(
+        "  silent errors",
+        f"{100 * fp['silent_error_rate']:.2f} %  now {100 * s['silent_error_rate']:.2f} %",
+        key="first pass silent errors",
     )
-    console.print(
-        f"  reconciliation   {100 * fp['reconciliation_rate']:.2f} %  "
-        "(verified on the first attempt / submitted)"
+    say(
+        "  reconciliation",
+        f"{100 * fp['reconciliation_rate']:.2f} %  (verified on the first attempt / submitted)",
+        key="first pass reconciliation",
     )
-    console.print(
-        f"  recomputed       {100 * s.get('recomputed_rate', 0.0):.2f} %  "
-        f"({count_shards(s.get('recomputed', 0))} ran more than once or after the first pass)"
+    say(
+        "  recomputed",
+        f"{100 * s.get('recomputed_rate', 0.0):.2f} %  "
+        f"({count_shards(s.get('recomputed', 0))} ran more than once or after the first pass)",
+        key="recomputed",
     )
 
 
@@ -345,41 +379,5 @@ def run_runs(args: argparse.Namespace) -> int:
     cells = [[str(row[k])[: 16 if k == "head_hash" else None] for k in keys] for row in rows]
     console = Console(file=sys.stdout, markup=False, highlight=False)
     heads = ("run", "namespace", "events", "created", "updated", "head")
-    print_table(console, None, heads, cells, plain=fmt == "plain")
+    print_table(None, heads, cells, plain=fmt == "plain", console=console)
     return EXIT_OK
-
-
-def print_table(
-    console: Any,
-    title: str | None,
-    headers: Sequence[str],
-    rows: Sequence[Sequence[str]],
-    *,
-    plain: bool,
-) -> None:
-    """Prints a table: rich (nothing cut, wide cells fold) or tab-separated with a header."""
-    if plain:
-        out = sys.stdout
-        if title:
-            out.write(f"# {title}\n")
-        out.write("\t".join(h.upper() for h in headers) + "\n")
-        out.writelines("\t".join(c.strip() for c in row) + "\n" for row in rows)
-        return
-    from rich.table import Column, Table
-
-    def numeric(i: int) -> bool:
-        return bool(rows) and all(r[i].rstrip(" %").replace(".", "").isdigit() for r in rows)
-
-    columns = [
-        Column(h, justify="right" if numeric(i) else "left", overflow="fold")
-        for i, h in enumerate(headers)
-    ]
-    table = Table(*columns, title=title)
-    for row in rows:
-        table.add_row(*row)
-    # A terminal narrower than the table gets a wider console: rows wrap on screen
-    # rather than cells being cut with an ellipsis (a timestamp, a shard id).
-    need = sum(max([len(h), *(len(r[i]) for r in rows)]) + 3 for i, h in enumerate(headers)) + 1
-    if need > console.width:
-        console.width = need
-    console.print(table)

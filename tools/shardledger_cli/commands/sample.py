@@ -35,8 +35,8 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.plan import send_plan
-from shardledger_cli.output import print_json
-from shardledger_cli.parsing import json_help
+from shardledger_cli.output import print_json, print_note, print_table
+from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["register", "run_sample", "stratified_sample"]
 
@@ -82,6 +82,7 @@ def register(
     p.add_argument("--seed", default="0", help="the same seed picks the same shards (default 0)")
     p.add_argument("--dry-run", action="store_true", help="print the pick; plan nothing")
     json_help(p, single="the sample run: which shards were picked, by fingerprint group")
+    add_format_option(p)
     p.set_defaults(func=run_sample)
 
 
@@ -153,7 +154,7 @@ def run_sample(args: argparse.Namespace) -> int:
         "planned": False,
     }
     if not chosen:
-        _print(report, as_json=args.json)
+        _print(report, fmt=output_format(args))
         print(f"shardledger: run {args.run} has no verified shard to sample", file=sys.stderr)
         return EXIT_PROBLEMS
     if not args.dry_run:
@@ -161,7 +162,7 @@ def run_sample(args: argparse.Namespace) -> int:
         code = _plan(client, args, chosen)
         if code != EXIT_OK:
             return code
-    _print(report, as_json=args.json)
+    _print(report, fmt=output_format(args))
     return EXIT_OK
 
 
@@ -216,20 +217,31 @@ def _plan(client: Any, args: argparse.Namespace, chosen: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def _print(report: dict[str, Any], *, as_json: bool) -> None:
-    if as_json:
+def _print(report: dict[str, Any], *, fmt: str) -> None:
+    if fmt == "json":
         print_json(report)
         return
+    plain = fmt == "plain"
     verb = "planned" if report["planned"] else "would plan"
-    print(
-        f"{verb} {report['sampled']} of {report['verified']} verified shards of"
-        f" {report['sample_of']} as run {report['run_id']} (seed {report['seed']})"
-    )
-    for group, n in report["groups"].items():
-        print(f"  fingerprint {group[:16]}: {n['sampled']} of {n['verified']}")
-    if report["planned"]:
+    if plain:
+        keys = ("run_id", "sample_of", "seed", "fraction", "min", "verified", "sampled")
+        fields = [(k.replace("_", " "), report[k]) for k in keys]
+        fields.append(("planned", "yes" if report["planned"] else "no"))
+        print_table("sample", ("field", "value"), fields, plain=True)
+        groups = [(g, n["verified"], n["sampled"]) for g, n in report["groups"].items()]
+        print_table("groups", ("fingerprint", "verified", "sampled"), groups, plain=True)
+        print_table("shards", ("shard",), [(sid,) for sid in report["shards"]], plain=True)
+    else:
         print(
-            f"  next: shardledger resume {report['run_id']} -o ref-jobs.jsonl, run them"
-            f" in the reference environment, then shardledger compare {report['sample_of']}"
-            f" {report['run_id']}"
+            f"{verb} {report['sampled']} of {report['verified']} verified shards of"
+            f" {report['sample_of']} as run {report['run_id']} (seed {report['seed']})"
+        )
+        for group, n in report["groups"].items():
+            print(f"  fingerprint {group[:16]}: {n['sampled']} of {n['verified']}")
+    if report["planned"]:
+        print_note(
+            f"  next: shardledger resume {report['run_id']} -o ref-jobs.jsonl,"
+            f" run them in the reference environment, then shardledger compare"
+            f" {report['sample_of']} {report['run_id']}",
+            plain=plain,
         )

@@ -11,14 +11,15 @@ from typing import Final
 from shard_client.client import LedgerClient
 from shard_client.spooldir import (
     ENV_SPOOL_DIR,
+    SpoolStatus,
     drain_spool_dirs,
     find_spool_dirs,
     spool_base,
     spool_status,
 )
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_REJECTED, EXIT_UNAVAILABLE, client_from
-from shardledger_cli.output import print_json_lines
-from shardledger_cli.parsing import examples, json_help
+from shardledger_cli.output import print_json_lines, print_note, print_table
+from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 
 DESCRIPTION: Final = f"""\
 When a job cannot reach the ledger it keeps its events in a durable spool on the
@@ -54,7 +55,9 @@ def register(
     status = actions.add_parser(
         "status",
         epilog=examples(
-            "shardledger spool status", "shardledger spool status --dir /local/spool --json"
+            "shardledger spool status",
+            "shardledger spool status --dir /local/spool --json",
+            "shardledger spool status --format plain | awk -F'\\t' 'NR > 1 && $3 > 0'",
         ),
         parents=[common],
         help="show pending events per spool directory",
@@ -76,6 +79,7 @@ def register(
             "~/.cache/shardledger/spool)",
         )
     json_help(status, lines="one spool directory")
+    add_format_option(status)
     status.set_defaults(func=run_status)
     json_help(drain, lines="one spool directory and what was sent")
     drain.set_defaults(func=run_drain)
@@ -88,11 +92,18 @@ def _root(args: argparse.Namespace) -> str:
 def run_status(args: argparse.Namespace) -> int:
     """Prints one line (or JSON object) per spool directory."""
     rows = [spool_status(d) for d in find_spool_dirs(_root(args))]
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json_lines(dataclasses.asdict(r) for r in rows)
         return EXIT_OK
     if not rows:
-        print(f"no spools under {_root(args)}")
+        print_note(f"no spools under {_root(args)}", plain=fmt == "plain")
+    if fmt == "plain":
+        heads = [f.name.replace("_", " ") for f in dataclasses.fields(SpoolStatus)]
+        cells = [[str(v) for v in dataclasses.astuple(r)] for r in rows]
+        print_table(None, heads, cells, plain=True)
+        return EXIT_PROBLEMS if any(r.error for r in rows) else EXIT_OK
+    if not rows:
         return EXIT_OK
     for r in rows:
         if r.error:

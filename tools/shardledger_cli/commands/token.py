@@ -13,8 +13,14 @@ from ledger_server.config import DEFAULT_DB
 from ledger_server.errors import InvalidEvent
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError, open_ledger
-from shardledger_cli.output import print_json, print_json_lines
-from shardledger_cli.parsing import add_db_option, add_json_option, examples
+from shardledger_cli.output import print_json, print_json_lines, print_table
+from shardledger_cli.parsing import (
+    add_db_option,
+    add_format_option,
+    add_json_option,
+    examples,
+    output_format,
+)
 
 _DURATION = re.compile(r"(\d+)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -69,6 +75,7 @@ def register(
     )
     add_db_option(lst, default=DEFAULT_DB, help=db_help)
     add_json_option(lst, lines="one token (never its secret)")
+    add_format_option(lst)
     lst.set_defaults(func=run_list)
     revoke = tsub.add_parser(
         "revoke",
@@ -178,10 +185,16 @@ def run_list(args: argparse.Namespace) -> int:
         }
         for r in rows
     ]
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json_lines(items)
         return EXIT_OK
-    for item in items:
+    if fmt == "plain":
+        keys: tuple[str, ...] = ("token_id", "status", "role", "namespace", "run_prefix")
+        keys += ("expires", "created", "description")
+        cells = [[item[k] for k in keys] for item in items]
+        print_table(None, [k.replace("_", " ") for k in keys], cells, plain=True)
+    for item in items if fmt == "table" else ():
         print(
             f"{item['token_id']}  {item['status']:<8} {item['role']:<8} {item['namespace']:<16} "
             f"{item['run_prefix'] or '-':<12} {item['expires'] or 'never':<26} {item['description']}"

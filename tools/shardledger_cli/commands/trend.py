@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Final
 import blake3
 
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
-from shardledger_cli.output import print_json
-from shardledger_cli.parsing import examples, json_help
+from shardledger_cli.output import print_json, print_note, print_table
+from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 
 if TYPE_CHECKING:
     from google.protobuf.timestamp_pb2 import Timestamp
@@ -73,10 +73,15 @@ def register(
         "fingerprint group on both sides, the share with the same digest. Each ruler\n"
         "run also gets one digest over all its outputs (report 2, §5.3: a changed\n"
         "ruler digest is drift, look now).\n\n"
+        "Columns of the runs table (--columns A,B,...; a terminal shows "
+        f"{','.join(DEFAULT_COLUMNS)},\nplain output every column):\n"
+        f"{columns_help()}\n\n"
         "Examples:\n"
         "  shardledger trend                       # the last 20 runs, rulers compared\n"
         "  shardledger trend --last 60 --json | jq '.consistency[] | .consistency_rate'\n"
-        "  shardledger trend --ruler-prefix nightly-ruler-\n\n"
+        "  shardledger trend --ruler-prefix nightly-ruler-\n"
+        "  shardledger trend --columns run,created,completion,first-pass,groups\n"
+        "  shardledger trend --format plain | cut -f1,7   # run, completion\n\n"
         "exit codes: 0 no drift; 1 drift found; 3 server unreachable; 4 refused",
     )
     p.add_argument(
@@ -91,12 +96,24 @@ def register(
         metavar="P",
         help=f"run ids of ruler runs start with this (default {DEFAULT_RULER_PREFIX!r})",
     )
+    p.add_argument(
+        "--columns",
+        type=parse_columns,
+        default=(),
+        metavar="A,B,...",
+        help="the runs table's columns, in this order (`--columns help` lists them; default on"
+        f" a terminal: {','.join(DEFAULT_COLUMNS)}; plain: every column)",
+    )
     json_help(p, single="the trend report")
+    add_format_option(p)
     p.set_defaults(func=run_trend)
 
 
 def run_trend(args: argparse.Namespace) -> int:
     """Prints the trend report; exits 1 when a ruler run drifted."""
+    if args.columns == ("help",):
+        print(columns_help())
+        return EXIT_OK
     client = client_from(args)
     try:
         report = build_report(
@@ -104,10 +121,11 @@ def run_trend(args: argparse.Namespace) -> int:
         )
     finally:
         client.close()
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json(report)
     else:
-        print_report(report)
+        print_report(report, plain=fmt == "plain", columns=args.columns)
     return EXIT_PROBLEMS if report["drift_found"] else EXIT_OK
 
 
@@ -312,88 +330,161 @@ def _counts(values: dict[str, int], *, short: bool = False) -> str:
     return ", ".join(f"{k[:8] if short else k} {v}" for k, v in items) or "-"
 
 
-def print_report(report: dict[str, Any]) -> None:
-    """Prints the report as rich tables on stdout."""
-    from rich.console import Console
-    from rich.table import Table
+def _run_cell(r: dict[str, Any], plain: bool) -> str:
+    return str(r["run_id"]) if plain else r["run_id"] + (" (ruler)" if r["ruler"] else "")
 
-    # markup off: run ids and tags are data, never rich markup; a wide page when piped.
-    console = Console(
-        file=sys.stdout,
-        markup=False,
-        highlight=False,
-        width=None if sys.stdout.isatty() else 200,
-    )
-    if not report["runs"]:
-        console.print(f"no runs in namespace {report['namespace']}")
-        return
-    runs = Table(title="runs (oldest first)", title_justify="left")
-    for column in (
-        "run",
-        "created",
-        "lifecycle",
-        "submitted",
-        "verified",
+
+def _silent_cell(r: dict[str, Any]) -> str:
+    return f"{r['silent_errors']} ({_percent(r['silent_error_rate'])})"
+
+
+def _first_silent_cell(r: dict[str, Any]) -> str:
+    fp = r["first_pass"]
+    return f"{fp['silent_errors']} ({_percent(fp['silent_error_rate'])})"
+
+
+def _tags_cell(r: dict[str, Any]) -> str:
+    return _counts({**r["failure_tags"], **_prefixed("verify:", r["verify_failures"])})
+
+
+# --columns NAME: (header, what it shows, its cell); the runs table's columns in this order.
+RUN_COLUMNS: Final[dict[str, tuple[str, str, Any]]] = {
+    "run": ("run", "run id; on a terminal '(ruler)' marks a ruler run", _run_cell),
+    "ruler": ("ruler", "yes for a ruler run", lambda r, p: "yes" if r["ruler"] else "no"),
+    "created": ("created", "creation time", lambda r, p: r["created"]),
+    "lifecycle": ("lifecycle", "open, closed, settled, reopened", lambda r, p: _lifecycle_cell(r)),
+    "submitted": ("submitted", "planned shards", lambda r, p: str(r["submitted"])),
+    "verified": ("verified", "verified shards", lambda r, p: str(r["verified"])),
+    "completion": (
         "completion",
+        "verified / submitted",
+        lambda r, p: _percent(r["completion_rate"]),
+    ),
+    "first-pass": (
         "first pass",
-        "silent errors",
+        "completion of the first pass",
+        lambda r, p: _percent(r["first_pass"]["completion_rate"]),
+    ),
+    "silent": ("silent errors", "silent errors (their rate)", lambda r, p: _silent_cell(r)),
+    "first-pass-silent": (
         "first-pass silent",
+        "silent errors of the first pass",
+        lambda r, p: _first_silent_cell(r),
+    ),
+    "reconciled": (
         "reconciled first",
-    ):
-        left = column in ("run", "created", "lifecycle")
-        runs.add_column(column, justify="left" if left else "right")
-    runs.add_column("failure tags")
-    runs.add_column("fingerprint groups")
-    for r in report["runs"]:
-        runs.add_row(
-            r["run_id"] + (" (ruler)" if r["ruler"] else ""),
-            r["created"],
-            _lifecycle_cell(r),
-            str(r["submitted"]),
-            str(r["verified"]),
-            _percent(r["completion_rate"]),
-            _percent(r["first_pass"]["completion_rate"]),
-            f"{r['silent_errors']} ({_percent(r['silent_error_rate'])})",
-            f"{r['first_pass']['silent_errors']} ({_percent(r['first_pass']['silent_error_rate'])})",
-            _percent(r["first_pass"]["reconciliation_rate"]),
-            _counts({**r["failure_tags"], **_prefixed("verify:", r["verify_failures"])}),
-            _counts(r["fingerprint_groups"], short=True),
-        )
-    console.print(runs)
-    _print_consistency(console, report)
-    _print_rulers(console, report)
+        "verified on the first attempt / submitted",
+        lambda r, p: _percent(r["first_pass"]["reconciliation_rate"]),
+    ),
+    "tags": ("failure tags", "failure tags and verify: reasons", lambda r, p: _tags_cell(r)),
+    "groups": (
+        "fingerprint groups",
+        "fingerprint groups (8 hex digits each)",
+        lambda r, p: _counts(r["fingerprint_groups"], short=True),
+    ),
+}
+# What fits 80 columns on a terminal; plain output has every column unless --columns.
+DEFAULT_COLUMNS: Final = ("run", "lifecycle", "completion", "silent", "tags")
 
 
-def _print_consistency(console: Any, report: dict[str, Any]) -> None:
-    for c in report.get("consistency", []):
+def columns_help() -> str:
+    """Returns the --columns list for the help text and `--columns help`."""
+    width = max(map(len, RUN_COLUMNS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what, _cell) in RUN_COLUMNS.items()]
+    return "\n".join(lines)
+
+
+def parse_columns(text: str) -> tuple[str, ...]:
+    """Returns the --columns names, in the order given; "help" is left to the command."""
+    if text == "help":
+        return ("help",)
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in RUN_COLUMNS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown column {unknown[0]!r}" if unknown else "no column named"
+        ) from None
+    return names
+
+
+def _rich_table(console: Any, title: str, headers: list[str], rows: list[list[str]]) -> None:
+    """Prints a rich table whose headers are never cut: cells fold, the page widens if need be."""
+    from rich.table import Column, Table
+
+    def numeric(i: int) -> bool:
+        return bool(rows) and all(r[i].rstrip("%").replace(".", "").isdigit() for r in rows)
+
+    columns = [
+        Column(h, justify="right" if numeric(i) else "left", overflow="fold", min_width=len(h))
+        for i, h in enumerate(headers)
+    ]
+    table = Table(*columns, title=title, title_justify="left")
+    for row in rows:
+        table.add_row(*row)
+    need = sum(len(h) + 3 for h in headers) + 1
+    if need > console.width:
+        console.width = need  # rows wrap on a narrow screen; a header is never "cre…"
+    console.print(table)
+
+
+def print_report(
+    report: dict[str, Any], *, plain: bool = False, columns: tuple[str, ...] = ()
+) -> None:
+    """Prints the report: rich tables on stdout, or plain blocks ("# runs", ...) when plain."""
+    from rich.console import Console
+
+    # markup off: run ids and tags are data, never rich markup.
+    console = Console(file=sys.stdout, markup=False, highlight=False)
+    if not report["runs"]:
+        print_note(f"no runs in namespace {report['namespace']}", plain=plain)
+        return
+    chosen = columns or (tuple(RUN_COLUMNS) if plain else DEFAULT_COLUMNS)
+    headers = [RUN_COLUMNS[c][0] for c in chosen]
+    rows = [[RUN_COLUMNS[c][2](r, plain) for c in chosen] for r in report["runs"]]
+    if plain:
+        print_table("runs", headers, rows, plain=True)
+    else:
+        _rich_table(console, "runs (oldest first)", headers, rows)
+    _print_consistency(report, plain=plain)
+    _print_rulers(console, report, plain=plain)
+
+
+def _print_consistency(report: dict[str, Any], *, plain: bool) -> None:
+    pairs = report.get("consistency", [])
+    if plain:
+        keys = ("run_id", "previous_run_id", "consistency_rate", "consistent", "compared_outputs")
+        rows = [["" if c[k] is None else c[k] for k in keys] for c in pairs]
+        heads = ("run", "previous", "consistency rate", "consistent", "compared")
+        print_table("consistency", heads, rows, plain=True)
+        digests = [
+            (r["run_id"], r["digest"], r["outputs"]) for r in report.get("ruler_digests", [])
+        ]
+        print_table("ruler digests", ("run", "digest", "outputs"), digests, plain=True)
+        return
+    for c in pairs:
         rate = c["consistency_rate"]
         shown = "no outputs in one fingerprint group" if rate is None else _percent(rate)
-        console.print(
+        print(
             f"consistency {c['run_id']} vs {c['previous_run_id']}: {shown}"
             f" ({c['consistent']} of {c['compared_outputs']} same-group outputs kept their digest)"
         )
     for r in report.get("ruler_digests", []):
-        console.print(f"ruler digest {r['run_id']}: {r['digest'][:16]} over {r['outputs']} outputs")
+        print(f"ruler digest {r['run_id']}: {r['digest'][:16]} over {r['outputs']} outputs")
 
 
 def _prefixed(prefix: str, values: dict[str, int]) -> dict[str, int]:
     return {prefix + k: v for k, v in values.items()}
 
 
-def _print_rulers(console: Any, report: dict[str, Any]) -> None:
-    from rich.table import Table
-
+def _print_rulers(console: Any, report: dict[str, Any], *, plain: bool) -> None:
     comparisons = report["ruler_comparisons"]
     if not comparisons:
-        console.print(f"no ruler run to compare (prefix {report['ruler_prefix']!r})")
+        print_note(f"no ruler run to compare (prefix {report['ruler_prefix']!r})", plain=plain)
         return
-    table = Table(title="ruler runs vs. their previous ruler run", title_justify="left")
-    for column in ("run", "previous", "compared", "unchanged", "drift", "across groups"):
-        table.add_column(column, justify="left" if column in ("run", "previous") else "right")
-    table.add_column("unattributed", justify="right")
-    table.add_column("id-set difference")
-    for c in comparisons:
-        table.add_row(
+    headers = ["run", "previous", "compared", "unchanged", "drift", "across groups"]
+    headers += ["unattributed", "id-set difference"]
+    rows = [
+        [
             c["run_id"],
             c["previous_run_id"],
             str(c["compared_outputs"]),
@@ -402,26 +493,34 @@ def _print_rulers(console: Any, report: dict[str, Any]) -> None:
             str(len(c["across_groups"])),
             str(len(c["unattributed"])),
             f"-{len(c['only_in_previous'])} +{len(c['only_in_current'])}",
-        )
-    console.print(table)
+        ]
+        for c in comparisons
+    ]
+    if plain:
+        print_table("rulers", headers, rows, plain=True)
+    else:
+        _rich_table(console, "ruler runs vs. their previous ruler run", headers, rows)
     drift = [(c["run_id"], d) for c in comparisons for d in c["drift"]]
     if not drift:
-        console.print("no drift: every changed digest changed with its fingerprint group")
+        print_note("no drift: every changed digest changed with its fingerprint group", plain=plain)
         return
-    details = Table(
-        title="drift: digest changed inside one fingerprint group", title_justify="left"
-    )
-    for column in ("run", "shard", "output", "fingerprint", "previous blake3", "blake3"):
-        details.add_column(column)
-    for run_id, d in drift[:SHOWN_CHANGES]:
-        details.add_row(
+    headers = ["run", "shard", "output", "fingerprint", "previous blake3", "blake3"]
+    # Plain output has every change, whole; a terminal the first SHOWN_CHANGES, shortened.
+    cut = (None, None, None) if plain else (12, 16, 16)
+    rows = [
+        [
             run_id,
             d["shard_id"],
             d["output"],
-            d["fingerprint"][:12],
-            d["previous_blake3"][:16],
-            d["blake3"][:16],
-        )
-    console.print(details)
+            d["fingerprint"][: cut[0]],
+            d["previous_blake3"][: cut[1]],
+            d["blake3"][: cut[2]],
+        ]
+        for run_id, d in (drift if plain else drift[:SHOWN_CHANGES])
+    ]
+    if plain:
+        print_table("drift", headers, rows, plain=True)
+        return
+    _rich_table(console, "drift: digest changed inside one fingerprint group", headers, rows)
     if len(drift) > SHOWN_CHANGES:
-        console.print(f"... and {len(drift) - SHOWN_CHANGES} more (see --json)")
+        print(f"... and {len(drift) - SHOWN_CHANGES} more (see --json)")
