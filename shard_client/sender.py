@@ -126,6 +126,10 @@ class Sender:
     drops the parent's queued events, which the parent sends. A fork waits for
     the append in flight, because a gRPC call active during fork() can leave the
     child's gRPC state wedged.
+
+    ``jitter`` spreads each retry delay (``backoff.jittered``: between half and all
+    of it), so that jobs refused together do not retry in step; a simulator or a test
+    that must see this sender's own schedule passes its own.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class Sender:
         max_backoff_s: float = backoff.SENDER_MAX_DELAY_S,
         exit_wait_s: float | None = None,
         drain_orphans: bool = True,
+        jitter: Callable[[float], float] = backoff.jittered,
     ) -> None:
         if policy not in ("spool", "block", "raise"):
             raise ValueError(f"policy must be 'spool', 'block' or 'raise', not {policy!r}")
@@ -158,6 +163,7 @@ class Sender:
         self.max_backoff_s = max_backoff_s
         self.exit_wait_s = exit_wait_s
         self.drain_orphans = drain_orphans
+        self.jitter = jitter
         self._reset()
         _SENDERS.add(self)
 
@@ -426,13 +432,13 @@ class Sender:
                     # Blocking means waiting out even a close; the others stop at once.
                     self._wakeup.wait_for(
                         lambda: self._closing and self.policy != "block",
-                        backoff.jittered(self._backoff),
+                        self.jitter(self._backoff),
                     )
                     self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
                     continue
                 if self.policy == "spool":
                     self._spill_locked(batch[pos:])
-                    self._retry_at = time.monotonic() + backoff.jittered(self._backoff)
+                    self._retry_at = time.monotonic() + self.jitter(self._backoff)
                 else:
                     self._down = stop
                     self._fail_locked(batch[pos:], stop)
@@ -461,7 +467,7 @@ class Sender:
                 self._backoff = backoff.FIRST_DELAY_S
             else:
                 now = time.monotonic()
-                self._retry_at = now + backoff.jittered(self._backoff)
+                self._retry_at = now + self.jitter(self._backoff)
                 if self._closing and self._retry_at >= self._exit_deadline:
                     # While closing, one last try just before the exit wait ends, if there
                     # is time for one; after it the rest stays for a later drain.

@@ -258,37 +258,42 @@ def test_policy_raise_fails_the_acks_and_then_emit_raises(tmp_path: Path) -> Non
 
 
 def test_retries_wait_jittered_delays_that_double_so_refused_jobs_spread_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """Jobs refused together (an overloaded or restarting ledger) must not retry in step."""
-    asked: list[tuple[object, float]] = []
+    asked: list[float] = []
+    lock = threading.Lock()
 
     def jittered(delay_s: float) -> float:
-        # Which sender asked: senders of earlier tests may still be retrying in this
-        # process, and the client's RPC retries draw from the same function.
-        asked.append((sys._getframe(1).f_locals.get("self"), delay_s))
-        return delay_s * 0.5  # the shortest wait the jitter can draw
+        # This sender's own jitter: senders of earlier tests still retrying in this
+        # process (and every client's RPC retries) draw from backoff.jittered, never here.
+        with lock:
+            asked.append(delay_s)
+        return backoff.jittered(delay_s, draw=lambda: 0.0)  # the shortest wait it can draw
 
-    monkeypatch.setattr(backoff, "jittered", jittered)
     sender = Sender(
-        LedgerClient("127.0.0.1:1"), policy="block", max_backoff_s=0.4, spool_root=str(tmp_path)
+        LedgerClient("127.0.0.1:1"),
+        policy="block",
+        max_backoff_s=0.4,
+        spool_root=str(tmp_path),
+        jitter=jittered,
     )
 
-    def own() -> list[float]:
-        return [delay for who, delay in list(asked) if who is sender]
+    def waits() -> list[float]:
+        with lock:
+            return list(asked)
 
     ack = sender.emit(beat("x", "att", 1))
-    deadline = time.monotonic() + 20
-    while 0.4 not in own() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while 0.4 not in waits() and time.monotonic() < deadline:
         time.sleep(0.05)
-    waits = own()
+    seen = waits()
     assert not ack.acknowledged
     sender.close(timeout=0.1)
     # Every wait is jittered, from the first delay, doubling up to the cap.
     first = backoff.FIRST_DELAY_S
-    assert waits[:1] == [first], waits
-    assert waits == sorted(waits) and max(waits) == 0.4, waits
-    assert sorted(set(waits)) == [first, 2 * first, 4 * first, 8 * first], waits
+    assert seen[:4] == [first, 2 * first, 4 * first, 8 * first], seen
+    assert seen == sorted(seen) and max(seen) == 0.4, seen
 
 
 def test_policy_block_holds_events_until_the_ledger_returns(servers: Servers) -> None:
@@ -372,9 +377,18 @@ def test_a_damaged_spool_is_named_and_the_others_are_still_drained(
         (root / name / "target").write_text(servers.target + "\n")
     (root / "host-1-bad" / "acked").write_text("garbage\n")
 
-    assert cli(["spool", "status", "--dir", str(root)]) == 1
+    assert cli(["spool", "status", "--dir", str(root), "--format", "table"]) == 1
     out = capsys.readouterr().out
     assert f"{root / 'host-1-bad'}: DAMAGED" in out and f"{root / 'host-2-good'}: 1 pending" in out
+    # Piped (plain): one tab-separated row a directory, the damaged one with its error.
+    assert cli(["spool", "status", "--dir", str(root)]) == 1
+    header, *lines = capsys.readouterr().out.splitlines()
+    rows = {
+        Path(line.split("\t")[0]).name: dict(zip(header.split("\t"), line.split("\t"), strict=True))
+        for line in lines
+    }
+    assert rows["host-1-bad"]["ERROR"] and not rows["host-2-good"]["ERROR"], rows
+    assert (rows["host-2-good"]["PENDING"], rows["host-2-good"]["TARGET"]) == ("1", servers.target)
     assert cli(["spool", "drain", "--dir", str(root), "--json"]) == 1
     results = {
         Path(r["directory"]).name: r for r in map(json.loads, capsys.readouterr().out.splitlines())

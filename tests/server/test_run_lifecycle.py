@@ -202,8 +202,11 @@ def test_plan_close_from_the_cli_and_status_shows_the_lifecycle(
         capsys, "plan", RUN, "--manifest", str(manifest), "--server", target, "--json"
     )
     assert code == 0, err
-    code, out, _ = run_cli(capsys, "status", RUN, "--server", target)
+    code, out, _ = run_cli(capsys, "status", RUN, "--server", target, "--format", "table")
     assert "lifecycle          open: jobs may still start" in out
+    # Piped (plain), the same line is the summary block's lifecycle field.
+    code, out, _ = run_cli(capsys, "status", RUN, "--server", target)
+    assert "\nlifecycle\topen: jobs may still start" in out
 
     code, out, err = run_cli(
         capsys, "plan", RUN, "--close", "--reason", "last wave", "--server", target, "--json"
@@ -213,7 +216,7 @@ def test_plan_close_from_the_cli_and_status_shows_the_lifecycle(
     assert answer["closed"] is True and answer["close_outcome"] == "appended"
     code, out, _ = run_cli(capsys, "status", RUN, "--server", target)
     # The one shard never started: nothing is waited on, the run is settled.
-    assert "lifecycle          settled at " in out
+    assert "\nlifecycle\tsettled at " in out
     code, out, _ = run_cli(capsys, "status", RUN, "--server", target, "--json")
     assert json.loads(out)["lifecycle"]["state"] == "settled"
     code, out, _ = run_cli(capsys, "trend", "--server", target, "--json")
