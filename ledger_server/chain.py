@@ -26,7 +26,7 @@ from ledger_server.events import (
     safe_int,
 )
 from ledger_server.store.base import StoredEvent
-from shard_client.canonical import canonical_json, legacy_json
+from shard_client.canonical import MAX_SAFE_INTEGER, canonical_json, legacy_json
 
 GENESIS_HASH: Final = bytes(32)
 
@@ -131,7 +131,9 @@ def row_format_of(outer: Any) -> int:
     if "v" not in outer:
         return ROW_FORMAT_LEGACY
     version = outer["v"]
-    if type(version) is not int or version == ROW_FORMAT_LEGACY or version > ROW_FORMAT:
+    # Format 1 has no "v"; every row with one is format 2 (docs/contract.md): 0, 1, a
+    # negative or a later number is not a row this reader can vouch for.
+    if type(version) is not int or version != ROW_FORMAT:
         raise ValueError(f"unknown row format {version!r}")
     return version
 
@@ -144,7 +146,25 @@ def encode_parsed_row(outer: Any) -> bytes:
     """
     if row_format_of(outer) == ROW_FORMAT_LEGACY:
         return legacy_json(outer).encode()
-    return canonical_json(outer).encode()
+    return canonical_json(_integral_doubles(outer)).encode()
+
+
+def _integral_doubles(value: Any) -> Any:
+    """Returns a parsed format-2 value with each bare integer past 2**53 a float again.
+
+    Format 2 writes every integer past 2**53 as a decimal string, so a bare number
+    that large was a double written without an exponent (RFC 8785 writes 1e20 as
+    100000000000000000000), which the parser read as an int. Its digits are the
+    double's shortest form, so float() gives back that very double.
+    """
+    kind = type(value)
+    if kind is int:
+        return float(value) if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER else value
+    if kind is dict:
+        return {k: _integral_doubles(v) for k, v in value.items()}
+    if kind is list:
+        return [_integral_doubles(v) for v in value]
+    return value
 
 
 def event_from_row(row: bytes) -> tuple[Event, int, int]:
@@ -166,6 +186,7 @@ def event_from_parsed(outer: Any) -> tuple[Event, int, int]:
 
 _INT_FIELDS: Final = {kind: int_fields(cls) for kind, cls in PAYLOAD_TYPES.items()}
 _FLOAT_FIELDS: Final = {kind: float_fields(cls) for kind, cls in PAYLOAD_TYPES.items()}
+_FLOAT_MAPS: Final = ("metrics", "metrics_min", "metrics_max")  # Heartbeat's dict[str, float]
 
 
 def _as_int(value: Any) -> int:
@@ -183,8 +204,10 @@ def _typed(kind: str, payload_data: dict[str, Any]) -> None:
         if type(payload_data.get(name)) is int:  # RFC 8785 writes 1.0 as 1
             payload_data[name] = float(payload_data[name])
     if kind == Heartbeat.KIND:
-        metrics = payload_data["metrics"]
-        payload_data["metrics"] = {k: float(v) for k, v in metrics.items()}
+        # Metric values are doubles; RFC 8785 writes an integral one as an integer.
+        for name in _FLOAT_MAPS:
+            if name in payload_data:
+                payload_data[name] = {k: float(v) for k, v in payload_data[name].items()}
 
 
 def decode_parsed(outer: Any) -> DecodedRow:

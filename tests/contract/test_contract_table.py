@@ -146,8 +146,9 @@ def test_the_earlier_row_vectors_keep_their_bytes() -> None:
         assert [v["row_hash"] for v in VECTORS[section]] == hashes, section
 
 
-# --- where the implementation disagrees with itself (reported, not fixed here) -------
-# Each is strict: when the code is fixed the test passes, and the marker must go.
+# --- rows the implementation once disagreed with itself on -----------------------
+# An integral double past 2**53 is written without an exponent and parses as an int:
+# decoding and re-encoding give it back as the double it was. Only "v":2 is format 2.
 
 
 def _coalesced_beat(
@@ -164,35 +165,17 @@ def _coalesced_beat(
     return Event("e", "default", "r", "s", "a", 0, beat)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="chain._typed gives metrics, not metrics_min/metrics_max, their floats back: an"
-    " integral double past 2**53 there decodes to an int, which content_jcs refuses (a resent"
-    " heartbeat then fails with UNKNOWN, group_commit_failed)",
-)
 def test_a_row_whose_metric_extreme_is_an_integral_double_past_2_53_rederives() -> None:
     row = row_bytes(_coalesced_beat(metrics_max={"m": 2.0**60}), run_sequence=1, receive_time_us=1)
     decoded = decode_row(row)
     assert row_bytes(decoded.event, run_sequence=1, receive_time_us=1) == row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="encode_parsed_row (export/import) re-encodes a parsed row, whose integral double"
-    " past 2**53 (a metric of 1e20) parses as an int, which canonical_json refuses",
-)
 def test_a_parsed_row_with_an_integral_double_past_2_53_reencodes() -> None:
     row = row_bytes(_coalesced_beat(metrics={"m": 1e20}), run_sequence=1, receive_time_us=1)
     assert encode_parsed_row(parse_row(row)) == row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='chain.row_format_of accepts "v":0 (and negative): docs/contract.md says a "v"'
-    " other than 2 is not a row of this contract",
-)
 def test_a_row_with_v_0_is_not_a_row() -> None:
     row = VECTORS["rows"][0]["row"].replace('"v":2', '"v":0').encode()
     with pytest.raises(ValueError, match="unknown row format"):
