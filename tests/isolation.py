@@ -22,6 +22,12 @@ the worker whose process, or an ancestor of it, made the connection, else (the p
 gone) the test's that was running alone. One the controller cannot place (no worker's,
 while tests ran in several workers) fails the session, naming the tests running then.
 
+A connection from a process outside this session (another checkout's suite whose guard
+found the port taken, a CLI of the developer's) is closed and charged to no test: a
+process is the session's when it descends from the session's pytest or carries the
+session's token in its environment (``SHARDLEDGER_TEST_GUARD_SESSION``, which children,
+daemonised grandchildren and Slurm jobs inherit). The summary counts them.
+
 Before anything runs, the variables that point the SDK and the CLI at a ledger, a
 database or credentials are removed from the environment, so a developer's exported
 ``SHARDLEDGER_SERVER`` cannot stand in for the default address either.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import select
 import shutil
 import socket
@@ -49,6 +56,9 @@ DEFAULT_PORT: Final = 50551
 MARKER: Final = "default_address"
 # The guard's own tests watch a free port instead (the session's guard holds 50551).
 PORT_ENV: Final = "SHARDLEDGER_TEST_GUARD_PORT"
+
+# Set by the guard's session for every process it starts: the mark of "ours".
+SESSION_ENV: Final = "SHARDLEDGER_TEST_GUARD_SESSION"
 
 # What would carry a developer's ledger, database or credentials into a test.
 SCRUBBED_ENV: Final = (
@@ -116,6 +126,23 @@ def _ancestors(pid: int) -> Iterator[int]:
         pid = int(stat.rpartition(")")[2].split()[1])
 
 
+def _is_sessions(pid: int, session: str) -> bool:
+    """True when pid descends from this process or carries the session's token.
+
+    An environment that cannot be read (another user's process) counts as the
+    session's: the guard would rather fail a test than miss one.
+    """
+    if os.getpid() in _ancestors(pid):
+        return True
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except FileNotFoundError:
+        return True  # gone meanwhile: placed as a process that is gone
+    except OSError:
+        return True
+    return f"{SESSION_ENV}={session}".encode() in environ.split(b"\0")
+
+
 BETWEEN: Final = "(between tests)"
 
 
@@ -129,10 +156,15 @@ class Tripwire:
     """
 
     port: int
+    # The token this session's processes carry in SESSION_ENV ("" in the guard's own tests
+    # of the rule, where every process counts as the session's).
+    session: str = ""
     current: dict[int, str] = field(default_factory=dict)
     hits: list[Hit] = field(default_factory=list)
     # Connections no owner could be found for: (hit, the tests running at the time).
     unplaced: list[tuple[Hit, list[str]]] = field(default_factory=list)
+    # Connections from processes outside the session: closed, charged to no test.
+    foreign: list[Hit] = field(default_factory=list)
     _socks: list[socket.socket] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -231,6 +263,9 @@ class Tripwire:
                 self._record(pid, f"{peer[0]}:{peer[1]}", process)
 
     def _record(self, pid: int | None, peer: str, process: str) -> None:
+        if pid is not None and self.session and not _is_sessions(pid, self.session):
+            self.foreign.append(Hit(BETWEEN, peer, process))
+            return
         owner = None
         if pid is not None:
             owner = next((p for p in _ancestors(pid) if p in self.current), None)
@@ -375,10 +410,12 @@ def pytest_configure(config: pytest.Config) -> None:
         path = workerinput.get(WORKER_KEY)
         config.stash[_TRIPWIRE] = RemoteTripwire(path, port) if path else None
         return
-    tripwire = Tripwire(port)
+    session = f"{os.getpid()}-{secrets.token_hex(6)}"
+    tripwire = Tripwire(port, session=session)
     if not tripwire.open():
         config.stash[_TRIPWIRE] = None
         return
+    os.environ[SESSION_ENV] = session  # inherited by the workers and all they start
     config.stash[_TRIPWIRE] = tripwire
     if getattr(config.option, "numprocesses", None):
         config.stash[_BROKER] = Broker(tripwire)
@@ -411,6 +448,16 @@ _UNPLACED: Final = pytest.StashKey[list[str]]()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    tripwire = config.stash.get(_TRIPWIRE, None)
+    if isinstance(tripwire, Tripwire) and tripwire.foreign:
+        terminalreporter.section("default-address guard")
+        terminalreporter.line(
+            f"{len(tripwire.foreign)} connection(s) to {DEFAULT_HOST}:{config.stash[_PORT]}"
+            " from processes outside this session (another suite, a CLI of yours) were"
+            " closed and charged to no test:"
+        )
+        for hit in tripwire.foreign[:5]:
+            terminalreporter.line(f"  {hit.peer} from {hit.process}")
     lines = config.stash.get(_UNPLACED, [])
     if lines:
         terminalreporter.section("default-address guard", red=True)

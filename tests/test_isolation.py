@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import socket
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Final
 
@@ -289,4 +291,48 @@ def test_a_connection_no_worker_made_fails_the_session_naming_the_tests_then_run
             "*while these tests ran: test_daemon.py::test_leaves_a_daemon,"
             " test_quiet.py::test_stays_home*",
         ]
+    )
+
+
+def test_a_connection_from_outside_the_session_is_charged_to_no_test(
+    pytester: pytest.Pytester, guard_port: int, workers: list[str]
+) -> None:
+    # Another checkout's suite, or a CLI of the developer's, reaches the port while a test
+    # runs here: this process (the outer pytest) is neither the inner session's
+    # descendant nor carries its token. The inner test waits until it has connected.
+    here = pytester.path
+    reached = threading.Event()
+
+    def outsider() -> None:
+        deadline = time.monotonic() + 60
+        while not (here / "running").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", guard_port)) as sock:
+            sock.recv(1)  # until the guard has closed it
+        (here / "connected").touch()
+        reached.set()
+
+    thread = threading.Thread(target=outsider, daemon=True)
+    thread.start()
+    result = inner(
+        pytester,
+        guard_port,
+        f"""
+        import pathlib, time
+
+        def test_runs_while_someone_else_connects():
+            pathlib.Path({str(here)!r}, "running").touch()
+            deadline = time.monotonic() + 60
+            while not pathlib.Path({str(here)!r}, "connected").exists():
+                assert time.monotonic() < deadline, "the outsider never connected"
+                time.sleep(0.02)
+        """,
+        *workers,
+    )
+    thread.join(60)
+    assert reached.is_set()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["*1 connection(s) to 127.0.0.1:* from processes outside this session*"]
     )
