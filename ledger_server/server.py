@@ -36,10 +36,11 @@ from ledger_server.startup import (
     open_database,
     read_pem,
 )
+from ledger_server.store import Store
 from ledger_server.store.base import StoreError
 from ledger_server.store.urls import redact_url
 from ledger_server.store_health import StoreHealth, StoreProbe
-from ledger_server.upgrade import upgrade_projections
+from ledger_server.upgrade import stale_runs, upgrade_projections
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
 SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
@@ -128,12 +129,55 @@ def create_server(config: ServerConfig) -> RunningServer:
         raise
 
 
+def create_read_only_server(
+    store: Store,
+    *,
+    database: str,
+    listen: str,
+    credentials: grpc.ServerCredentials | None = None,
+    signing_key: SigningKey | None = None,
+) -> RunningServer:
+    """Serves the read RPCs from a store opened read-only (open_store(url, read_only=True)).
+
+    What `shardledger status --db FILE` (and the other read commands) talk to, so they
+    answer through the same servicer, service and projections as a server. A start
+    writes nothing: no writer lock is claimed, no signing key created (without one,
+    the tree-head RPCs are refused) and no projections upgraded; a ledger whose shard
+    records need that upgrade raises StartupError. Appends are refused by the store
+    (STORE_READ_ONLY). The server owns the store from here: stop() closes it.
+    """
+    try:
+        stale = stale_runs(store)
+        if stale:
+            names = ", ".join(f"{r.namespace}/{r.run_id}" for r in stale[:3])
+            more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
+            raise StartupError(
+                f"{redact_url(database)}: the shard records of"
+                f" {len(stale)} run{'s' if len(stale) != 1 else ''} ({names}{more})"
+                " are of an older format, which only a rewrite from their events brings up to"
+                " date, and the ledger is open read-only: run `shardledger db rebuild --db COPY`"
+                " on a copy and read the copy"
+            )
+        metrics = LedgerMetrics()
+        ledger = LedgerService(store, on_group=metrics.observe_group)
+    except BaseException:
+        store.close()
+        raise
+    config = ServerConfig(database=database, listen=listen, auth="off", reflection=False)
+    try:
+        return _start(config, ledger, metrics, key=signing_key, credentials=credentials)
+    except BaseException:
+        ledger.close()
+        store.close()
+        raise
+
+
 def _start(
     config: ServerConfig,
     ledger: LedgerService,
     metrics: LedgerMetrics,
     *,
-    key: SigningKey,
+    key: SigningKey | None,
     credentials: grpc.ServerCredentials | None,
 ) -> RunningServer:
     require_tokens = config.auth == "tokens" or (

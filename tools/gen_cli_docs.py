@@ -27,7 +27,10 @@ Conventions every command keeps (`tools/shardledger_cli/parsing.py`):
 * Tables on a terminal, tab-separated columns when stdout is not one;
   `--format table|plain|json` chooses (`status`, `shards`, `runs`).
 * `--db` and `--database-url` are one option wherever a database is opened
-  directly, defaulting to `$SHARDLEDGER_DATABASE_URL` (then `./ledger.db`).
+  directly, defaulting to `$SHARDLEDGER_DATABASE_URL` (then `./ledger.db`). On the
+  read commands (`status`, `shards`, `resume`, `events`, `runs`, `report`, `trend`,
+  `export`, `verify --dry-run`) `--db` reads a ledger read-only with no server, and
+  only when given ([operations.md](operations.md), "Reading a ledger without a server").
 * A mistake prints the usage of the (sub)command it was made in and the closest
   command, choice or flag; every `--help` ends with examples.
 * The names of states, reasons and fields are defined in

@@ -25,13 +25,18 @@ __all__ = [
 ]
 
 
-def open_store(url: str) -> Store:
-    """Opens the store a URL names: a path, sqlite:///PATH or postgresql://USER@HOST/DB."""
+def open_store(url: str, *, read_only: bool = False) -> Store:
+    """Opens the store a URL names: a path, sqlite:///PATH or postgresql://USER@HOST/DB.
+
+    read_only opens an existing ledger so that nothing can be written to it (a SQLite
+    file read-only, PostgreSQL sessions with default_transaction_read_only) and never
+    migrates it: a ledger of an older schema raises StoreError.
+    """
     if url.startswith(POSTGRES_SCHEMES):
         # Imported here: psycopg is an optional extra (`pip install shardledger[postgres]`).
         from ledger_server.store.postgres import PostgresStore
 
-        return PostgresStore(url)
+        return PostgresStore(url, read_only=read_only)
     from ledger_server.store.sqlite import SqliteStore
 
     path = sqlite_path(url)
@@ -40,4 +45,4 @@ def open_store(url: str) -> Store:
             f"unsupported database URL scheme in {url!r}:"
             " use a path, sqlite:///PATH or postgresql://USER@HOST/DB"
         )
-    return SqliteStore(path)
+    return SqliteStore(path, read_only=read_only)

@@ -53,7 +53,7 @@ from ledger_server.store.base import (
 )
 from ledger_server.store.pg_pool import PgPool
 from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
-from ledger_server.store.urls import split_libpq
+from ledger_server.store.urls import redact_url, split_libpq
 
 __all__ = ["PostgresStore", "split_url"]
 
@@ -113,14 +113,27 @@ def _configure(conn: Conn) -> None:
     conn.execute("SET application_name = 'shardledger'")
 
 
+def _configure_read_only(conn: Conn) -> None:
+    # Every transaction of the session is READ ONLY: PostgreSQL itself refuses any write
+    # (SQLSTATE 25006), whatever statement reaches it.
+    _configure(conn)
+    conn.execute("SET default_transaction_read_only = on")
+
+
 class PostgresStore:
     """An event store in one PostgreSQL database, safe for several server processes."""
 
     # Other replicas write the same rows, so nothing may be kept between transactions.
     exclusive_writer = False
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, read_only: bool = False) -> None:
+        """Opens the database (migrating it), or with read_only in read-only sessions.
+
+        read_only never migrates: a database without the ledger's tables, or of an
+        older schema, raises StoreError.
+        """
         self.url = url
+        self.read_only = read_only
         conninfo, options = split_url(url)
         self._write_timeout_ms = int(options["write_timeout"] * 1000)
         self._pool = PgPool(
@@ -128,13 +141,16 @@ class PostgresStore:
             min_size=int(options["pool_min_size"]),
             max_size=int(options["pool_max_size"]),
             timeout=options["pool_timeout"],
-            configure=_configure,
+            configure=_configure_read_only if read_only else _configure,
             probe_timeout_ms=int(CONNECT_TIMEOUT_S * 1000),
             retry_after_s=PROBE_RETRY_S,
         )
         self._pool.open()
         try:
-            self._migrate()
+            if read_only:
+                self._require_current_schema()
+            else:
+                self._migrate()
         except BaseException:
             self._pool.close()
             raise
@@ -159,6 +175,20 @@ class PostgresStore:
                     for statement in statements:
                         conn.execute(statement)
                     conn.execute(q.SQL_RECORD_MIGRATION, (version, name, int(time.time() * 1e6)))
+
+    def _require_current_schema(self) -> None:
+        with edge(), self._pool.connection() as conn:
+            if conn.execute(q.SQL_TABLE_EXISTS).fetchone() != (True,):
+                raise StoreError(
+                    f"no ledger in {redact_url(self.url)}: a database without the ledger's tables"
+                )
+            done = {row[0] for row in conn.execute(q.SQL_APPLIED)}
+        if not done >= {version for version, _, _ in q.MIGRATIONS}:
+            raise StoreError(
+                f"{redact_url(self.url)} has schema version {max(done, default=0)}, older than"
+                f" this release's {q.MIGRATIONS[-1][0]}, and a ledger read with --db is never"
+                " migrated: run `shardledger db migrate --db URL` first"
+            )
 
     def applied_migrations(self) -> list[tuple[int, str, int]]:
         """Returns (version, name, applied_us) of every applied migration."""
@@ -298,6 +328,8 @@ class PostgresStore:
 
     def probe(self) -> StoreError | None:
         """Checks on the probe's own connection that a write could commit now (see pg_pool)."""
+        if self.read_only:
+            return None  # no write is ever made; a read meets an outage itself
         return self._pool.probe()
 
     def on_fault(self, wake: Callable[[], None]) -> None:

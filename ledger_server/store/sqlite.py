@@ -47,22 +47,52 @@ def _require_ledger_schema(conn: sqlite3.Connection, path: str) -> None:
         raise StoreError(f"no ledger at {path}: a SQLite database without the ledger's tables")
 
 
+def _read_only_uri(path: str) -> str:
+    """Returns the URI that opens an existing ledger file for reading only, writing nothing.
+
+    mode=ro alone is not enough: on a WAL database (every ledger) SQLite creates, and
+    leaves, empty -wal and -shm files beside it, and in a directory it may not write it
+    refuses to open at all. immutable=1 takes no lock and creates nothing, but it ignores
+    a -wal file, so it is used only when the main file is the whole ledger and no
+    connection has it open: no -wal with content, no -shm (a server holds one while it
+    runs), no rollback -journal. Otherwise mode=ro reads through SQLite's shared memory,
+    a consistent snapshot even beside a live server; the ledger file itself is never
+    written, but SQLite may create the missing one of -wal and -shm.
+    """
+    uri = Path(path).absolute().as_uri() + "?mode=ro"
+    wal = path + "-wal"
+    if os.path.exists(wal) and os.path.getsize(wal) > 0:
+        return uri
+    if any(os.path.exists(path + suffix) for suffix in ("-shm", "-journal")):
+        return uri
+    return uri + "&immutable=1"
+
+
 class SqliteStore:
     """An event store in one SQLite file."""
 
     exclusive_writer = True
 
-    def __init__(self, path: str | Path, *, must_exist: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, *, must_exist: bool = False, read_only: bool = False
+    ) -> None:
         """Opens (creating by default) the ledger at path.
 
         With must_exist, a missing file, a directory, a file that is not SQLite, or
         a SQLite database without this schema raises StoreError and nothing is
         created or changed: a mistyped path must not turn into a new, empty ledger.
+        read_only implies must_exist and opens the file so that nothing can be written
+        (_read_only_uri): no migration, no writer lock, and a schema older than this
+        release's is refused rather than migrated.
         """
         self.path = str(path)
-        self._must_exist = must_exist
-        if must_exist:
+        self.read_only = read_only
+        self._must_exist = must_exist or read_only
+        self._uri = ""
+        if self._must_exist:
             _require_file(self.path)
+            if read_only:
+                self._uri = _read_only_uri(self.path)
         elif self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
@@ -73,10 +103,20 @@ class SqliteStore:
         self._claim: int | None = None
         # Set by a failed fsync: every later write raises it (see _commit).
         self._sync_failed: StoreSyncFailed | None = None
-        self._migrate()
+        if read_only:
+            self._require_current_schema()
+        else:
+            self._migrate()
 
     def _connect(self) -> sqlite3.Connection:
         try:
+            if self._uri:
+                conn = self._connect_read_only()
+                _require_ledger_schema(conn, self.path)
+                # A second lock beside mode=ro: this connection refuses any write statement.
+                conn.execute("PRAGMA query_only=ON")
+                conn.execute("PRAGMA busy_timeout=30000")
+                return conn
             if self._must_exist:
                 # mode=rw opens read-write but never creates the file (plain connect would).
                 conn = sqlite3.connect(
@@ -99,6 +139,28 @@ class SqliteStore:
             conn.execute("PRAGMA busy_timeout=30000")
         except sqlite3.Error as exc:
             raise translate(exc, self.path) from exc
+        return conn
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self._uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30
+        )
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()  # the first read opens the WAL
+        except sqlite3.OperationalError as exc:
+            if not os.path.exists(self.path + "-wal"):
+                return conn  # _require_ledger_schema names what the file is
+            conn.close()
+            # The one ledger SQLite cannot read read-only: commits in a -wal file, no -shm
+            # beside it, and a directory where it may not create one.
+            raise StoreReadOnly(
+                f"cannot read {self.path} read-only: SQLite: {exc}; its -wal file holds"
+                " commits that SQLite reads through a -shm file it cannot create in"
+                f" {os.path.dirname(os.path.abspath(self.path))}: copy the ledger file with"
+                " its -wal file into a directory you may write, and read the copy"
+            ) from exc
+        except sqlite3.DatabaseError:
+            pass  # not a database: _require_ledger_schema says so
         return conn
 
     def _migrate(self) -> None:
@@ -124,6 +186,22 @@ class SqliteStore:
                 conn.execute("ROLLBACK")
                 raise translate(exc, self.path) from exc
 
+    def _require_current_schema(self) -> None:
+        """Raises StoreError unless every migration of this release is applied (read-only opens)."""
+        try:
+            done = {v for (v,) in self._writer.execute("SELECT version FROM schema_migrations")}
+        except sqlite3.Error as exc:
+            self._writer.close()
+            raise translate(exc, self.path) from exc
+        missing = [version for version, _, _ in q.MIGRATIONS if version not in done]
+        if missing:
+            self._writer.close()
+            raise StoreError(
+                f"{self.path} has schema version {max(done, default=0)}, older than this"
+                f" release's {q.MIGRATIONS[-1][0]}, and a ledger read with --db is never"
+                f" migrated: run `shardledger db migrate --db COPY` on a copy and read the copy"
+            )
+
     def schema_version(self) -> int:
         """Returns the highest applied migration."""
         row = self._writer.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
@@ -142,6 +220,8 @@ class SqliteStore:
             self._claim_locked()
 
     def _claim_locked(self) -> None:
+        if self.read_only:
+            raise StoreReadOnly(f"{self.path} is open read-only: nothing is written to it")
         if self._claim is not None or self.path == ":memory:":
             return
         lock_path = self.path + "-lock"
@@ -176,7 +256,7 @@ class SqliteStore:
         with self._write_lock:
             if self._sync_failed is not None:
                 raise self._sync_failed
-            if self._claim is None:
+            if self._claim is None or self.read_only:
                 self._claim_locked()
             conn = self._writer
             try:
@@ -290,8 +370,8 @@ class SqliteStore:
         """
         if self._sync_failed is not None:
             return self._sync_failed
-        if self.path == ":memory:":
-            return None
+        if self.path == ":memory:" or self.read_only:
+            return None  # read-only: no write is ever made, so none can fail
         directory = os.path.dirname(os.path.abspath(self.path))
         try:
             read_only_mount = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)

@@ -174,6 +174,15 @@ def client_from(args: argparse.Namespace, *, probe: bool = True) -> Any:
     """
     from shard_client.client import LedgerClient
 
+    local = getattr(args, "channel_credentials", None)
+    if local is not None:
+        # The ledger a read command serves itself from --db (local_ledger.served).
+        return LedgerClient(
+            args.server,
+            timeout_s=args.timeout,
+            retry_deadline_s=max(args.timeout, 5.0),
+            credentials=local,
+        )
     token = None
     if getattr(args, "token_file", None):
         try:
@@ -257,12 +266,13 @@ def _check_client_tls(args: argparse.Namespace) -> None:
             raise CommandError(f"{source} {path}: {exc}") from None
 
 
-def open_ledger(spec: str, *, create: bool = False) -> Store:
+def open_ledger(spec: str, *, create: bool = False, read_only: bool = False) -> Store:
     """Opens the ledger a --db names (a SQLite path, sqlite:///PATH or postgresql://...).
 
     A SQLite ledger must exist unless create; a new one is created only in an
     existing directory. A mistyped path otherwise becomes a new, empty ledger that
     quietly answers "nothing here", and its parents would be created on the way.
+    read_only opens an existing ledger so that nothing is written (open_store).
     """
     from ledger_server.store import open_store, redact_url, sqlite_path
     from ledger_server.store.base import StoreError
@@ -271,8 +281,8 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
     path = sqlite_path(spec)
     try:
         if path is None:
-            return open_store(spec)
-        if create and not os.path.lexists(path):
+            return open_store(spec, read_only=read_only)
+        if create and not read_only and not os.path.lexists(path):
             parent = os.path.dirname(path) or "."
             if not os.path.isdir(parent):
                 raise CommandError(
@@ -284,7 +294,7 @@ def open_ledger(spec: str, *, create: bool = False) -> Store:
                 f"no ledger at {spec}: no such file"
                 " (check --db; `shardledger serve --db PATH` creates a new ledger)"
             )
-        return SqliteStore(path, must_exist=True)
+        return SqliteStore(path, must_exist=True, read_only=read_only)
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except StoreError as exc:

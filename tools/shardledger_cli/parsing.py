@@ -18,7 +18,8 @@ A command module uses them like this (see commands/report.py)::
 * Every command's `--help` ends with an Examples block (`examples()`); a test
   walks the whole parser and fails for a command without one.
 * `--db` / `--database-url` are one option (`add_db_option`), defaulting to
-  $SHARDLEDGER_DATABASE_URL wherever a database is opened directly.
+  $SHARDLEDGER_DATABASE_URL wherever a database is opened directly; on a read command
+  that otherwise asks a server (`local_ledger.serve_db_option`) it is only ever given.
 * `--json` prints an object for a single answer and JSON Lines (one object a
   line) for lists and streams; `json_help` states which in each command's help.
 * Output formats: every command that prints a table or a report takes `--format

@@ -42,6 +42,7 @@ from shardledger_cli.cli import (
     client_from,
     open_ledger,
 )
+from shardledger_cli.local_ledger import require_signing_key, serve_db_option
 from shardledger_cli.output import atomic_output, print_json
 from shardledger_cli.parsing import add_db_option, add_json_option, examples, json_help
 
@@ -73,6 +74,7 @@ def register(
         epilog=examples(
             "shardledger export night-01 -o night-01.jsonl",
             "shardledger export night-01 | gzip > night-01.jsonl.gz",
+            "shardledger export night-01 --db copy/ledger.db -o night-01.jsonl   # no server",
         ),
         parents=[common],
         help="write a run as a self-verifying JSONL file",
@@ -91,7 +93,7 @@ def register(
         p,
         single="the export's summary (the events go to -o or stdout; --sqlite: the database's tables)",
     )
-    p.set_defaults(func=run_export)
+    serve_db_option(p, run_export)
 
     p = sub.add_parser(
         "import",
@@ -134,6 +136,8 @@ def run_export(args: argparse.Namespace) -> int:
         from shardledger_cli.commands.export_sqlite import run_export_sqlite
 
         return run_export_sqlite(args)
+    if args.db:
+        require_signing_key(args.db)
     client = client_from(args)
     pem = rpc_public_key(client)
     walk = ChainWalk(args.run, args.namespace or None)

@@ -18,6 +18,7 @@ from shardledger_cli.cli import (
 from shardledger_cli.commands.trend import RUN_SCAN
 from shardledger_cli.figures import compare_runs
 from shardledger_cli.figures import run_report as fetch_report
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import atomic_output, equation, print_json, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
@@ -59,6 +60,7 @@ Examples:
   shardledger report --by provider --last 30       # report 1's platform table
   shardledger report night-01 night-02 --by pool --json   # one JSON line per pool
   shardledger report night-01 --html night-01.html # a page to send round
+  shardledger report --by provider --db copy/ledger.db   # a ledger file, no server
 
 exit codes: 0 the report was produced; 2 usage (no RUN, or several without
 --by); 3 server unreachable; 4 refused (e.g. unknown run); 5 the --html file
@@ -88,7 +90,7 @@ def register(
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report of RUN")
     json_help(p, single="the report (a run's figures); with --by, one JSON line per group")
     add_format_option(p)
-    p.set_defaults(func=run_report)
+    serve_db_option(p, run_report)
 
 
 def _recent(client: Any, namespace: str, last: int) -> list[str]:

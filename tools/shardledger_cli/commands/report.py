@@ -13,6 +13,7 @@ from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.commands.events import run_events
 from shardledger_cli.commands.resume import RESUME_FORMATS, run_resume
 from shardledger_cli.commands.shards import run_shards
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import (
     REASON_KEY,
     count_shards,
@@ -87,12 +88,14 @@ EXAMPLES: Final = {
         "shardledger status night-01 --json | jq .completion_rate",
         "shardledger status night-01 --costs             # GPU time lost, checkpoint advice",
         "shardledger status night-01 --format plain     # no box tables, for logs and mail",
+        "shardledger status night-01 --db copy/ledger.db  # a ledger file, no server",
     ),
     "shards": (
         "shardledger shards night-01",
         "shardledger shards night-01 --state stale",
         "shardledger shards night-01 --state failed --json | jq -r .shard_id",
         "shardledger shards night-01 --format plain | cut -f2,3",
+        "shardledger shards night-01 --state failed --db copy/ledger.db",
     ),
     "resume": (
         "shardledger resume night-01 -o rerun.jsonl     # exit 1 while something must rerun",
@@ -100,17 +103,20 @@ EXAMPLES: Final = {
         "ARRAY=$(shardledger resume night-01 --format slurm-array --exit-zero)   # set -e safe",
         '[ -z "$ARRAY" ] || sbatch --array="${ARRAY}%64" job.sbatch',
         "shardledger resume night-01 --json | jq -r .reason | sort | uniq -c",
+        "shardledger resume night-01 --db copy/ledger.db --format ids",
     ),
     "events": (
         "shardledger events night-01",
         "shardledger events night-01 --shard s-3c52ba9ca020",
         "shardledger events night-01 --after 1200 --follow",
         "shardledger events night-01 --json | jq -c 'select(.failed)'",
+        "shardledger events night-01 --db copy/ledger.db --shard s-3c52ba9ca020",
     ),
     "runs": (
         "shardledger runs",
         "shardledger runs --namespace team-a --limit 10",
         "shardledger runs --json | jq -r .run_id",
+        "shardledger runs --db copy/ledger.db          # which runs a ledger file holds",
     ),
 }
 JSON_SHAPES: Final = {
@@ -151,7 +157,7 @@ def register(
             p.add_argument("run", help="run id")
         if name in ("status", "shards", "runs"):
             add_format_option(p)
-        p.set_defaults(func=func)
+        serve_db_option(p, func, refuse=_no_follow if name == "events" else None)
         parsers[name] = p
     parsers["status"].add_argument(
         "--costs", action="store_true", help="add GPU time lost to failures and checkpoint advice"
@@ -186,6 +192,16 @@ def register(
     )
     p.add_argument("--follow", "-f", action="store_true", help="stream new events as they commit")
     parsers["runs"].add_argument("--limit", type=at_least(1), default=100, help="at most N runs")
+
+
+def _no_follow(args: argparse.Namespace) -> str:
+    """Returns why events --follow cannot read a ledger file, or ""."""
+    if not args.follow:
+        return ""
+    return (
+        "--follow waits for events a server commits, and --db reads the ledger with no"
+        " server: leave out --follow, or follow through the server that writes it (--server)"
+    )
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 import blake3
 
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import print_json, print_note, print_table
 from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 
@@ -81,7 +82,8 @@ def register(
         "  shardledger trend --last 60 --json | jq '.consistency[] | .consistency_rate'\n"
         "  shardledger trend --ruler-prefix nightly-ruler-\n"
         "  shardledger trend --columns run,created,completion,first-pass,groups\n"
-        "  shardledger trend --format plain | cut -f1,7   # run, completion\n\n"
+        "  shardledger trend --format plain | cut -f1,7   # run, completion\n"
+        "  shardledger trend --db copy/ledger.db          # a ledger file, no server\n\n"
         "exit codes: 0 no drift; 1 drift found; 3 server unreachable; 4 refused",
     )
     p.add_argument(
@@ -106,7 +108,7 @@ def register(
     )
     json_help(p, single="the trend report")
     add_format_option(p)
-    p.set_defaults(func=run_trend)
+    serve_db_option(p, run_trend)
 
 
 def run_trend(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from shardledger_cli.commands.verify_scan import (
     unique,
 )
 from shardledger_cli.input_check import CHANGED, GONE, InputNow, check_inputs, collect_plans
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import progress
 from shardledger_cli.parsing import json_help
 
@@ -92,10 +93,17 @@ storage_throttled), nothing is recorded for it, and verify exits 5. When --root 
 committed artifacts, verify refuses before reading any (exit 5): a wrong
 directory must not condemn a good run.
 
+--dry-run reads and judges exactly as above and records nothing: the report
+says how many verdicts it did not record, and the exit code is the one a
+recording verify would give. It is the one verify that reads a ledger file with
+--db (read-only, no server): a verify that records needs the server that writes
+the ledger.
+
 Examples:
   shardledger verify night-01 --root /scratch/night-01/out
   shardledger verify night-01 --root out/ --recheck --workers 16 --json
   AWS_PROFILE=batch shardledger verify night-01     # artifacts committed to s3://
+  shardledger verify night-01 --root out/ --db copy/ledger.db --dry-run   # no server
 
 exit codes: 0 every current commit (the latest commit of each output, not
 superseded) has a PASSED verdict of its own; 1 some current commit failed, now
@@ -134,8 +142,24 @@ def register(
         " is gone gets a FAILED input_changed verdict on each of the shard's current commits,"
         ' so the shard is back in `resume` (docs/concepts.md, "Input identity")',
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="judge every artifact and record no verdict (what --db requires)",
+    )
     json_help(p, single="the verification report")
-    p.set_defaults(func=run_verify)
+    serve_db_option(p, run_verify, refuse=_records)
+
+
+def _records(args: argparse.Namespace) -> str:
+    """Returns why verify cannot run on a ledger read with --db (it would record), or ""."""
+    if args.dry_run:
+        return ""
+    return (
+        "verify records a verdict on every commit it reads, and --db opens the ledger"
+        " read-only: add --dry-run to judge without recording, or verify through the"
+        " server that writes the ledger (`shardledger serve --db FILE`, then --server)"
+    )
 
 
 def verdict_event(
@@ -237,9 +261,11 @@ class Recorder:
     """Appends verdict events in batches and counts the outcomes."""
 
     client: Any
+    dry_run: bool = False
     appended: int = 0
     duplicate: int = 0
     refused: int = 0
+    not_recorded: int = 0
     batch: list[pb.ShardEvent] = field(default_factory=list)
 
     def add(self, event: pb.ShardEvent) -> None:
@@ -251,6 +277,9 @@ class Recorder:
     def flush(self) -> None:
         """Appends the queued events; a refused batch is retried event by event."""
         events, self.batch = self.batch, []
+        if self.dry_run:
+            self.not_recorded += len(events)
+            return
         if not events:
             return
         try:
@@ -319,7 +348,7 @@ def run_verify(args: argparse.Namespace) -> int:
             f" ({len(held)} commits): is it the right directory?{hint} Nothing was recorded."
         )
     validators = load_entry_point_validators()
-    recorder = Recorder(client)
+    recorder = Recorder(client, dry_run=args.dry_run)
     tally = Tally(current=todo.current)
 
     def record(state: CommitState, verdict: CheckResult) -> None:

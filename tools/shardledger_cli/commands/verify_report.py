@@ -66,6 +66,8 @@ class Tally:
             "appended": recorder.appended,
             "duplicate": recorder.duplicate,
             "refused": recorder.refused,
+            "dry_run": recorder.dry_run,
+            "not_recorded": recorder.not_recorded,
             "failures": self.failures,
             "unchecked": self.unchecked,
         }
@@ -110,7 +112,11 @@ def print_report(report: dict[str, Any], *, as_json: bool) -> None:
             if skipped_failed
             else ""
         )
-        + f"; {report['appended']} verdicts recorded"
+        + (
+            f"; dry run: {report['not_recorded']} verdicts not recorded"
+            if report["dry_run"]
+            else f"; {report['appended']} verdicts recorded"
+        )
         + (f", {report['refused']} refused" if report["refused"] else "")
         + (f"; {report['not_checked']} not checked" if report["not_checked"] else "")
         + (
