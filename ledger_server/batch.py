@@ -347,6 +347,8 @@ class BatchFolder:
         else:
             flagged = isinstance(payload, Heartbeat) and bool(payload.nonfinite_metrics)
             flagged = flagged or ranks.changes_state(payload)  # a rank finished: may end it
+            # A heartbeat or checkpoint drained late from a spool turns its attempt late.
+            flagged = flagged or proj.marks_late(record, event, receive_us)
             # A heartbeat or checkpoint of an attempt that ended (or was superseded) moves
             # its span or its checkpoint times in the field figures; only an open attempt's
             # wait for its end (ledger_server.field).

@@ -36,11 +36,6 @@ from ledger_server.states import QueryState, ShardState
 from shard_client.canonical import canonical_json, legacy_json
 from shard_client.vocabulary import VERIFIER_REASONS, FailureTag
 
-# An event that reached the ledger this long (or its attempt's heartbeat timeout, if
-# longer) after its client time had waited in a spool.
-LATE_MIN_US: Final = 60 * 1_000_000
-
-
 # --- the fold ---------------------------------------------------------------
 
 
@@ -257,6 +252,7 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         if joined is not None:
             # Another rank of a multi-rank attempt: the attempt stays what it is.
             ranks.join_rank(joined, p, now)
+            joined.late = joined.late or arrived_late(joined, event.client_time_us, now)
             joined.gpus += p.gpu_count
             if not joined.input_changed:  # one rank that read other bytes taints the attempt
                 joined.input_changed = input_change(
@@ -272,7 +268,6 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
             fingerprint_digest=p.fingerprint_digest,
             last_seen_us=now,
             first_pass=first_pass,
-            late=_arrived_late(rec, p.heartbeat_timeout_us),
             scheduler=dict(p.scheduler),
             process_start_ticks=p.process_start_ticks,
             started_us=now,
@@ -289,6 +284,8 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
         return
     if isinstance(p, Heartbeat):
         fold_beat(record, event.attempt_id, now, p.step)
+        attempt = record.attempts[event.attempt_id]
+        attempt.late = attempt.late or arrived_late(attempt, event.client_time_us, now)
         if ranks.is_ranked(record.attempts[event.attempt_id]):
             ranks.fold_rank_event(record.attempts[event.attempt_id], p, now)
         if p.nonfinite_metrics:
@@ -298,10 +295,7 @@ def apply(record: ShardRecord, rec: RecordedEvent, *, first_pass: bool = True) -
     attempt.last_seen_us = max(attempt.last_seen_us, now)
     if ranks.is_ranked(attempt):
         ranks.fold_rank_event(attempt, p, now)
-    # Checkpoints, like heartbeats, never change the summary counters, so only the
-    # events that do can mark an attempt late.
-    if not isinstance(p, CheckpointSaved) and _arrived_late(rec, attempt.timeout_us):
-        attempt.late = True
+    attempt.late = attempt.late or arrived_late(attempt, event.client_time_us, now)
     if isinstance(p, CheckpointSaved):
         if ranks.fold_checkpoint_part(attempt, p):  # a sharded one counts once whole
             attempt.last_step = max(attempt.last_step, p.step)
@@ -360,12 +354,42 @@ def fold_numeric(attempt: Attempt, step: int, names: tuple[str, ...]) -> None:
             attempt.numeric_metrics.append(name)
 
 
-def _arrived_late(rec: RecordedEvent, timeout_us: int) -> bool:
-    # An event that reached the ledger more than a heartbeat timeout after the job made
-    # it waited in a spool: the ledger showed the attempt wrong in between. The clocks
-    # are two hosts' (client_time is the job's), hence the wide margin.
-    made = rec.event.client_time_us
-    return made > 0 and rec.receive_time_us - made > max(timeout_us, LATE_MIN_US)
+def arrived_late(attempt: Attempt, made_us: int, receive_us: int) -> bool:
+    """Returns whether the event took longer to reach the ledger than the attempt's started
+    event did, or the started event longer than it, by more than the heartbeat timeout.
+
+    Such an event waited in a spool, and the ledger showed the attempt wrong meanwhile
+    (stale, or its figures behind). Each event's transit, receive time less client
+    time, mixes two clocks, the ledger's and the job's: the difference of two transits
+    of one attempt does not, so a job clock that is ten minutes off makes no attempt
+    late and hides no late one. What it cannot see is an attempt whose every event
+    waited alike, all of it shorter than its heartbeat timeout (nothing tells that
+    wait from a skew). The ranks of one attempt are taken to share a clock (NTP).
+    """
+    if made_us <= 0 or attempt.client_started_us <= 0:
+        return False
+    transit = receive_us - made_us
+    anchor = attempt.started_us - attempt.client_started_us
+    return abs(transit - anchor) > attempt.timeout_us
+
+
+def clock_skew_us(attempt: Attempt) -> int | None:
+    """Returns the job's clock less the ledger's, from the attempt's most promptly delivered
+    event among its start and its end (exact but for that event's transit); None unknown."""
+    transits = []
+    if attempt.client_started_us > 0:
+        transits.append(attempt.started_us - attempt.client_started_us)
+    if attempt.client_ended_us > 0 and attempt.ended_us > 0:
+        transits.append(attempt.ended_us - attempt.client_ended_us)
+    return -min(transits) if transits else None
+
+
+def marks_late(record: ShardRecord | None, event: Event, now_us: int) -> bool:
+    """Returns whether folding the event turns its attempt late (so the counters move)."""
+    attempt = record.attempts.get(event.attempt_id) if record is not None else None
+    if attempt is None or attempt.late or isinstance(event.payload, ArtifactVerified):
+        return False
+    return arrived_late(attempt, event.client_time_us, now_us)
 
 
 def fold_live_beat(record: ShardRecord | None, event: Event, now_us: int) -> bool:
@@ -391,6 +415,7 @@ def fold_live_beat(record: ShardRecord | None, event: Event, now_us: int) -> boo
         or attempt.failed_tag
         or ranks.is_ranked(attempt)
         or is_complete(record, attempt)
+        or marks_late(record, event, now_us)  # the attempt turns late: its counters move
     ):
         return False
     fold_beat(record, event.attempt_id, now_us, p.step)

@@ -28,7 +28,11 @@ from shard_client.canonical import legacy_json
 # whether it committed as a zombie; the plan's labels.
 # 5: input identity (docs/concepts.md): the plan's evidence of its input, and for each
 # attempt whether its input differed from the plan (so it may not commit).
-RECORD_VERSION: Final = 5
+# 6: an attempt is late when one of its events, heartbeats and checkpoints included, took
+# longer to arrive than its started event did (or the start longer than it) by more than
+# its heartbeat timeout: the job's clock cancels out (was: arrived a minute after its
+# client time, which a skewed job clock made or hid).
+RECORD_VERSION: Final = 6
 
 
 @dataclass(slots=True)

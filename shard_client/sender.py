@@ -414,18 +414,21 @@ class Sender:
 
     def _send(self, batch: list[_Item]) -> None:
         events = [item.event for item in batch]
-        pos, first_failure = 0, 0.0
+        pos, unanswered_since = 0, 0.0
         while pos < len(batch):
+            tried = time.monotonic()
             results, stop = deliver(self.client, events[pos:], gate=self._gate)
             self._settle(batch[pos : pos + len(results)], results)
             pos += len(results)
             if stop is None:
                 break
-            first_failure = first_failure or time.monotonic()
+            # Counted from when the failed call began: on a link that drops packets the
+            # call itself takes the whole deadline, and that is time without an answer.
+            unanswered_since = unanswered_since or tried
             with self._cond:
                 if self._inflight_spooled:
                     break  # an overflow already put these in the spool
-                elapsed = time.monotonic() - first_failure
+                elapsed = time.monotonic() - unanswered_since
                 if self.policy == "block" or (
                     elapsed < self.unavailable_after_s and not self._closing
                 ):

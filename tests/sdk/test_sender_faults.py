@@ -199,3 +199,22 @@ def test_events_are_copied_at_emit_so_the_ack_matches_the_event(servers: Servers
     assert ack.event_id in stored_ids(servers.target)
     assert "changed-after-emit" not in stored_ids(servers.target)
     sender.close()
+
+
+def test_a_call_that_hangs_past_unavailable_after_spools_when_it_fails_not_a_second_later(
+    hung_target: str, tmp_path: Path
+) -> None:
+    # A link that drops packets (tests/contract/test_netns_faults.py): the append hangs for
+    # its whole 2 s deadline. That is 2 s without an answer, past unavailable_after_s
+    # (1 s), so the event spools as that call fails, instead of after a second hung call.
+    sender = Sender(
+        LedgerClient(hung_target, timeout_s=2), spool_root=str(tmp_path), unavailable_after_s=1
+    )
+    began = time.monotonic()
+    ack = sender.emit(beat("h", "att", 0))
+    assert ack.wait(10)
+    took = time.monotonic() - began
+    assert ack.spooled
+    # One deadline (2 s) and the time to write the spool; a second hung call ends at 4 s.
+    assert took < 3.5, f"spooled after {took:.2f} s"
+    sender.close(0)

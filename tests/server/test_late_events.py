@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
+import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from ledger_server.replay import replay_run
+from ledger_server.server import RunningServer
+from ledger_server.summary import run_summary
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from tests.builders import committed, planned, started
+from tests.builders import committed, event, planned, started
 
 
 def made_ago(event: pb.ShardEvent, seconds: float) -> pb.ShardEvent:
@@ -20,22 +25,81 @@ def made_ago(event: pb.ShardEvent, seconds: float) -> pb.ShardEvent:
     return event
 
 
-def test_an_attempt_whose_commit_arrived_long_after_it_was_made_is_late(
+def test_an_attempt_whose_events_waited_in_a_spool_past_its_timeout_is_late(
     client: LedgerClient,
 ) -> None:
     client.append([planned("night", "s0", 0), planned("night", "s1", 1)])
-    # s0's job committed ten minutes before the ledger heard of it (it sat in a spool);
-    # s1's events arrived as they were made.
+    # s0's job ran ten minutes while the ledger was away: its start waited in the spool
+    # ten minutes longer than its commit, made just before the spool drained. s1's
+    # events arrived as they were made.
     client.append(
         [
             made_ago(started("night", "s0", "a0"), 600),
-            made_ago(committed("night", "s0", "a0"), 590),
+            made_ago(committed("night", "s0", "a0"), 1),
             made_ago(started("night", "s1", "a1"), 1),
             made_ago(committed("night", "s1", "a1"), 0.5),
         ]
     )
     summary = json.loads(client.summary("night"))
     assert summary["late_attempts"] == 1
+
+
+@pytest.mark.parametrize("skew_s", [-600, 600])
+def test_a_job_clock_ten_minutes_off_makes_no_attempt_late(
+    client: LedgerClient, skew_s: int
+) -> None:
+    client.append([planned("night", "s0", 0)])
+    # Every event arrives as it is made, stamped by a clock ten minutes off.
+    client.append([made_ago(started("night", "s0", "a0"), -skew_s)])
+    client.append([made_ago(heartbeat("night", "s0", "a0"), -skew_s)])
+    client.append([made_ago(committed("night", "s0", "a0"), -skew_s)])
+    assert json.loads(client.summary("night"))["late_attempts"] == 0
+
+
+@pytest.mark.parametrize("skew_s", [-600, 0, 600])
+def test_a_commit_that_waited_past_the_timeout_is_late_whatever_the_job_clock(
+    client: LedgerClient, skew_s: int
+) -> None:
+    client.append([planned("night", "s0", 0)])
+    # The start arrives at once; the commit was made 90 s (1.5 timeouts) before it
+    # arrives: it waited in a spool. A job clock ahead by ten minutes used to hide it.
+    client.append([made_ago(started("night", "s0", "a0"), -skew_s)])
+    client.append([made_ago(committed("night", "s0", "a0"), 90 - skew_s)])
+    assert json.loads(client.summary("night"))["late_attempts"] == 1
+
+
+def test_heartbeats_drained_late_make_the_attempt_late_and_replay_agrees(
+    client: LedgerClient, server: RunningServer
+) -> None:
+    client.append([planned("night", "s0", 0), planned("night", "s1", 1)])
+    client.append([made_ago(started("night", s, f"a-{s}"), 0) for s in ("s0", "s1")])
+    # s0's job was cut off for two minutes: its beats drain together when it is back.
+    client.append(
+        [made_ago(heartbeat("night", "s0", "a-s0", step), 120 - step) for step in range(3)]
+    )
+    client.append([made_ago(heartbeat("night", "s1", "a-s1", 1), 0)])
+    served = json.loads(client.summary("night"))
+    assert served["late_attempts"] == 1
+    assert replayed_summary(server, "night")["late_attempts"] == 1
+
+
+def heartbeat(run: str, shard: str, attempt: str, step: int = 1) -> pb.ShardEvent:
+    """Returns a plain heartbeat of the attempt."""
+    return event(run, shard, attempt, heartbeat=pb.Heartbeat(step=step))
+
+
+def replayed_summary(server: RunningServer, run: str) -> dict[str, Any]:
+    """Returns the run's summary as a fresh replay of its stored events computes it."""
+    fresh = replay_run(server.ledger.iter_events("", run))
+    now = time.time_ns() // 1000
+    return run_summary(
+        fresh.counters(),
+        stale=fresh.stale_count(now),
+        run_id=run,
+        namespace="default",
+        last_event_us=fresh.last_receive_us,
+        now_us=now,
+    )
 
 
 def test_events_without_a_client_time_are_never_late(client: LedgerClient) -> None:
