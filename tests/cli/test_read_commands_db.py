@@ -143,12 +143,30 @@ COMMANDS: dict[str, tuple[list[str], frozenset[str]]] = {
     "export": (["export", RUN], SIGNED_AT),
     # The analysis database's own path differs (one per side); its tables are compared below.
     "export --sqlite": (["export", RUN, "--sqlite", "{out}", "--json"], frozenset({"database"})),
-    # One reader: failures are listed as reads finish, in another order on each run.
     "verify --dry-run": (
-        ["verify", RUN, "--root", "{root}", "--dry-run", "--recheck", "--workers", "1", "--json"],
+        ["verify", RUN, "--root", "{root}", "--dry-run", "--recheck", "--json"],
         AS_OF,
     ),
 }
+
+
+def in_order(values: list[Any]) -> list[Any]:
+    """Returns values with verify's failures and unchecked lists sorted.
+
+    verify lists them as its reads finish, which differs from one run to the next
+    (even with one reader: finished reads come back as a set); the lists must hold the
+    same entries, not in the same order.
+    """
+    return [
+        value | {k: sorted(value[k], key=canonical) for k in ("failures", "unchecked")}
+        if isinstance(value, dict) and "dry_run" in value
+        else value
+        for value in values
+    ]
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def fill(argv: list[str], night: Night, out: Path) -> list[str]:
@@ -172,7 +190,7 @@ def test_a_read_command_answers_from_the_file_exactly_as_through_the_server(
     assert (code_f, err_f) == (code_s, err_s.replace("server.db", "file.db"))
     from_server, from_file = json_values(out_s), json_values(out_f)
     assert from_server, f"{name} printed nothing"
-    assert masked(from_file, mask) == masked(from_server, mask)
+    assert in_order(masked(from_file, mask)) == in_order(masked(from_server, mask))
     if name == "export --sqlite":
         assert tables(tmp_path / "file.db") == tables(tmp_path / "server.db")
     assert snapshot(night.copy) == before
