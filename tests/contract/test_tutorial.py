@@ -221,8 +221,39 @@ def test_the_readmes_first_look_runs_a_plain_night_to_verified(
     assert [v["state"] for v in views] == ["verified"] * 4
 
 
+def left_unignored(work: Path) -> list[str]:
+    """Returns what a reader's commands left in `work` (a checkout's root) that git would list.
+
+    Every file under `work` but the copied examples is checked against the checkout's
+    .gitignore, as `git status` in a real checkout would: the tutorial runs from the
+    repository root, so whatever it writes must be ignored there.
+    """
+    tracked = {
+        p.relative_to(REPO).as_posix() for p in (REPO / "examples").rglob("*") if p.is_file()
+    }
+    written = sorted(
+        rel
+        for rel in (p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file())
+        if rel not in tracked and "__pycache__" not in rel
+    )
+    if not written:
+        return []
+    proc = subprocess.run(
+        ["git", "-C", str(REPO), "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(written) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode in (0, 1), proc.stderr  # 1: none of them is ignored
+    return sorted(set(written) - set(proc.stdout.splitlines()))
+
+
 def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
-    """Runs a document's shell blocks in order, as a reader's shell would; checks their output."""
+    """Runs a document's shell blocks in order, as a reader's shell would; checks their output.
+
+    Afterwards nothing the reader's commands wrote may show up as untracked in a checkout.
+    """
     state = tmp_path / "shell-state.sh"
     transcript = []
     for block in runnable(doc):
@@ -242,6 +273,8 @@ def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
         if block.expected is not None:
             missing = missing_lines(block.expected, output)
             assert not missing, f"{block.where()} did not print {missing}:\n{output}"
+    left = left_unignored(cwd)
+    assert not left, f"{doc.name} leaves files git would list as untracked: {left[:20]}"
 
 
 def _shards(server: RunningServer, run_id: str = "night-01") -> list[pb.ShardView]:
