@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from ledger_server import field as figures
 from ledger_server import ranks
+from ledger_server.attempts import attempt_history
 from ledger_server.errors import RunClosed, RunNotClosed
 from ledger_server.events import Event, SubmissionClosed
 from ledger_server.projections import (
@@ -451,6 +452,18 @@ def run_summary(
         "running": running,
         "stale": stale,
         "verify_failed": states[ShardState.VERIFY_FAILED],
+        # The partition of submitted under the names `shards --state` takes, each word
+        # the same set there and here: "failed" above counts verify_failed too (kept as
+        # it was for the scripts that read it), by_state's "failed" does not.
+        "by_state": {
+            QueryState.VERIFIED.value: verified,
+            QueryState.FAILED.value: states[ShardState.FAILED],
+            QueryState.VERIFY_FAILED.value: states[ShardState.VERIFY_FAILED],
+            QueryState.MISSING.value: states[ShardState.PLANNED],
+            QueryState.RUNNING.value: running,
+            QueryState.STALE.value: stale,
+            QueryState.UNVERIFIED.value: states[ShardState.COMMITTED],
+        },
         "completion_rate": _rate(verified, submitted),
         "silent_errors": counters.get("silent", 0),
         "silent_error_rate": _rate(counters.get("silent", 0), submitted),
@@ -524,6 +537,8 @@ def shard_view(record: ShardRecord, now_us: int) -> dict[str, Any]:
         },
         "attempts": len(record.attempts),
         "latest_attempt": record.latest_attempt,
+        # Every attempt, not only the latest: a rerun shard's first-pass job is here.
+        "attempt_history": attempt_history(record, now_us),
         "host": latest.host if latest else "",
         "pid": latest.pid if latest else None,
         "scheduler": dict(latest.scheduler) if latest else {},

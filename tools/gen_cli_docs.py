@@ -25,7 +25,12 @@ Conventions every command keeps (`tools/shardledger_cli/parsing.py`):
 * `--json` prints one JSON object for a single answer and JSON Lines (one
   object per line) for lists and streams; each command's help says which.
 * Tables on a terminal, tab-separated columns when stdout is not one;
-  `--format table|plain|json` chooses (`status`, `shards`, `runs`).
+  `--format table|plain|json` chooses on every command that prints a table or a
+  report (`status`, `shards`, `events`, `runs`, `report`, `trend`, `accept`,
+  `compare`, `sample`, `spool status`, `token list`). Plain output is blocks of
+  tab-separated lines, a header line then its rows, a `# NAME` line before each
+  block where there are several, other `#` lines notes, never box drawing; a
+  count column says what it counts (SHARDS or ATTEMPTS).
 * `--db` and `--database-url` are one option wherever a database is opened
   directly, defaulting to `$SHARDLEDGER_DATABASE_URL` (then `./ledger.db`). On the
   read commands (`status`, `shards`, `resume`, `events`, `runs`, `report`, `trend`,

@@ -26,6 +26,7 @@ from shardledger_cli.cli import main as cli
 from shardledger_cli.commands.plan_entries import entries_from_manifest
 from shardledger_cli.demo.faults import EXPECTED_REASON, FORMS, MIN_SHARDS, FaultPlan
 from shardledger_cli.demo.report import render
+from tests.cli.test_piped_output import BOXES, plain_problems
 
 DEMO_ARGS = ["--shards", "40", "--workers", "2", "--steps", "3", "--seed", "7"]
 EXTERNAL_ARGS = ["--shards", "20", "--workers", "2", "--steps", "2", "--seed", "3"]
@@ -178,6 +179,18 @@ def test_text_report_explains_how_each_failure_form_was_caught(
         assert phrase in out
     assert "every injected fault was found" in out
     assert "completion rate 100.0 %" in out
+
+
+def test_piped_report_is_plain_blocks_and_on_a_terminal_draws_tables(
+    demo: tuple[int, dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, report, _ = demo
+    render(report)  # stdout captured: not a terminal, as in a CI log
+    out = capsys.readouterr().out
+    assert plain_problems(out, table=True) == [], out
+    assert "# injected failures" in out and "# the ledger vs what was injected" in out
+    render(report, plain=False)
+    assert BOXES.search(capsys.readouterr().out)
 
 
 def test_fault_plan_is_seeded_disjoint_and_small() -> None:

@@ -74,7 +74,8 @@ def test_the_page_loads_nothing_and_holds_the_key_figures(page: Path) -> None:
     assert parser.loads == []
     assert "http://" not in html and "https://" not in html and "@import" not in html
     assert "<svg" in html
-    assert 'id="equation">submitted 5 = verified 2 + failed 2 + missing 1' in html
+    assert 'id="equation">submitted 5 = verified 2 + failed 0 + missing 1' in html
+    assert "+ verify_failed 2</" in html
 
 
 def _chromium(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -118,7 +119,8 @@ def test_headless_chromium_renders_the_figures_offline_and_saves_a_screenshot(
 
     assert figure("run-id") == "night-3"
     assert figure("equation") == (
-        "submitted 5 = verified 2 + failed 2 + missing 1 + running 0 + stale 0 + unverified 0"
+        "submitted 5 = verified 2 + failed 0 + missing 1 + running 0 + stale 0 + unverified 0"
+        " + verify_failed 2"
     )
     assert figure("completion-rate") == "40.00 %"
     assert figure("silent-error-rate") == "40.00 %"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -30,6 +31,7 @@ from shardledger_cli.commands.resume import slurm_ranges
 from shardledger_cli.output import with_resume_reason
 
 RUN = "night-01"
+ISO_SECOND = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 REPO = Path(__file__).resolve().parents[2]
 DIGEST = "d" * 64
 # shard -> (plan_index, fate); resume order is plan order.
@@ -136,8 +138,8 @@ def test_status_prints_the_reconciliation_equation_and_exits_1_when_shards_are_u
     code, out, _ = cli("status", RUN, "--format", "table")  # the layout for a person
     assert code == 1
     assert (
-        "submitted 11 = verified 2 + failed 2 + missing 4 + running 1 + stale 1 + unverified 1"
-        in out
+        "submitted 11 = verified 2 + failed 1 + missing 4 + running 1 + stale 1 + unverified 1"
+        " + verify_failed 1" in out
     )
     assert "completion rate    18.18 %" in out
     assert "silent error rate  9.09 %" in out  # the verify-failed shard reported success
@@ -163,6 +165,44 @@ def test_status_json_carries_the_server_summary(cli: Any) -> None:
     assert summary["failure_tags"] == {"oom": 1}
     assert summary["verify_failures"] == {"digest_mismatch": 1}
     assert summary["fingerprint_groups"] == {"f" * 64: 7}
+
+
+def test_each_count_status_shows_is_the_set_shards_state_lists_under_that_name(
+    cli: Any,
+) -> None:
+    _, out, _ = cli("status", RUN, "--json")
+    summary = json.loads(out)
+    _, plain, _ = cli("status", RUN)
+    shown = {row[0].split(" (")[0]: int(row[1]) for row in plain_block(plain, "shards")[1:]}
+    assert sum(summary["by_state"].values()) == summary["submitted"] == 11
+    for state, n in summary["by_state"].items():
+        _, listed, _ = cli("shards", RUN, "--state", state, "--json")
+        assert len(json_lines(listed)) == n == shown[state], state
+    # failed is the job's own failure (s01, oom); verify_failed (s06) is apart; the old
+    # --json key keeps its meaning (both) for the scripts that read it.
+    assert (shown["failed"], shown["verify_failed"]) == (1, 1)
+    assert (summary["failed"], summary["verify_failed"]) == (2, 1)
+    fields = dict(plain_block(plain, "summary")[1:])
+    assert fields["unconfirmed"].startswith("9 shards")
+    _, unconfirmed, _ = cli("shards", RUN, "--state", "unconfirmed", "--json")
+    assert len(json_lines(unconfirmed)) == summary["unconfirmed"] == 9
+
+
+def test_status_tables_say_whether_they_count_shards_or_attempts(cli: Any) -> None:
+    _, plain, _ = cli("status", RUN)
+    assert plain_block(plain, "failure tags (failed shards, by their latest attempt)") == [
+        ["TAG", "SHARDS"],
+        ["oom", "1"],
+    ]
+    assert plain_block(plain, "failure tags (every failed attempt)") == [
+        ["TAG", "ATTEMPTS"],
+        ["oom", "1"],
+    ]
+    assert plain_block(plain, "verification failures (verify_failed shards)")[0] == [
+        "REASON",
+        "SHARDS",
+    ]
+    assert "incl. verify_failed" not in plain
 
 
 def test_status_exits_0_when_every_planned_shard_is_verified(cli: Any) -> None:
@@ -217,6 +257,80 @@ def test_shards_text_lists_one_row_per_shard_in_plan_order(cli: Any) -> None:
     assert lines[0].split()[:3] == ["INDEX", "SHARD", "STATE"]
     assert [line.split()[1] for line in lines[1:]] == list(FATES)
     assert lines[2].split()[2:4] == ["failed", "oom"]
+
+
+def _rerun_night(running: RunningServer, run: str) -> None:
+    """Plans r0 and r1; r0 runs as Slurm job 100, is preempted, and job 200 reruns it."""
+
+    def start(attempt: str, job: str, node: str) -> pb.ShardEvent:
+        slurm = pb.SchedulerIdentity(
+            kind="slurm", job_id=f"{job}9", array_job_id=job, array_task_id="0", node=node
+        )
+        begun = pb.AttemptStarted(
+            host=node,
+            pid=7,
+            heartbeat_timeout=Duration(seconds=3600),
+            fingerprint_digest="f" * 64,
+            scheduler=slurm,
+        )
+        return ev("r0", attempt, run, started=begun)
+
+    preempted = pb.AttemptFailed(tag=pb.FAILURE_TAG_PREEMPTED, message="reclaimed")
+    rerun = life("r0", 0, "verified", run=run)  # planned, started a1, committed, verified
+    client = LedgerClient(f"127.0.0.1:{running.port}")
+    client.append(
+        [
+            rerun[0],
+            start("a0", "100", "gpu-1"),
+            ev("r0", "a0", run, failed=preempted),
+            start("a1", "200", "gpu-2"),
+            *rerun[2:],
+            *life("r1", 1, "planned", run=run),
+        ]
+    )
+    client.close()
+
+
+def test_shards_attempts_lists_every_attempt_with_its_own_job(
+    cli: Any, running: RunningServer
+) -> None:
+    _rerun_night(running, "rerun-night")
+    _, shards, _ = cli("shards", "rerun-night")
+    assert "slurm:100_0@gpu-1" not in shards  # the view shows the latest attempt's job only
+    code, out, _ = cli("shards", "rerun-night", "--attempts")
+    header, *rows = [line.split("\t") for line in out.splitlines()]
+    assert code == 0
+    assert header == [
+        "INDEX",
+        "SHARD",
+        "ATTEMPT",
+        "ATTEMPT ID",
+        "OUTCOME",
+        "DETAIL",
+        "HOST",
+        "JOB",
+        "STARTED",
+        "ENDED",
+    ]
+    assert [r[:8] for r in rows] == [
+        ["0", "r0", "1", "a0", "failed", "preempted", "gpu-1", "slurm:100_0@gpu-1"],
+        ["0", "r0", "2", "a1", "verified", "-", "gpu-2", "slurm:200_0@gpu-2"],
+    ]  # r1 never started: no attempt, no row
+    assert all(ISO_SECOND.fullmatch(c) for r in rows for c in r[8:])
+    _, lines, _ = cli("shards", "rerun-night", "--attempts", "--json")
+    objects = json_lines(lines)
+    assert [(o["attempt"], o["attempt_id"], o["latest"]) for o in objects] == [
+        (1, "a0", False),
+        (2, "a1", True),
+    ]
+    assert objects[0]["scheduler"]["array_job_id"] == "100" and objects[0]["ended_us"]
+    _, table, _ = cli(
+        "shards", "rerun-night", "--attempts", "--state", "verified", "--format", "table"
+    )
+    assert [line.split()[:5] for line in table.splitlines()[1:]] == [
+        ["0", "r0", "1", "a0", "failed"],
+        ["0", "r0", "2", "a1", "verified"],
+    ]
 
 
 def test_shards_limit_stops_after_n(cli: Any) -> None:
@@ -368,12 +482,35 @@ def test_with_resume_reason_handles_empty_objects_and_an_existing_key() -> None:
 
 
 def test_events_prints_one_line_per_event_with_kind_and_payload(cli: Any) -> None:
-    code, out, _ = cli("events", RUN)
+    code, out, _ = cli("events", RUN, "--format", "table")
     lines = out.splitlines()
     assert code == 0
     assert len(lines) == sum(len(life(s, i, f)) for s, (i, f) in FATES.items())
     assert "s01 a1 failed tag=oom" in out
     assert "verified FAILED out /out/s06.bin reason=digest_mismatch" in out
+
+
+def test_events_number_each_run_from_1_and_json_has_both_sequences(cli: Any) -> None:
+    # all-good's events were stored after night-01's: ledger-wide they come after its.
+    code, out, _ = cli("events", "all-good")
+    header, *rows = [line.split("\t") for line in out.splitlines()]
+    assert code == 0
+    assert header == ["SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL"]
+    assert [(r[0], r[4]) for r in rows] == [
+        ("1", "planned"),
+        ("2", "started"),
+        ("3", "artifact_committed"),
+        ("4", "verified"),
+    ]
+    _, table, _ = cli("events", "all-good", "--format", "table")
+    assert [line.split()[0] for line in table.splitlines()] == ["1", "2", "3", "4"]
+    _, lines, _ = cli("events", "all-good", "--json")
+    first = json.loads(lines.splitlines()[0])
+    night = sum(len(life(s, i, f)) for s, (i, f) in FATES.items())
+    assert (first["run_sequence"], first["sequence"]) == ("1", str(night + 1))
+    # --after counts in the run's own sequence, as shown.
+    _, after, _ = cli("events", "all-good", "--after", "2")
+    assert [line.split("\t")[0] for line in after.splitlines()[1:]] == ["3", "4"]
 
 
 def test_events_json_lines_and_after_filter(cli: Any) -> None:
@@ -382,7 +519,7 @@ def test_events_json_lines_and_after_filter(cli: Any) -> None:
     assert events[0]["planned"]["plan_line"] == plan_line("s00")
     plan = next(e for e in events if e["shard_id"] == "s01" and "planned" in e)
     assert plan["planned"]["plan_index"] == "1"  # int64 is a string in the JSON mapping
-    after = int(events[-3]["sequence"])
+    after = int(events[-3]["run_sequence"])
     _, tail, _ = cli("events", RUN, "--json", "--after", str(after))
     assert [json.loads(line)["event_id"] for line in tail.splitlines()] == [
         e["event_id"] for e in events[-2:]
@@ -395,9 +532,9 @@ def test_events_shard_takes_the_cut_id_the_cli_prints_and_refuses_one_it_cannot_
     # The CLI prints ids cut ("s-3c52ba9ca020…"): that form names its shard.
     code, out, _ = cli("events", RUN, "--shard", "s1…")
     assert code == 0
-    assert {line.split()[2] for line in out.splitlines()} == {"s10"}
+    assert {line.split("\t")[2] for line in out.splitlines()[1:]} == {"s10"}
     code, out, _ = cli("events", RUN, "--shard", "s01")
-    assert code == 0 and "s01 a1 failed tag=oom" in out
+    assert code == 0 and "s01\ta1\tfailed\ttag=oom" in out
     code, _, err = cli("events", RUN, "--shard", "s0")
     assert code == 2
     assert "--shard s0 matches 10 shards of run night-01: s00, s01, s02, s03, s04 and 5 more" in err
@@ -489,6 +626,14 @@ def test_every_report_command_documents_itself(
     assert "--server" in out
     if command in ("status", "shards", "resume"):
         assert "exit codes:" in out
+
+
+def plain_block(out: str, name: str) -> list[list[str]]:
+    """Returns the header and rows of the block a "# name" line opens in plain output."""
+    lines = out.splitlines()
+    start = lines.index(f"# {name}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("#")), len(lines))
+    return [line.split("\t") for line in lines[start:end]]
 
 
 def json_lines(out: str) -> list[Any]:

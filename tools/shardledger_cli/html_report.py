@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any, Final
 
-from shardledger_cli.output import equation
+from shardledger_cli.output import by_state, equation
 
 __all__ = ["render_html"]
 
@@ -20,15 +20,6 @@ STATE_COLOURS: Final = {
     "verified": "#2e7d32",
     "failed": "#c62828",
     "verify_failed": "#ad1457",
-    "missing": "#9e9e9e",
-    "running": "#1565c0",
-    "stale": "#ef6c00",
-    "unverified": "#f9a825",
-}
-EQUATION_PARTS: Final = ("verified", "failed", "missing", "running", "stale", "unverified")
-PART_COLOURS: Final = {
-    "verified": "#2e7d32",
-    "failed": "#c62828",
     "missing": "#9e9e9e",
     "running": "#1565c0",
     "stale": "#ef6c00",
@@ -196,7 +187,7 @@ def render_html(
     costs = report["costs"]
     advice = report["checkpoint_advice"]
     labels = ", ".join(f"{k}={v}" for k, v in report["labels"].items()) or "no labels"
-    parts = [(k, int(s[k]), PART_COLOURS[k]) for k in EQUATION_PARTS]
+    parts = [(k, n, STATE_COLOURS[k]) for k, n in by_state(s).items()]
     first_vs_final = _bars(
         [
             (
@@ -271,16 +262,20 @@ def render_html(
             _grid(views),
             "<h2>Failures</h2>",
             _counts(
-                "failure tags (latest attempt of failed shards)",
+                "failure tags: shards in state failed, by their latest attempt",
                 s.get("failure_tags") or {},
                 "failure-tags",
             ),
             _counts(
-                "failure tags (every failed attempt)",
+                "failure tags: attempts (every failed attempt)",
                 s.get("attempt_failure_tags") or {},
                 "attempt-tags",
             ),
-            _counts("verification failures", s.get("verify_failures") or {}, "verify-failures"),
+            _counts(
+                "verification failures: verify_failed shards by reason",
+                s.get("verify_failures") or {},
+                "verify-failures",
+            ),
             "<h2>Fingerprint groups</h2>",
             "<p>numbers compare strictly only inside one group (report 1, §2.1)</p>",
             _counts(

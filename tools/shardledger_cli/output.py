@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any, Final
 
@@ -131,10 +131,36 @@ def iso_us(us: int | None) -> str:
     return "-" if us is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(us // 1_000_000))
 
 
-def equation(s: dict[str, Any]) -> str:
+# The shard states in the order of the reconciliation line; they partition the
+# submitted shards, and each is the set `shards --state NAME` lists.
+SHARD_STATES: Final = (
+    "verified",
+    "failed",
+    "missing",
+    "running",
+    "stale",
+    "unverified",
+    "verify_failed",
+)
+
+
+def by_state(s: Mapping[str, Any]) -> dict[str, int]:
+    """Returns a run summary's shards by state, each name the set `shards --state` lists.
+
+    The summary's own "failed" counts verify_failed shards too (kept for the scripts
+    that read it); its "by_state" does not. A server older than by_state is read the
+    same way: its failed less its verify_failed.
+    """
+    if "by_state" in s:
+        return {k: int(s["by_state"].get(k, 0)) for k in SHARD_STATES}
+    counts = {k: int(s[k]) for k in SHARD_STATES}
+    return counts | {"failed": counts["failed"] - counts["verify_failed"]}
+
+
+def equation(s: Mapping[str, Any]) -> str:
     """Returns the reconciliation line: submitted = verified + failed + missing + ..."""
-    parts = ("verified", "failed", "missing", "running", "stale", "unverified")
-    return f"submitted {s['submitted']} = " + " + ".join(f"{k} {s[k]}" for k in parts)
+    counts = by_state(s)
+    return f"submitted {s['submitted']} = " + " + ".join(f"{k} {counts[k]}" for k in SHARD_STATES)
 
 
 def write_lines(

@@ -1,19 +1,28 @@
-"""`shardledger events`: print a run's events as text or JSON lines, or follow them."""
+"""`shardledger events`: print a run's events as text, plain rows or JSON lines, or follow them.
+
+Each event is shown at its sequence in its run (`run_sequence`: 1, 2, ... for every
+run), the number `--after` takes; `--json` carries the global `sequence` too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Final
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, EXIT_USAGE, CommandError, client_from
 from shardledger_cli.commands.shards import scheduler_label
-from shardledger_cli.output import iso_us, ts_us
+from shardledger_cli.output import iso_us, ts_us, tsv_cell
+from shardledger_cli.parsing import output_format
+
+# The plain form's header: SEQ is the event's sequence in its run (run_sequence).
+COLUMNS: Final = ("SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL")
 
 
 def run_events(args: argparse.Namespace) -> int:
@@ -23,21 +32,41 @@ def run_events(args: argparse.Namespace) -> int:
     shard = getattr(args, "shard", "")
     if shard:
         shard = resolve_shard(client, args.run, shard, namespace=ns)
+    fmt = output_format(args)
+
+    def wanted(event: Any) -> bool:
+        # --after counts in the run's own sequence, as the output shows it. The server
+        # filters on the global one, never smaller for the same event (every event
+        # before it in its run was stored before it), so asking the server for events
+        # after the same number leaves out only events the filter drops anyway.
+        position = event.run_sequence or event.sequence
+        return position > after and (not shard or event.shard_id == shard)
+
     if not args.follow:
-        for event in client.list_events(args.run, namespace=ns, after_sequence=after):
-            if not shard or event.shard_id == shard:
-                out.write(_event_text(event, args.json) + "\n")
+        events = client.list_events(args.run, namespace=ns, after_sequence=after)
+        # The first page is read before anything is printed: an unknown run or an
+        # unreachable server leaves stdout empty, not a header.
+        first = next(events, None)
+        if fmt == "plain":
+            out.write("\t".join(COLUMNS) + "\n")
+        for event in itertools.chain([first] if first is not None else [], events):
+            if wanted(event):
+                out.write(_event_text(event, fmt) + "\n")
         return EXIT_OK
     tail = client.tail(args.run, namespace=ns, after_sequence=after)
     # Ctrl-C cancels the stream from another thread instead of raising inside gRPC.
     previous = signal.signal(
         signal.SIGINT, lambda *_: threading.Thread(target=tail.cancel, daemon=True).start()
     )
+    header = fmt == "plain"
     try:
         for event in tail:
-            if shard and event.shard_id != shard:
+            if not wanted(event):
                 continue
-            out.write(_event_text(event, args.json) + "\n")
+            if header:  # with the first event: a stream that fails at once printed nothing
+                out.write("\t".join(COLUMNS) + "\n")
+                header = False
+            out.write(_event_text(event, fmt) + "\n")
             out.flush()
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -77,12 +106,14 @@ def resolve_shard(client: LedgerClient, run_id: str, given: str, *, namespace: s
     )
 
 
-def _event_text(event: Any, as_json: bool) -> str:
-    """Returns one event as a JSON line (the protobuf JSON mapping) or a text line."""
-    if as_json:
+def _event_text(event: Any, fmt: str) -> str:
+    """Returns one event as a JSON line (the protobuf JSON mapping), a plain row or a text line."""
+    if fmt == "json":
         from google.protobuf.json_format import MessageToDict
 
         return _compact(MessageToDict(event, preserving_proto_field_name=True))
+    if fmt == "plain":
+        return "\t".join(tsv_cell(c) for c in event_cells(event))
     return event_line(event)
 
 
@@ -90,14 +121,23 @@ def _compact(data: dict[str, Any]) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def event_line(event: Any) -> str:
-    """Returns the one-line text form of a ShardEvent."""
-    when = iso_us(ts_us(event.receive_time))
+def event_cells(event: Any) -> list[str]:
+    """Returns a ShardEvent as the text of the COLUMNS: its run sequence first ("-" for none)."""
     kind = event.WhichOneof("payload")
-    return (
-        f"{event.sequence:>8} {when} {event.shard_id or '-'} {event.attempt_id or '-'} {kind} "
-        f"{short_payload(event, kind)}"
-    ).rstrip()
+    return [
+        str(event.run_sequence or event.sequence),
+        iso_us(ts_us(event.receive_time)),
+        event.shard_id or "-",
+        event.attempt_id or "-",
+        kind,
+        short_payload(event, kind) or "-",
+    ]
+
+
+def event_line(event: Any) -> str:
+    """Returns the one-line text form of a ShardEvent (the table form: a person reads it)."""
+    seq, when, shard, attempt, kind, payload = event_cells(event)
+    return f"{seq:>8} {when} {shard} {attempt} {kind} {payload.removeprefix('-')}".rstrip()
 
 
 def short_payload(event: Any, kind: str) -> str:

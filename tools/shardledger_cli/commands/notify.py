@@ -30,7 +30,7 @@ from shardledger_cli.cli import (
     client_from,
     positive_seconds,
 )
-from shardledger_cli.output import count_shards, print_json
+from shardledger_cli.output import by_state, count_shards, print_json
 from shardledger_cli.parsing import json_help
 
 __all__ = ["deliver", "register", "report", "run_notify"]
@@ -46,10 +46,11 @@ DESCRIPTION: Final = f"""\
 Post the run's report as one JSON object to a webhook URL (--url, or
 ${URL_ENV}): lifecycle (open, submission_closed, settled and since when;
 reopened_at_sequence once `plan --reopen` opened it again),
-submitted / verified / failed / missing / running / stale / unverified, the
-completion and silent-error rates, the first-pass figures, the number of
-shards `shardledger resume` would hand back, and a one-line "text" that chat
-webhooks (Slack, Mattermost) show as the message.
+submitted / verified / failed / missing / running / stale / unverified (failed
+counts verify_failed too, as in `status --json`; "by_state" has each state as
+`shards --state` names it), the completion and silent-error rates, the
+first-pass figures, the number of shards `shardledger resume` would hand back,
+and a one-line "text" that chat webhooks (Slack, Mattermost) show as the message.
 
 --wait SECONDS first waits for the run to settle (polling every --poll
 seconds); the report is posted either way and says whether it is settled.
@@ -173,6 +174,7 @@ def report(s: dict[str, Any]) -> dict[str, Any]:
     life = s.get("lifecycle") or {"state": "unknown", "settled": False, "settled_at": None}
     fp = s["first_pass"]
     resume = s["submitted"] - s["verified"]
+    counts = by_state(s)  # "failed" as `shards --state failed`: verify_failed apart
     state = life["state"]
     if state == "open" and life.get("reopened_at_sequence"):
         state = f"reopened (at sequence {life['reopened_at_sequence']})"
@@ -180,7 +182,9 @@ def report(s: dict[str, Any]) -> dict[str, Any]:
     text = (
         f"{s['run_id']} {state.replace('_', ' ')}{when}: {s['verified']} of"
         f" {count_shards(s['submitted'])} verified ({_percent(s['completion_rate'])}),"
-        f" {s['failed']} failed, {s['missing']} missing"
+        f" {counts['failed']} failed"
+        + (f", {counts['verify_failed']} verify_failed" if counts["verify_failed"] else "")
+        + f", {s['missing']} missing"
         + (f", {s['running'] + s['stale']} still running" if s["running"] + s["stale"] else "")
         + f"; first pass {_percent(fp['reconciliation_rate'])} reconciled;"
         + (
@@ -199,6 +203,7 @@ def report(s: dict[str, Any]) -> dict[str, Any]:
         "submitted": s["submitted"],
         "verified": s["verified"],
         "failed": s["failed"],
+        "by_state": counts,
         "missing": s["missing"],
         "running": s["running"],
         "stale": s["stale"],

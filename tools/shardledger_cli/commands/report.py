@@ -16,6 +16,7 @@ from shardledger_cli.commands.shards import run_shards
 from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import (
     REASON_KEY,
+    by_state,
     count_shards,
     equation,
     iso_us,
@@ -52,6 +53,13 @@ piped (--format plain), or one JSON object per shard (--json). Shard ids are
 never cut.
 RANKS is "alive/world" for a multi-rank (torchrun) attempt: the ranks still
 heartbeating; the view's "ranks" has each rank's state, host and pid.
+HOST and JOB are the latest attempt's. --attempts lists every attempt instead, one
+row each (a rerun shard's first-pass job too): ATTEMPT (1 for the shard's first),
+ATTEMPT ID, OUTCOME (what that attempt came to: verified, unverified,
+verify_failed, failed, running, stale, or superseded when a newer attempt started
+before it ended), DETAIL, HOST, JOB, STARTED and ENDED; --state and --limit still
+choose shards, and a shard never started has no row. --attempts --json prints one
+object per attempt.
 
 states: {", ".join(QUERY_STATES)}
   (old names accepted for one release: {", ".join(f"{k} = {v}" for k, v in QUERY_ALIASES.items())})
@@ -76,9 +84,12 @@ shards by reason goes to stderr. exit codes: 0 nothing to re-run (with
 failure of the script.""",
     "events": """print a run's events, or follow them
 
-Print one line per event: sequence, receive time, shard, attempt, kind and a
-short payload. --json prints JSON lines (the protobuf JSON mapping). --follow
-keeps streaming new events until Ctrl-C, which exits 0.""",
+Print one line per event: its sequence in the run (SEQ: 1 for the run's first
+event, the number --after takes), receive time, shard, attempt, kind and a short
+payload; piped (--format plain), tab-separated under a header line. --json
+prints JSON lines (the protobuf JSON mapping), with both the run's "run_sequence"
+and the ledger-wide "sequence". --follow keeps streaming new events until Ctrl-C,
+which exits 0.""",
     "runs": "list runs, most recently updated first\n\nList the namespace's runs, newest first.",
 }
 
@@ -123,7 +134,10 @@ JSON_SHAPES: Final = {
     "status": {"single": "the run summary the server computed"},
     "shards": {"lines": "one shard view per shard"},
     "resume": {"lines": "one {shard_id, plan_index, reason, plan_line} object per shard"},
-    "events": {"lines": "one event (the protobuf JSON mapping) per event"},
+    "events": {
+        "lines": "one event (the protobuf JSON mapping, with run_sequence and the global"
+        " sequence) per event"
+    },
     "runs": {"lines": "one run"},
 }
 
@@ -155,7 +169,7 @@ def register(
         json_help(p, **JSON_SHAPES[name])
         if name != "runs":
             p.add_argument("run", help="run id")
-        if name in ("status", "shards", "runs"):
+        if name in ("status", "shards", "events", "runs"):
             add_format_option(p)
         serve_db_option(p, func, refuse=_no_follow if name == "events" else None)
         parsers[name] = p
@@ -171,6 +185,12 @@ def register(
         help="only shards in this state",
     )
     p.add_argument("--limit", type=at_least(0), default=0, help="at most N shards (0: all)")
+    p.add_argument(
+        "--attempts",
+        action="store_true",
+        help="one row per attempt instead of per shard (a rerun shard's earlier jobs too):"
+        " attempt, outcome, host, job, started, ended",
+    )
     p = parsers["resume"]
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     p.add_argument("--format", choices=RESUME_FORMATS, default="jsonl", help="output format")
@@ -182,7 +202,13 @@ def register(
         " ARRAY=$(shardledger resume RUN --format slurm-array --exit-zero))",
     )
     p = parsers["events"]
-    p.add_argument("--after", type=at_least(0), default=0, metavar="SEQ", help="events after SEQ")
+    p.add_argument(
+        "--after",
+        type=at_least(0),
+        default=0,
+        metavar="SEQ",
+        help="events after SEQ, the sequence in the run that the output shows (SEQ)",
+    )
     p.add_argument(
         "--shard",
         metavar="SHARD_ID",
@@ -257,16 +283,23 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
         console.print(equation(s))
         console.print(life)
     sub = s["submitted"] or 1
+    counts = by_state(s)
+    # One row per state, each the set `shards RUN --state NAME` lists: they add up to
+    # submitted. failed is a job's own failure; verify_failed, outputs that failed verify.
     rows = [
-        (label, str(s[key]), f"{100 * s[key] / sub:.1f} %")
-        for key, label in (
-            ("verified", "verified"),
-            ("failed", "failed (incl. verify_failed)"),
-            ("verify_failed", "  of which verify_failed"),
-            ("missing", "missing (planned, never started)"),
-            ("running", "running"),
-            ("stale", "stale (silent past its heartbeat timeout)"),
-            ("unverified", "unverified (committed, not yet verified)"),
+        (
+            f"{key} ({meaning})" if meaning else key,
+            str(counts[key]),
+            f"{100 * counts[key] / sub:.1f} %",
+        )
+        for key, meaning in (
+            ("verified", ""),
+            ("failed", "its latest attempt failed: failure tags below"),
+            ("verify_failed", "its outputs failed verification"),
+            ("missing", "planned, never started"),
+            ("running", ""),
+            ("stale", "silent past its heartbeat timeout"),
+            ("unverified", "committed, not yet verified"),
         )
     ]
     tables: list[
@@ -275,6 +308,11 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
     tables.append(("shards", ("state", "shards", "share"), rows))
     if not plain:
         print_table(*tables.pop(), plain=False, console=console)
+    say(
+        "unconfirmed",
+        f"{count_shards(s.get('unconfirmed', s['submitted'] - s['verified']))}  (every state but"
+        f" verified: `shardledger resume {s['run_id']}` lists them)",
+    )
     say("completion rate", f"{100 * s['completion_rate']:.2f} %  (verified / submitted)")
     say(
         "silent error rate",
@@ -302,16 +340,18 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
             f"{s['late_attempts']} attempts' events arrived late from a"
             " spool: the figures above were wrong until they did",
         )
-    for title, key, head in (
-        ("failure tags (latest attempt of failed shards)", "failure_tags", "tag"),
-        ("failure tags (every failed attempt)", "attempt_failure_tags", "tag"),
-        ("verification failures", "verify_failures", "reason"),
-        ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint"),
+    # The last column says what each table counts: shards, or attempts (a shard rerun
+    # three times is three attempts).
+    for title, key, head, unit in (
+        ("failure tags (failed shards, by their latest attempt)", "failure_tags", "tag", "shards"),
+        ("failure tags (every failed attempt)", "attempt_failure_tags", "tag", "attempts"),
+        ("verification failures (verify_failed shards)", "verify_failures", "reason", "shards"),
+        ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint", "shards"),
     ):
-        counts: dict[str, int] = s.get(key) or {}
-        ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        tallies: dict[str, int] = s.get(key) or {}
+        ordered = sorted(tallies.items(), key=lambda kv: (-kv[1], kv[0]))
         if ordered:
-            tables.append((title, (head, "shards"), [(k, str(n)) for k, n in ordered]))
+            tables.append((title, (head, unit), [(k, str(n)) for k, n in ordered]))
     if plain:
         print_table("summary", ("field", "value"), fields, plain=True)
     for title, heads, cells in tables:

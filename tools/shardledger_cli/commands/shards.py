@@ -1,4 +1,4 @@
-"""`shardledger shards`: a run's shards in plan order, as columns or JSON Lines."""
+"""`shardledger shards`: a run's shards (or every attempt) in plan order, as columns or JSON Lines."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import itertools
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
-from shardledger_cli.cli import EXIT_OK, client_from
-from shardledger_cli.output import iso_us
+from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
+from shardledger_cli.output import iso_us, tsv_cell
 from shardledger_cli.parsing import output_format
 
 COLUMNS: Final = (
@@ -26,10 +26,24 @@ COLUMNS: Final = (
     "LAST SEEN",
     "DUPLICATES",
 )
+# shards --attempts: one row per attempt. ATTEMPT numbers a shard's attempts from 1 in
+# the order they started; OUTCOME is what that attempt came to (docs/concepts.md).
+ATTEMPT_COLUMNS: Final = (
+    "INDEX",
+    "SHARD",
+    "ATTEMPT",
+    "ATTEMPT ID",
+    "OUTCOME",
+    "DETAIL",
+    "HOST",
+    "JOB",
+    "STARTED",
+    "ENDED",
+)
 
 
 def run_shards(args: argparse.Namespace) -> int:
-    """Lists shards in plan order: aligned columns, tab-separated columns or JSON Lines."""
+    """Lists shards (or, with --attempts, every attempt) in plan order: columns or JSON Lines."""
     page = min(args.limit, 1000) if args.limit else 1000
     views = client_from(args).shards(
         args.run, namespace=args.namespace, state=args.state, page_size=page
@@ -39,24 +53,74 @@ def run_shards(args: argparse.Namespace) -> int:
     # unreachable server leaves stdout empty, not a header.
     first = list(itertools.islice(limited, page))
     out, fmt = sys.stdout, output_format(args)
+    every = itertools.chain(first, limited)
+    if getattr(args, "attempts", False):
+        rows = (row for v in every for row in attempt_rows(json.loads(v.view_json)))
+        if fmt == "json":
+            out.writelines(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+            return EXIT_OK
+        _print_columns(ATTEMPT_COLUMNS, (attempt_cells(row) for row in rows), fmt, page)
+        return EXIT_OK
     if fmt == "json":
         # One view per line, streamed: a million shards never sit in memory whole.
-        for view in itertools.chain(first, limited):
-            out.write(view.view_json + "\n")
+        out.writelines(view.view_json + "\n" for view in every)
         return EXIT_OK
-    rows = (row_cells(json.loads(v.view_json)) for v in itertools.chain(first, limited))
+    _print_columns(COLUMNS, (row_cells(json.loads(v.view_json)) for v in every), fmt, page)
+    return EXIT_OK
+
+
+def _print_columns(columns: Sequence[str], rows: Iterator[list[str]], fmt: str, page: int) -> None:
+    """Prints a header and rows: tab-separated (plain), or aligned columns (table)."""
+    out = sys.stdout
     if fmt == "plain":
-        out.write("\t".join(COLUMNS) + "\n")
-        out.writelines("\t".join(cells) + "\n" for cells in rows)
-        return EXIT_OK
+        out.write("\t".join(columns) + "\n")
+        out.writelines("\t".join(tsv_cell(c) for c in cells) + "\n" for cells in rows)
+        return
     # Aligned to the widest cell of the first page; a later, longer cell widens its
     # row only. Nothing is ever cut: a shard id is what the next command needs.
-    head = [row_cells(json.loads(v.view_json)) for v in first]
-    widths = [max([len(c), *(len(r[i]) for r in head)]) for i, c in enumerate(COLUMNS)]
-    out.write(_aligned(list(COLUMNS), widths))
-    for cells in itertools.chain(head, (row_cells(json.loads(v.view_json)) for v in limited)):
+    head = list(itertools.islice(rows, page))
+    widths = [max([len(c), *(len(r[i]) for r in head)]) for i, c in enumerate(columns)]
+    out.write(_aligned(list(columns), widths))
+    for cells in itertools.chain(head, rows):
         out.write(_aligned(cells, widths))
-    return EXIT_OK
+
+
+def attempt_rows(view: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Returns one object per attempt of a shard view, in start order (--attempts --json)."""
+    history = view.get("attempt_history")
+    if history is None:
+        raise CommandError(
+            "this ledger server predates per-attempt views: `shards --attempts` needs a"
+            " server of this release (`shardledger events RUN --shard ID` lists every attempt)",
+            EXIT_REJECTED,
+        )
+    return [
+        {
+            "shard_id": view["shard_id"],
+            "plan_index": view["plan_index"],
+            "attempt": number,
+            "latest": a["attempt_id"] == view["latest_attempt"],
+            "job": scheduler_label(a.get("scheduler") or {}),
+            **a,
+        }
+        for number, a in enumerate(history, 1)
+    ]
+
+
+def attempt_cells(row: Mapping[str, Any]) -> list[str]:
+    """Returns one attempt as the text of ATTEMPT_COLUMNS ("-" for nothing)."""
+    return [
+        str(row["plan_index"]),
+        row["shard_id"],
+        str(row["attempt"]),
+        row["attempt_id"],
+        row["outcome"],
+        row["detail"] or "-",
+        row["host"] or "-",
+        row["job"] or "-",
+        iso_us(row["started_us"]),
+        iso_us(row["ended_us"]),
+    ]
 
 
 def row_cells(v: Mapping[str, Any]) -> list[str]:

@@ -378,7 +378,11 @@ RUN_COLUMNS: Final[dict[str, tuple[str, str, Any]]] = {
         "verified on the first attempt / submitted",
         lambda r, p: _percent(r["first_pass"]["reconciliation_rate"]),
     ),
-    "tags": ("failure tags", "failure tags and verify: reasons", lambda r, p: _tags_cell(r)),
+    "tags": (
+        "failure tags",
+        "shards by failure tag and verify: reason",
+        lambda r, p: _tags_cell(r),
+    ),
     "groups": (
         "fingerprint groups",
         "fingerprint groups (8 hex digits each)",

@@ -31,7 +31,7 @@ from shardledger_cli.demo.faults import (
 )
 from shardledger_cli.demo.infra import check_accounting, count_events, late_arrivals, overlapping
 from shardledger_cli.output import print_json
-from shardledger_cli.parsing import examples, json_help
+from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 from shardledger_cli.s3local import S3_ENV_KEYS
 
 if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch] extra
@@ -97,6 +97,7 @@ def register(
         "adds torn upload, replaced and deleted objects)",
     )
     json_help(p, single="the demo's report")
+    add_format_option(p)
     p.set_defaults(func=run_demo)
 
 
@@ -166,7 +167,7 @@ def run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         namespace=args.namespace,
         server=args.server,
-        progress=not args.json and sys.stderr.isatty(),
+        progress=output_format(args) != "json" and sys.stderr.isatty(),
         storage=args.storage,
     )
     began = time.monotonic()
@@ -179,12 +180,13 @@ def run_demo(args: argparse.Namespace) -> int:
             demo.close()
         report["kept"] = args.keep is not None
         report["timings"]["total"] = round(time.monotonic() - began, 3)
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print_json(report)
     else:
         from shardledger_cli.demo.report import render
 
-        render(report)
+        render(report, plain=fmt == "plain")
     return int(report["exit_code"])
 
 

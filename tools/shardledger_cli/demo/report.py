@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from shardledger_cli.commands.report import render_summary
@@ -21,7 +21,7 @@ from shardledger_cli.demo.faults import (
     TORN_UPLOAD,
     TRUNCATION,
 )
-from shardledger_cli.output import equation
+from shardledger_cli.output import equation, print_note, print_table
 
 LABELS: Final = {
     SILENT_MISSING: "silent missing",
@@ -142,156 +142,199 @@ class Ui:
             self._progress = None
 
 
-def render(report: Mapping[str, Any]) -> None:
-    """Prints the demo's report for an operator: faults, ledger, checks, rerun, explanation."""
+def render(report: Mapping[str, Any], *, plain: bool | None = None) -> None:
+    """Prints the demo's report for an operator: faults, ledger, checks, rerun, explanation.
+
+    plain (the default when stdout is not a terminal: a CI log, a file) prints the
+    same report as tab-separated blocks, each after a "# NAME" line, and its prose as
+    "#" lines: never a box-drawing character.
+    """
     from rich.console import Console
 
+    if plain is None:
+        plain = not sys.stdout.isatty()
     # Piped into a file or a CI log, 80 columns would fold every table; 120 reads better there.
     width = None if sys.stdout.isatty() else 120
     console = Console(file=sys.stdout, markup=False, highlight=False, width=width)
+    say = _Say(console, plain=plain)
     cfg = report["config"]
-    console.print(
+    say.line(
         f"Project X: {cfg['shards']} shards, {cfg['workers']} workers, {cfg['steps']} steps, "
         f"seed {cfg['seed']}; run {report['run_id']} on {report['server']['target']}",
         style="bold",
     )
-    _faults_table(console, report)
-    _batch_notes(console, report)
-    console.rule("the ledger after the batch (shardledger status)")
+    _faults_table(say, report)
+    _batch_notes(say, report)
+    say.rule("the ledger after the batch (shardledger status)")
     sys.stdout.flush()
-    render_summary(dict(report["summary_before"]))
-    _checks(console, report)
-    _rerun(console, report)
-    _explain(console, report)
+    render_summary(dict(report["summary_before"]), plain=plain)
+    _checks(say, report)
+    _rerun(say, report)
+    _explain(say, report)
     t = report["timings"]
-    console.print(
+    say.line(
         f"wall time {t['total']:.1f} s (start {t['start']:.1f}, batch {t['batch']:.1f}, "
         f"settle {t['settle_batch']:.1f}, verify {t['verify_batch']:.1f}, "
         f"rerun {t['rerun']:.1f})"
     )
     if report["kept"]:
         work = report["work_dir"]
-        console.print(f"kept in {work}: ledger.db (the events; try `shardledger serve --db`),")
-        console.print(
-            "  out/ (artifacts), resume.jsonl, plan.jsonl, diag/ (stack dumps), ledger.log"
-        )
+        say.line(f"kept in {work}: ledger.db (the events; try `shardledger serve --db`),")
+        say.line("  out/ (artifacts), resume.jsonl, plan.jsonl, diag/ (stack dumps), ledger.log")
 
 
-def _faults_table(console: Any, report: Mapping[str, Any]) -> None:
-    from rich.table import Table
+class _Say:
+    """Prints the report's prose, rules and tables: rich on a terminal, plain blocks piped."""
 
-    table = Table("injected failure", "plan index", "shard", "expected", "the ledger says", "")
+    def __init__(self, console: Any, *, plain: bool) -> None:
+        self.console = console
+        self.plain = plain
+
+    def line(self, text: str, *, style: str | None = None) -> None:
+        """One line of prose ("# " before it when plain, so no block gains a row)."""
+        if self.plain:
+            print_note(text, plain=True)
+        else:
+            self.console.print(text, style=style)
+
+    def rule(self, title: str) -> None:
+        """A section title: a rule on a terminal, a "# == title ==" line when plain."""
+        if self.plain:
+            print_note(f"== {title} ==", plain=True)
+        else:
+            self.console.rule(title)
+
+    def table(
+        self, title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str]]
+    ) -> None:
+        """A table: rich, or a plain block (a "# title" line, a header line, its rows)."""
+        if self.plain:
+            print_table(title or "table", headers, rows, plain=True)
+            return
+        from rich.table import Table
+
+        table = Table(*headers, title=title)
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+
+
+def _faults_table(say: _Say, report: Mapping[str, Any]) -> None:
+    rows = []
     for form in (*FORMS, *STORAGE_FORMS):
         for f in report["faults"].get(form, []):
             mark = "ok" if f["expected"] == f["found"] else "MISMATCH"
-            shard = f"{f['shard_id'][:14]}…"
-            table.add_row(
-                LABELS[form], str(f["plan_index"]), shard, f["expected"], f["found"], mark
+            shard = f["shard_id"] if say.plain else f"{f['shard_id'][:14]}…"
+            rows.append(
+                (LABELS[form], str(f["plan_index"]), shard, f["expected"], f["found"], mark)
             )
-    console.print(table)
+    check = "check" if say.plain else ""  # a plain header names every column
+    heads = ("injected failure", "plan index", "shard", "expected", "the ledger says", check)
+    say.table("injected failures" if say.plain else None, heads, rows)
 
 
-def _batch_notes(console: Any, report: Mapping[str, Any]) -> None:
+def _batch_notes(say: _Say, report: Mapping[str, Any]) -> None:
     kill = report["server_kill"]
     if kill["happened"]:
-        console.print(
+        say.line(
             f"ledger server SIGKILLed at +{kill['at_s']:.1f} s, back {kill['down_s']:.1f} s later "
             f"on the same port: {kill['spooled_events']} events from {kill['attempts']} attempts "
             f"waited in the jobs' spools and arrived afterwards ({kill['stored_after']} stored "
             "after the restart)"
         )
     else:
-        console.print(f"ledger server kill skipped: {kill['reason']}")
+        say.line(f"ledger server kill skipped: {kill['reason']}")
     for action in report["watchdog"]:
-        console.print(
+        say.line(
             f"watchdog: shard {action['shard_id'][:14]}… pid {action['pid']}: "
             f"{', '.join(action['steps'])} -> failed(timeout)"
         )
     if report.get("hang_stack"):
-        console.print("  stack of the hung job, dumped before the kill:")
+        say.line("  stack of the hung job, dumped before the kill:")
         for line in report["hang_stack"]:
-            console.print(f"    {line}")
+            say.line(f"    {line}")
     v = report["verify_before"]
-    console.print(
+    say.line(
         f"shardledger verify: {v['checked']} artifacts checked, {v['passed']} passed, "
         f"{v['failed']} failed"
     )
 
 
-def _checks(console: Any, report: Mapping[str, Any]) -> None:
-    from rich.table import Table
-
+def _checks(say: _Say, report: Mapping[str, Any]) -> None:
     r = report["resume"]
     where = r["path"] if report["kept"] else "resume.jsonl in the work dir (--keep DIR keeps it)"
-    console.print(
+    say.line(
         f"resume list: {r['shards']} shards -> {where} "
         f"({', '.join(f'{k} {n}' for k, n in sorted(r['reasons'].items()))})"
     )
-    table = Table("ground truth check", "result", "detail", title="the ledger vs what was injected")
-    for check in report["ground_truth"]["checks"]:
-        table.add_row(check["name"], "ok" if check["ok"] else "FAILED", check["detail"])
-    console.print(table)
+    rows = [
+        (check["name"], "ok" if check["ok"] else "FAILED", check["detail"])
+        for check in report["ground_truth"]["checks"]
+    ]
+    say.table("the ledger vs what was injected", ("ground truth check", "result", "detail"), rows)
     for check in report["ground_truth"]["checks"]:
         for problem in check["problems"]:
-            console.print(f"MISMATCH ({check['name']}): {problem}", style="bold red")
+            say.line(f"MISMATCH ({check['name']}): {problem}", style="bold red")
     verdict = "every injected fault was found, with the right reason, and nothing else"
     if not report["ground_truth"]["matched"]:
         verdict = "the ledger and the ground truth DISAGREE (see above)"
-    console.print(verdict, style="bold")
+    say.line(verdict, style="bold")
 
 
-def _rerun(console: Any, report: Mapping[str, Any]) -> None:
+def _rerun(say: _Say, report: Mapping[str, Any]) -> None:
     r, after = report["resume"], report["summary_after"]
-    console.rule("resume: exactly the listed shards, from their plan lines, no faults")
-    console.print(
+    say.rule("resume: exactly the listed shards, from their plan lines, no faults")
+    say.line(
         f"recomputed {r['recomputed']} of {r['total']} shards ({100 * r['share']:.1f} %) in "
         f"{r['seconds']:.1f} s; {r['resumed_from_checkpoint']} resumed from a checkpoint, "
         f"skipping {r['steps_skipped']} of {r['steps_total']} steps"
     )
-    console.print(equation(after))
-    console.print(
+    say.line(equation(after))
+    say.line(
         f"completion rate {100 * after['completion_rate']:.1f} %  "
         f"(verified / submitted); resume list now {report['after']['resume_list']} shards",
         style="bold",
     )
-    _first_pass_table(console, after)
+    _first_pass_table(say, after)
 
 
-def _first_pass_table(console: Any, after: Mapping[str, Any]) -> None:
+def _first_pass_table(say: _Say, after: Mapping[str, Any]) -> None:
     """Shows the night's first pass beside the final figures: history the rerun did not rewrite."""
-    from rich.table import Column, Table
-
     fp = after["first_pass"]
-    table = Table(
-        "figure",
-        Column("first pass", justify="right"),
-        Column("final", justify="right"),
-        title="first pass (the night as launched) vs after the rerun",
-    )
 
     def pct(x: float) -> str:
         return f"{100 * x:.1f} %"
 
-    table.add_row(
-        "completion (verified / submitted)",
-        pct(fp["completion_rate"]),
-        pct(after["completion_rate"]),
+    rows = [
+        (
+            "completion (verified / submitted)",
+            pct(fp["completion_rate"]),
+            pct(after["completion_rate"]),
+        ),
+        ("silent error rate", pct(fp["silent_error_rate"]), pct(after["silent_error_rate"])),
+        ("reconciled on the first attempt", pct(fp["reconciliation_rate"]), ""),
+        ("recomputed shards", "", f"{after['recomputed']} ({pct(after['recomputed_rate'])})"),
+        ("repairs (not duplicates)", "", str(after["repairs"])),
+    ]
+    title = "first pass (the night as launched) vs after the rerun"
+    if say.plain:
+        say.table(title, ("figure", "first pass", "final"), rows)
+        return
+    from rich.table import Column, Table
+
+    table = Table(
+        "figure",
+        Column("first pass", justify="right"),
+        Column("final", justify="right"),
+        title=title,
     )
-    table.add_row(
-        "silent error rate", pct(fp["silent_error_rate"]), pct(after["silent_error_rate"])
-    )
-    table.add_row("reconciled on the first attempt", pct(fp["reconciliation_rate"]), "")
-    table.add_row(
-        "recomputed shards", "", f"{after['recomputed']} ({pct(after['recomputed_rate'])})"
-    )
-    table.add_row("repairs (not duplicates)", "", str(after["repairs"]))
-    console.print(table)
+    for row in rows:
+        table.add_row(*row)
+    say.console.print(table)
 
 
-def _explain(console: Any, report: Mapping[str, Any]) -> None:
-    from rich.table import Table
-
-    console.rule("what just happened")
+def _explain(say: _Say, report: Mapping[str, Any]) -> None:
+    say.rule("what just happened")
     cfg = report["config"]
     limits = {"timeout": cfg["heartbeat_timeout_s"], "grace": cfg["watchdog_grace_s"]}
     rows = [
@@ -312,9 +355,16 @@ def _explain(console: Any, report: Mapping[str, Any]) -> None:
                 "event ids make the drain idempotent: every event arrived, none twice",
             )
         )
+    if say.plain:
+        say.table(
+            "what just happened", ("failure form", "what was done", "how it was caught"), rows
+        )
+        return
+    from rich.table import Table
+
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
     for label, did, caught in rows:
         grid.add_row(label, f"{did}\n-> {caught}")
-    console.print(grid)
+    say.console.print(grid)

@@ -467,7 +467,7 @@ class GetRunSummaryResponse(_message.Message):
     def __init__(self, summary_json: _Optional[str] = ..., as_of_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("namespace", "run_id", "submitted", "verified", "failed", "missing", "unverified", "running", "stale", "verify_failed", "completion_rate", "silent_errors", "silent_error_rate", "failure_tags", "attempt_failure_tags", "verify_failures", "duplicates", "duplicate_shards", "repairs", "fingerprint_groups", "attempts", "unconfirmed", "numeric", "late_attempts", "recomputed", "recomputed_rate", "first_pass", "as_of_us", "event_count", "head_hash", "lifecycle")
+    __slots__ = ("namespace", "run_id", "submitted", "verified", "failed", "missing", "unverified", "running", "stale", "verify_failed", "completion_rate", "silent_errors", "silent_error_rate", "failure_tags", "attempt_failure_tags", "verify_failures", "duplicates", "duplicate_shards", "repairs", "fingerprint_groups", "attempts", "unconfirmed", "numeric", "late_attempts", "recomputed", "recomputed_rate", "first_pass", "as_of_us", "event_count", "head_hash", "lifecycle", "by_state")
     class FailureTagsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -534,6 +534,7 @@ class RunSummary(_message.Message):
     EVENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
+    BY_STATE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     run_id: str
     submitted: int
@@ -565,7 +566,26 @@ class RunSummary(_message.Message):
     event_count: int
     head_hash: str
     lifecycle: RunLifecycle
-    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ..., lifecycle: _Optional[_Union[RunLifecycle, _Mapping]] = ...) -> None: ...
+    by_state: RunShardStates
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., submitted: _Optional[int] = ..., verified: _Optional[int] = ..., failed: _Optional[int] = ..., missing: _Optional[int] = ..., unverified: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., verify_failed: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., failure_tags: _Optional[_Mapping[str, int]] = ..., attempt_failure_tags: _Optional[_Mapping[str, int]] = ..., verify_failures: _Optional[_Mapping[str, int]] = ..., duplicates: _Optional[_Mapping[str, int]] = ..., duplicate_shards: _Optional[int] = ..., repairs: _Optional[int] = ..., fingerprint_groups: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[int] = ..., unconfirmed: _Optional[int] = ..., numeric: _Optional[int] = ..., late_attempts: _Optional[int] = ..., recomputed: _Optional[int] = ..., recomputed_rate: _Optional[float] = ..., first_pass: _Optional[_Union[FirstPassSummary, _Mapping]] = ..., as_of_us: _Optional[int] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[str] = ..., lifecycle: _Optional[_Union[RunLifecycle, _Mapping]] = ..., by_state: _Optional[_Union[RunShardStates, _Mapping]] = ...) -> None: ...
+
+class RunShardStates(_message.Message):
+    __slots__ = ("verified", "failed", "verify_failed", "missing", "running", "stale", "unverified")
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    verified: int
+    failed: int
+    verify_failed: int
+    missing: int
+    running: int
+    stale: int
+    unverified: int
+    def __init__(self, verified: _Optional[int] = ..., failed: _Optional[int] = ..., verify_failed: _Optional[int] = ..., missing: _Optional[int] = ..., running: _Optional[int] = ..., stale: _Optional[int] = ..., unverified: _Optional[int] = ...) -> None: ...
 
 class RunLifecycle(_message.Message):
     __slots__ = ("state", "submission_closed", "submission_closed_at", "submission_closed_at_us", "submission_closed_at_sequence", "submission_closes_at", "expected_shards", "settled", "settled_at", "settled_at_us", "waiting_on", "reopened_at_sequence", "reopened_at", "reopened_at_us")
@@ -662,7 +682,7 @@ class ShardView(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[str] = ..., view_json: _Optional[str] = ..., view: _Optional[_Union[ShardDetails, _Mapping]] = ...) -> None: ...
 
 class ShardDetails(_message.Message):
-    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass", "world_size", "launch_id", "restart_count", "ranks_alive", "ranks", "input", "plan")
+    __slots__ = ("shard_id", "plan_index", "state", "detail", "attempts", "latest_attempt", "host", "pid", "scheduler", "process_start_ticks", "deadline_us", "last_seen_us", "last_step", "fingerprint", "artifacts", "duplicates", "repaired", "failures", "numeric", "first_pass", "world_size", "launch_id", "restart_count", "ranks_alive", "ranks", "input", "plan", "attempt_history")
     class SchedulerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -704,6 +724,7 @@ class ShardDetails(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_HISTORY_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     plan_index: int
     state: str
@@ -731,7 +752,39 @@ class ShardDetails(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankView]
     input: str
     plan: ShardPlanView
-    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ..., input: _Optional[str] = ..., plan: _Optional[_Union[ShardPlanView, _Mapping]] = ...) -> None: ...
+    attempt_history: _containers.RepeatedCompositeFieldContainer[AttemptView]
+    def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ..., input: _Optional[str] = ..., plan: _Optional[_Union[ShardPlanView, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[AttemptView, _Mapping]]] = ...) -> None: ...
+
+class AttemptView(_message.Message):
+    __slots__ = ("attempt_id", "outcome", "detail", "host", "pid", "scheduler", "started_us", "ended_us", "last_seen_us", "fingerprint")
+    class SchedulerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    STARTED_US_FIELD_NUMBER: _ClassVar[int]
+    ENDED_US_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_US_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    attempt_id: str
+    outcome: str
+    detail: str
+    host: str
+    pid: int
+    scheduler: _containers.ScalarMap[str, str]
+    started_us: int
+    ended_us: int
+    last_seen_us: int
+    fingerprint: str
+    def __init__(self, attempt_id: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., started_us: _Optional[int] = ..., ended_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class ShardPlanView(_message.Message):
     __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "labels")
