@@ -227,11 +227,21 @@ def test_verify_text_output_names_each_failure(
     commit_shard(client, "text", "s0", "missing.bin", b"x")
     (root / "here.bin").write_bytes(b"y")
     commit_shard(client, "text", "s1", "here.bin", b"y")
-    code = main(["verify", "text", "--root", str(root), "--server", f"127.0.0.1:{running.port}"])
+    server = f"127.0.0.1:{running.port}"
+    code = main(["verify", "text", "--root", str(root), "--server", server, "--format", "table"])
     out = capsys.readouterr().out
     assert code == 1
     assert "FAILED s0 a1 out missing.bin missing: " in out
     assert "2 checked (2 files read), 1 passed, 1 failed" in out
+    # Piped (plain, the default off a terminal): one tab-separated row per failure under
+    # a header, the count as a "#" note; the verdicts are already recorded, so "earlier".
+    assert main(["verify", "text", "--root", str(root), "--server", server]) == 1
+    header, *rows, note = capsys.readouterr().out.splitlines()
+    assert header.split("\t")[:6] == ["VERDICT", "SHARD", "ATTEMPT", "NAME", "PATH", "REASON"]
+    assert [r.split("\t")[:7] for r in rows] == [
+        ["FAILED", "s0", "a1", "out", "missing.bin", "missing", "earlier"]
+    ]
+    assert note.startswith("# verify text: 0 checked") and "2 skipped" in note
 
 
 def test_verify_with_a_root_that_is_not_a_directory_exits_5(

@@ -324,8 +324,12 @@ def test_an_artifact_outside_the_root_is_not_checked_and_gets_no_verdict(
     assert [e.shard_id for e in verdicts(client)] == ["s0"]
     assert f"they lie under {fifo.parent}" in stderr and "nothing was recorded" in stderr
     assert states(client)["s1"] == "unverified"
-    _, text, _ = run_cli(capsys, "verify", RUN, "--root", str(out), "--server", target)
+    _, text, _ = run_cli(
+        capsys, "verify", RUN, "--root", str(out), "--server", target, "--format", "table"
+    )
     assert f"NOT CHECKED s1 a1 weights {fifo} outside_root" in text
+    _, text, _ = run_cli(capsys, "verify", RUN, "--root", str(out), "--server", target)
+    assert f"NOT CHECKED\ts1\ta1\tweights\t{fifo}\toutside_root\t" in text
 
 
 def test_outside_root_verdicts_of_an_older_verifier_are_read_again(

@@ -46,7 +46,7 @@ from shardledger_cli.commands.verify_scan import (
 from shardledger_cli.input_check import CHANGED, GONE, InputNow, check_inputs, collect_plans
 from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import progress
-from shardledger_cli.parsing import json_help
+from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["Commit", "Recorder", "register", "verdict_event"]
 
@@ -104,6 +104,7 @@ Examples:
   shardledger verify night-01 --root out/ --recheck --workers 16 --json
   AWS_PROFILE=batch shardledger verify night-01     # artifacts committed to s3://
   shardledger verify night-01 --root out/ --db copy/ledger.db --dry-run   # no server
+  shardledger verify night-01 --format plain | awk -F'\\t' '$1 == "FAILED" {print $2}'
 
 exit codes: 0 every current commit (the latest commit of each output, not
 superseded) has a PASSED verdict of its own; 1 some current commit failed, now
@@ -148,6 +149,7 @@ def register(
         help="judge every artifact and record no verdict (what --db requires)",
     )
     json_help(p, single="the verification report")
+    add_format_option(p)
     serve_db_option(p, run_verify, refuse=_records)
 
 
@@ -393,7 +395,7 @@ def run_verify(args: argparse.Namespace) -> int:
         tally.add(state, passed, reason, "", earlier=True)
     report = tally.report(args.run, root, read=len(first), recorder=recorder)
     report["superseded"] = len(todo.superseded)
-    print_report(report, as_json=args.json)
+    print_report(report, fmt=output_format(args))
     if not first:
         _probe_stores([s.commit.path for s in todo.skipped if is_remote(s.commit.path)])
     if tally.unchecked:

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardledger_cli.commands.verify_scan import Commit, CommitState
-from shardledger_cli.output import print_json
+from shardledger_cli.output import print_json, print_note, print_table
 
-__all__ = ["Tally", "entry", "print_report"]
+__all__ = ["Tally", "entry", "print_report", "summary_line"]
 
 
 @dataclass(slots=True)
@@ -84,9 +84,57 @@ def entry(commit: Commit, reason: str, detail: str) -> dict[str, Any]:
     }
 
 
-def print_report(report: dict[str, Any], *, as_json: bool) -> None:
-    if as_json:
+def print_report(report: dict[str, Any], *, fmt: str) -> None:
+    """Prints the report: JSON, lines for a person (table), or one tab-separated block (plain).
+
+    Plain, the default when piped: a header line and one row per verdict that failed
+    or could not be reached (VERDICT is FAILED or NOT CHECKED), then the summary as a
+    "#" note, so `awk -F'\\t' '$1 == "FAILED"'` picks the failures.
+    """
+    if fmt == "json":
         print_json(report)
+        return
+    if fmt == "plain":
+        rows = [
+            (
+                "FAILED",
+                f["shard_id"],
+                f["attempt_id"],
+                f["name"],
+                f["path"],
+                f["reason"],
+                "earlier" if f["earlier"] else "new",
+                "current" if f["current"] else "older",
+                f["detail"],
+            )
+            for f in report["failures"]
+        ] + [
+            (
+                "NOT CHECKED",
+                u["shard_id"],
+                u["attempt_id"],
+                u["name"],
+                u["path"],
+                u["reason"],
+                "",
+                "",
+                u.get("detail") or "",
+            )
+            for u in report["unchecked"]
+        ]
+        heads = (
+            "verdict",
+            "shard",
+            "attempt",
+            "name",
+            "path",
+            "reason",
+            "verdict of",
+            "commit",
+            "detail",
+        )
+        print_table(None, heads, rows, plain=True)
+        print_note(summary_line(report), plain=True)
         return
     for f in report["failures"]:
         when = " (earlier verdict)" if f["earlier"] else ""
@@ -102,8 +150,13 @@ def print_report(report: dict[str, Any], *, as_json: bool) -> None:
             f"NOT CHECKED {u['shard_id']} {u['attempt_id']} {u['name']} {u['path']} {u['reason']}"
             f"{detail}"
         )
+    print(summary_line(report))
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """Returns the one line that counts what verify checked, passed, failed and recorded."""
     skipped_failed = report["skipped_failed"]
-    print(
+    return (
         f"verify {report['run_id']}: {report['checked']} checked ({report['read']} files read),"
         f" {report['passed']} passed, {report['failed']} failed;"
         f" {report['skipped']} skipped as they already have a verdict"
