@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ledger_server import ranks
-from ledger_server.projections import is_complete, is_intact, verdicts_of
+from ledger_server.projections import clock_skew_us, is_complete, is_intact, verdicts_of
 from ledger_server.record import Attempt, ShardRecord
 from ledger_server.states import QueryState, ShardState
 from shard_client.vocabulary import FailureTag
@@ -80,6 +80,8 @@ def attempt_history(record: ShardRecord, now_us: int) -> list[dict[str, Any]]:
                 "ended_us": attempt.ended_us or None,
                 "last_seen_us": attempt.last_seen_us,
                 "fingerprint": attempt.fingerprint_digest,
+                "clock_skew_us": clock_skew_us(attempt),
+                "late": attempt.late,
             }
         )
     return rows

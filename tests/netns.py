@@ -19,8 +19,10 @@ Faults, each verified on a Debian 12 machine (kernel 6.x) as root:
   every chunk, stalls now and then, and resets whole connections at random
   (tests/helpers/netns_proxy.py). TCP itself never loses bytes, so "lossy" is delayed
   segments and dropped connections. `tc ... tbf` works and caps a host's bandwidth.
-- skewed clocks: Debian's `libfaketime` preloaded into one process (``FAKETIME=+10m``)
-  moves its wall clock (and its monotonic clock, by the same constant).
+- skewed clocks: Debian's `libfaketime` preloaded into one process (``FAKETIME=+600s``)
+  moves its wall clock; ``FAKETIME_DONT_FAKE_MONOTONIC=1`` leaves its monotonic clock
+  alone, as a host's skew does (faked, Python's timed waits, `threading.Event.wait`
+  included, wait the whole offset: a heartbeat thread never beats).
 
 Names are unique per process and call (`slt<pid>n<counter>`), so pytest-xdist workers
 never collide; `Network.close` kills every process inside the namespaces (found by
@@ -34,18 +36,23 @@ import contextlib
 import itertools
 import json
 import os
+import pwd
 import re
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar
+from urllib.parse import urlsplit
 
 import pytest
+
+from tests import pg
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 HELPERS: Final = ROOT / "tests" / "helpers"
@@ -175,8 +182,15 @@ class Host:
         if faketime:
             lib = faketime_lib()
             assert lib is not None, "libfaketime is not installed"
-            # Only the job itself runs on the skewed clock, not `ip`, `unshare` or `sh`.
-            extra |= {"LD_PRELOAD": lib, "FAKETIME": faketime, "FAKETIME_NO_CACHE": "1"}
+            # Only the job itself runs on the skewed clock, not `ip`, `unshare` or `sh`. A
+            # host's skew is its wall clock's: its monotonic clock is right (faked too, it
+            # would leave Python's timed waits, which take it, waiting the skew out).
+            extra |= {
+                "LD_PRELOAD": lib,
+                "FAKETIME": faketime,
+                "FAKETIME_NO_CACHE": "1",
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            }
         assignments = [f"{k}={v}" for k, v in extra.items()]
         script = 'hostname "$0" && exec env "$@"'
         return [
@@ -254,6 +268,7 @@ class Network:
         self.hosts: dict[str, Host] = {}
         self.processes: list[subprocess.Popen[bytes]] = []
         self.blocked: dict[str, set[str]] = {}
+        self.clusters: list[NsPgCluster] = []
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
         _ip("netns", "add", self.hub)
         try:
@@ -325,6 +340,12 @@ class Network:
         for proc in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+        for cluster in self.clusters:  # pg_ctl's server outlives the command that started it
+            # Immediate: a fast shutdown would wait for a standby that a partition cut off.
+            with contextlib.suppress(Exception):
+                cluster.stop("immediate")
+            if cluster.data_dir is not None:
+                shutil.rmtree(cluster.data_dir.parent, ignore_errors=True)
         for host in self.hosts.values():
             _delete_namespace(host.ns)
         _delete_namespace(self.hub)
@@ -376,6 +397,112 @@ def _exited(proc: subprocess.Popen[bytes], log: Path) -> bool:
     if code is not None:
         raise AssertionError(f"exited {code} early: {log.read_text(errors='replace')[-3000:]}")
     return False
+
+
+class Proxy:
+    """A slow, lossy link (tests/helpers/netns_proxy.py) on a host, to one upstream address."""
+
+    def __init__(
+        self, host: Host, port: int, upstream: str, workdir: Path, *faults: str, seed: int = 0
+    ) -> None:
+        self.host, self.port = host, port
+        self.stats_file = workdir / f"proxy-{host.name}-{port}.json"
+        log = workdir / f"proxy-{host.name}-{port}.log"
+        self.proc = host.popen(
+            [
+                *(sys.executable, str(HELPERS / "netns_proxy.py"), f"{host.ip}:{port}", upstream),
+                *("--stats", str(self.stats_file), "--seed", str(seed), *faults),
+            ],
+            log=log,
+        )
+        proc = self.proc
+        wait_for(
+            f"the proxy on {host.name}:{port}",
+            lambda: self.stats_file.exists() or _exited(proc, log),
+            timeout_s=30,
+        )
+
+    @property
+    def target(self) -> str:
+        """Returns the HOST:PORT that reaches the upstream through this link."""
+        return f"{self.host.ip}:{self.port}"
+
+    def stats(self) -> dict[str, int]:
+        """Returns what the link did so far: connections, resets, stalls, bytes."""
+        counts: dict[str, int] = json.loads(self.stats_file.read_text())
+        return counts
+
+
+PG_PORT: Final = 5432  # inside a private namespace nothing else listens
+
+
+class NsPgCluster(pg.PgCluster):
+    """A throwaway PostgreSQL server on a host of the network (tests/pg.py's, moved there).
+
+    Its tools run inside the host's namespace and it listens on the host's address; the
+    test reaches it through its Unix socket (a file, not in any network namespace).
+    """
+
+    def __init__(self, host: Host, root: Path, settings: tuple[str, ...]) -> None:
+        # A later -c wins: the host's address replaces tests/pg.py's loopback.
+        settings = (f"listen_addresses={host.ip}", *settings)
+        super().__init__(
+            f"postgresql://postgres@:{PG_PORT}/postgres?host={root}",
+            data_dir=root / "data",
+            settings=settings,
+        )
+        self.host = host
+
+    def _cmd(self, *args: str) -> list[str]:
+        return ["ip", "netns", "exec", self.host.ns, *super()._cmd(*args)]
+
+    def new_database(self) -> str:
+        """Creates an empty database; returns its name."""
+        return urlsplit(self.create_database()).path.lstrip("/")
+
+    def host_url(self, dbname: str) -> str:
+        """Returns the URL another host uses for one database of this server."""
+        return f"postgresql://postgres@{self.host.ip}:{PG_PORT}/{dbname}"
+
+
+def start_pg(host: Host, *, settings: tuple[str, ...] = ()) -> NsPgCluster:
+    """Creates and starts a cluster on host, open (trust) to the network's hosts."""
+    root = Path(tempfile.mkdtemp(prefix="shardledger-pg-"))
+    cluster = NsPgCluster(host, root, settings)
+    host.network.clusters.append(cluster)
+    if cluster.run_as:
+        pw = pwd.getpwnam(cluster.run_as)
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+    cluster.init()
+    assert cluster.data_dir is not None
+    hba = cluster.data_dir / "pg_hba.conf"
+    hba.write_text(
+        f"host replication {pg.REPLICATION_ROLE} 10.0.0.0/8 trust\n"
+        "host all all 10.0.0.0/8 trust\n" + hba.read_text()
+    )
+    cluster.start()
+    cluster.wait_ready()
+    return cluster
+
+
+def start_replicated_pair(
+    primary_host: Host, standby_host: Host
+) -> tuple[NsPgCluster, NsPgCluster]:
+    """Starts a primary on one host and its synchronous streaming standby on another."""
+    replication = ("wal_level=replica", "max_wal_senders=4")
+    primary = start_pg(primary_host, settings=replication)
+    import psycopg
+
+    with psycopg.connect(primary.admin_url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {pg.REPLICATION_ROLE} WITH REPLICATION LOGIN")
+    root = Path(tempfile.mkdtemp(prefix="shardledger-pg-"))
+    standby = NsPgCluster(standby_host, root, replication)
+    standby_host.network.clusters.append(standby)
+    if standby.run_as:
+        pw = pwd.getpwnam(standby.run_as)
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+    pg._start_standby(standby, primary, host=primary_host.ip)
+    return primary, standby
 
 
 class Observer:

@@ -311,15 +311,19 @@ def start_replicated_pair() -> tuple[PgCluster, PgCluster]:
     return primary, standby
 
 
-def _start_standby(standby: PgCluster, primary: PgCluster) -> None:
-    """Makes standby a base backup of primary, starts it streaming, and makes it synchronous."""
+def _start_standby(standby: PgCluster, primary: PgCluster, *, host: str = "127.0.0.1") -> None:
+    """Makes standby a base backup of primary, starts it streaming, and makes it synchronous.
+
+    ``host`` is where the standby reaches the primary (another address than loopback
+    where each runs on a host of its own: tests/netns.py).
+    """
     import psycopg
 
     assert standby.data_dir is not None
     subprocess.run(
         standby._cmd(
             "pg_basebackup",
-            *("-D", str(standby.data_dir), "-h", "127.0.0.1", "-p", str(primary.port)),
+            *("-D", str(standby.data_dir), "-h", host, "-p", str(primary.port)),
             # fast: a spread checkpoint (the default) can take minutes, and just after a
             # promotion one is already under way.
             *("-U", REPLICATION_ROLE, "-X", "stream", "--no-sync", "--checkpoint=fast"),
@@ -329,8 +333,7 @@ def _start_standby(standby: PgCluster, primary: PgCluster) -> None:
         timeout=120,
     )
     conninfo = (
-        f"host=127.0.0.1 port={primary.port} user={REPLICATION_ROLE}"
-        f" application_name={STANDBY_NAME}"
+        f"host={host} port={primary.port} user={REPLICATION_ROLE} application_name={STANDBY_NAME}"
     )
     # The backup carries the primary's own settings: a primary_conninfo (once it was a
     # standby itself) and synchronous_standby_names, which would make this server, once

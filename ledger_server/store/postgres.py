@@ -37,6 +37,7 @@ import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Final
 from urllib.parse import unquote
 
@@ -105,18 +106,22 @@ def split_url(url: str) -> tuple[str, dict[str, float]]:
     return parts._replace(query="&".join(kept)).join(), options
 
 
-def _configure(conn: Conn) -> None:
+def _configure(conn: Conn, *, idle_ms: int) -> None:
     # on: a COMMIT returns only after its WAL is flushed, so an acknowledged append survives a
-    # database crash. The idle timeout frees run locks held by a replica that hung mid-group.
+    # database crash. The idle timeout frees the run locks of a replica gone silent
+    # mid-group (hung, or cut off from the database: the server keeps a session whose
+    # client vanished without a reset for hours), so the other replicas' appends to those
+    # runs wait no longer than a statement may: a replica's group never idles between its
+    # statements longer than one of them may run (write_timeout), only folds in between.
     conn.execute("SET synchronous_commit = on")
-    conn.execute("SET idle_in_transaction_session_timeout = '60s'")
+    conn.execute(f"SET idle_in_transaction_session_timeout = {idle_ms}")
     conn.execute("SET application_name = 'shardledger'")
 
 
-def _configure_read_only(conn: Conn) -> None:
+def _configure_read_only(conn: Conn, *, idle_ms: int) -> None:
     # Every transaction of the session is READ ONLY: PostgreSQL itself refuses any write
     # (SQLSTATE 25006), whatever statement reaches it.
-    _configure(conn)
+    _configure(conn, idle_ms=idle_ms)
     conn.execute("SET default_transaction_read_only = on")
 
 
@@ -141,7 +146,9 @@ class PostgresStore:
             min_size=int(options["pool_min_size"]),
             max_size=int(options["pool_max_size"]),
             timeout=options["pool_timeout"],
-            configure=_configure_read_only if read_only else _configure,
+            configure=partial(
+                _configure_read_only if read_only else _configure, idle_ms=self._write_timeout_ms
+            ),
             probe_timeout_ms=int(CONNECT_TIMEOUT_S * 1000),
             retry_after_s=PROBE_RETRY_S,
         )

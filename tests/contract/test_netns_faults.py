@@ -14,14 +14,18 @@ What this machine was found to allow, and what the suite therefore uses: `ip net
 as root, veth pairs and a bridge inside a namespace of its own, nftables inside a
 namespace (Debian's `nftables`), `tc qdisc ... tbf` (there is no `netem` qdisc in
 this kernel: slow and lossy links are a userspace proxy), libfaketime preloaded into
-one Python process (Debian's `libfaketime`; ``FAKETIME=+10m`` shifts time.time() by
-600 s, gRPC works under it), and `unshare --uts` for a host name per machine.
+one Python process (Debian's `libfaketime`; ``FAKETIME=+600s`` shifts time.time() by
+600 s and gRPC works under it, with ``FAKETIME_DONT_FAKE_MONOTONIC=1``: a faked
+monotonic clock leaves Python's timed waits waiting the whole offset), and `unshare --uts` for a host name per machine.
 `python -m tools.campaign --suites netns --netns-repeat 10` runs the suite ten times.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,8 +37,17 @@ from typing import Any, Final
 
 import pytest
 
-from tests import campaign, netns
-from tests.netns import Host, Ledgerd, Network, Observer, wait_for
+from tests import campaign, netns, pg
+from tests.netns import (
+    Host,
+    Ledgerd,
+    Network,
+    Observer,
+    Proxy,
+    start_pg,
+    start_replicated_pair,
+    wait_for,
+)
 
 pytestmark = pytest.mark.netns
 
@@ -113,6 +126,7 @@ def start_job(
     hold: tuple[str, ...] = (),
     faketime: str = "",
     steps: int = 3,
+    step_s: float = 0.1,
     env: dict[str, str] | None = None,
 ) -> Job:
     """Starts netns_job.py on host for the shards of run."""
@@ -126,7 +140,7 @@ def start_job(
         *("--run", run, "--shards", ",".join(shards), "--out", str(workdir / "out")),
         *("--truth", str(truth), "--spool", str(workdir / "spool" / name)),
         *("--gate-dir", str(gate), "--timeout", str(TIMEOUT_S), "--interval", str(INTERVAL_S)),
-        *("--steps", str(steps)),
+        *("--steps", str(steps), "--step-s", str(step_s)),
     ]
     for shard in hold:
         argv += ["--hold", shard]
@@ -263,3 +277,471 @@ def test_a_partition_longer_than_the_heartbeat_timeout_spools_goes_stale_and_los
     assert summary["stale"] == summary["running"] == summary["missing"] == summary["failed"] == 0
     assert summary["attempts"] == len(shards1 + shards2)
     assert summary["late_attempts"] == 2
+
+
+# A link a night may meet: 40-80 ms each way, one chunk in 20 held 0.5 s more (a burst of
+# retransmissions), every 40th chunk lost with its connection (a reset both ways).
+LOSSY_LINK: Final = (
+    *("--delay-ms", "40", "--jitter-ms", "40", "--stall-prob", "0.05", "--stall-ms", "500"),
+    *("--reset-every", "40"),
+)
+NIGHT_SHARDS: Final = 6  # per job host
+
+
+def test_a_night_over_a_slow_lossy_link_has_the_figures_of_a_clean_night(
+    net: Network, tmp_path: Path
+) -> None:
+    """A whole night of shards over a slow, lossy link (delays, stalls, connection resets).
+
+    Expectation: the same night run at the same time over the clean link and over a
+    link that delays every segment 40-80 ms, stalls some 0.5 s, caps the bandwidth at
+    512 kbit/s (tbf) and resets a connection every 40 chunks ends with the same figures:
+    every shard committed once with the same digest, nothing late, stale or failed;
+    every event either job saw acknowledged is stored once at its sequence, and nothing
+    is left in a spool. The resets are real: the link reports them.
+    """
+    ledger_host, job1, job2, wan, ops = (
+        net.host(n) for n in ("ledger", "job1", "job2", "wan", "ops")
+    )
+    ledger = Ledgerd(ledger_host, str(tmp_path / "ledger.db"), tmp_path)
+    ledger.start()
+    observer = Observer(ops, tmp_path)
+    net.limit_rate(wan, "512kbit")
+    links = [Proxy(wan, 7000 + i, ledger.target, tmp_path, *LOSSY_LINK, seed=i) for i in (1, 2)]
+    shards = {h.name: [f"{h.name}-s{i}" for i in range(NIGHT_SHARDS)] for h in (job1, job2)}
+    nights = {"clean": (ledger.target, ledger.target), "lossy": tuple(p.target for p in links)}
+    jobs = {}
+    for run, targets in nights.items():
+        observer.call(
+            "plan",
+            target=ledger.target,
+            run=run,
+            shards=[s for names in shards.values() for s in names],
+        )
+        for host, target in zip((job1, job2), targets, strict=True):
+            jobs[run, host.name] = start_job(host, target, run, shards[host.name], tmp_path)
+    truths = {key: job.result() for key, job in jobs.items()}
+
+    result: dict[str, Any] = {"links": [p.stats() for p in links]}
+    summaries, digests = {}, {}
+    for run in nights:
+        stored = observer.call("events", target=ledger.target, run=run)
+        result[run] = tally([t for (r, _), t in truths.items() if r == run], stored)
+        summaries[run] = figures(observer.call("summary", target=ledger.target, run=run))
+        digests[run] = {e["shard_id"]: e["blake3"] for e in stored if e["blake3"]}
+    report("lossy_link", result)
+    for run in nights:
+        assert result[run] == {**result[run], "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
+    assert sum(s["resets"] for s in result["links"]) >= 2, result["links"]
+    assert summaries["lossy"] == summaries["clean"]
+    assert summaries["clean"]["unverified"] == 2 * NIGHT_SHARDS
+    assert summaries["clean"]["late_attempts"] == 0
+    assert digests["lossy"] == digests["clean"]
+
+
+SKEW_S: Final = 600  # ten minutes, each way
+
+
+def watch_states(
+    observer: Observer, target: str, run: str, shard: str, seen: Counter[str]
+) -> dict[str, str]:
+    """Returns every shard's state now, counting each state seen for shard."""
+    views = observer.try_call("shards", target=target, run=run) or []
+    states = {v["shard_id"]: v["state"] for v in views}
+    seen[states.get(shard, "")] += 1
+    return states
+
+
+def test_a_skewed_job_clock_changes_no_figure_and_shows_per_attempt(
+    net: Network, tmp_path: Path
+) -> None:
+    """Job hosts whose wall clocks are ten minutes ahead and ten minutes behind (libfaketime).
+
+    Expectation: stale detection and every figure use the ledger's receive time, so a
+    live job whose clock is behind is never stale, a job whose clock is ahead goes stale
+    within its heartbeat timeout once it stops (frozen with SIGSTOP) and is running again
+    when it resumes; no attempt of a clean night is late however far off its clock, and
+    an attempt of the fast clock whose commit waited in a spool past the heartbeat
+    timeout (a partition) is late: `late_attempts` is exactly 1. Each attempt shows
+    its skew (`shards`: attempt_history[].clock_skew_us, +600 s and -600 s within 5 s).
+    Nothing acknowledged is lost or counted twice.
+    """
+    ledger_host, ahead, behind, ops = (net.host(n) for n in ("ledger", "ahead", "behind", "ops"))
+    ledger = Ledgerd(ledger_host, str(tmp_path / "ledger.db"), tmp_path)
+    ledger.start()
+    observer = Observer(ops, tmp_path)
+    run, target = "skewed", ledger.target
+    shards = ["ahead-s0", "ahead-s1", "behind-s0", "behind-s1"]
+    observer.call("plan", target=target, run=run, shards=shards)
+    fast = start_job(
+        ahead,
+        target,
+        run,
+        shards[:2],
+        tmp_path,
+        hold=("ahead-s0", "ahead-s1"),
+        faketime=f"+{SKEW_S}s",
+    )
+    slow = start_job(
+        behind, target, run, shards[2:], tmp_path, hold=("behind-s0",), faketime=f"-{SKEW_S}s"
+    )
+    fast.reached("ahead-s0")
+    slow.reached("behind-s0")
+    for shard in ("ahead-s0", "behind-s0"):
+        wait_state(observer, target, run, shard, "running", timeout_s=30)
+    behind_seen: Counter[str] = Counter()
+    watched_since = time.monotonic()
+    os.kill(fast.proc.pid, signal.SIGSTOP)  # the fast clock's job stops heartbeating
+    stopped = time.monotonic()
+    wait_for(
+        "the stopped job's shard to go stale",
+        lambda: (
+            watch_states(observer, target, run, "behind-s0", behind_seen).get("ahead-s0") == "stale"
+        ),
+        timeout_s=TIMEOUT_S + ALLOWANCE_S,
+    )
+    to_stale = time.monotonic() - stopped
+    os.kill(fast.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    wait_for(
+        "the resumed job's shard to run again",
+        lambda: (
+            watch_states(observer, target, run, "behind-s0", behind_seen).get("ahead-s0")
+            == "running"
+        ),
+        timeout_s=TIMEOUT_S + ALLOWANCE_S,
+    )
+    to_running = time.monotonic() - resumed
+    # The slow clock's live job, watched for two heartbeat timeouts at least: never stale.
+    wait_for(
+        "two heartbeat timeouts of watching",
+        lambda: (
+            watch_states(observer, target, run, "behind-s0", behind_seen)
+            and time.monotonic() > watched_since + 2 * TIMEOUT_S
+        ),
+        timeout_s=30,
+    )
+    slow.go("behind-s0")
+    fast.go("ahead-s0")
+    fast.reached("ahead-s1")
+    net.partition(ahead, ledger_host)
+    cut = time.monotonic()
+    fast.go("ahead-s1")  # its commit waits in the spool while the link is cut
+    wait_for(
+        "the commit to wait past the timeout",
+        lambda: time.monotonic() > cut + TIMEOUT_S + 3.5,
+        timeout_s=30,
+    )
+    net.heal(ahead, ledger_host)
+    truths = [fast.result(), slow.result()]
+
+    stored = observer.call("events", target=target, run=run)
+    counts = tally(truths, stored)
+    summary = observer.call("summary", target=target, run=run)
+    views = {v["shard_id"]: v for v in observer.call("shards", target=target, run=run)}
+    skews = {
+        shard: [a.get("clock_skew_us") for a in view.get("attempt_history", [])]
+        for shard, view in views.items()
+    }
+    late = {
+        shard: [a.get("late") for a in view.get("attempt_history", [])]
+        for shard, view in views.items()
+    }
+    result = {
+        **counts,
+        "skew_s": SKEW_S,
+        "to_stale_s": round(to_stale, 2),
+        "to_running_s": round(to_running, 2),
+        "behind_states_seen": dict(behind_seen),
+        "late_attempts": summary["late_attempts"],
+        "clock_skew_us": skews,
+    }
+    report("skewed_clock", result)
+    assert counts == {**counts, "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
+    assert set(behind_seen) == {"running"}, behind_seen
+    assert summary["unverified"] == len(shards)
+    assert summary["stale"] == summary["running"] == summary["failed"] == 0
+    assert summary["late_attempts"] == 1
+    assert late == {
+        "ahead-s0": [False],
+        "ahead-s1": [True],
+        "behind-s0": [False],
+        "behind-s1": [False],
+    }
+    for shard, sign in (("ahead-s0", 1), ("ahead-s1", 1), ("behind-s0", -1), ("behind-s1", -1)):
+        (skew,) = skews[shard]
+        assert skew is not None and abs(skew - sign * SKEW_S * 1_000_000) < 5_000_000, skews
+
+
+def test_watch_on_another_host_never_signals_a_local_pid_that_matches_a_remote_attempt(
+    net: Network, tmp_path: Path
+) -> None:
+    """`watch --kill-stale` run on the operator's host while a job host is cut off.
+
+    Expectation: the job's attempt goes stale on the ledger (its host is partitioned
+    away), and the watchdog on another host lists it but never signals the pid it
+    recorded, although that pid is, on the watchdog's machine, a live process with the
+    recorded start time (the hosts share a PID namespace here: the job process itself);
+    it says the attempt was not stopped and records nothing. Healed, the job goes on
+    and commits as if nothing happened: no SIGTERM, no SIGUSR1 stack dump.
+    """
+    from shardledger_cli.commands.watch_stop import identity
+
+    ledger_host, job_host, ops = (net.host(n) for n in ("ledger", "job1", "ops"))
+    ledger = Ledgerd(ledger_host, str(tmp_path / "ledger.db"), tmp_path)
+    ledger.start()
+    observer = Observer(ops, tmp_path)
+    run, target = "watched", ledger.target
+    observer.call("plan", target=target, run=run, shards=["j1-s0"])
+    diag = tmp_path / "diag"
+    job = start_job(
+        job_host,
+        target,
+        run,
+        ["j1-s0"],
+        tmp_path,
+        hold=("j1-s0",),
+        env={"SHARDLEDGER_DIAG_DIR": str(diag)},
+    )
+    job.reached("j1-s0")
+    wait_state(observer, target, run, "j1-s0", "running", timeout_s=30)
+    net.partition(job_host, ledger_host)
+    wait_state(observer, target, run, "j1-s0", "stale", TIMEOUT_S + ALLOWANCE_S)
+    (view,) = observer.call("shards", target=target, run=run)
+    assert view["pid"] == job.proc.pid and view["host"] == job_host.hostname
+    # On the watchdog's machine that pid is a live process with the recorded start time.
+    assert identity(view["pid"], view["process_start_ticks"]) == "same"
+    watched = ops.run(
+        [
+            *(sys.executable, "-m", "shardledger_cli", "watch", run, "--server", target),
+            *("--kill-stale", "--once", "--grace", "1", "--json", "--diag-dir", str(diag)),
+        ],
+        timeout_s=60,
+    )
+    actions = [json.loads(line) for line in watched.stdout.splitlines() if line.startswith("{")]
+    status = Path(f"/proc/{job.proc.pid}/status").read_text()
+    pending = {
+        k: v
+        for k, v in (line.split(":\t") for line in status.splitlines() if ":\t" in line)
+        if k in ("State", "SigPnd", "ShdPnd")
+    }
+    net.heal(job_host, ledger_host)
+    wait_state(observer, target, run, "j1-s0", "running", TIMEOUT_S + ALLOWANCE_S)
+    job.go("j1-s0")
+    truth = job.result()
+    summary = observer.call("summary", target=target, run=run)
+    stored = observer.call("events", target=target, run=run)
+    result = {
+        **tally([truth], stored),
+        "watch_exit": watched.returncode,
+        "watch_steps": [a.get("steps") for a in actions],
+        "job_signals_pending": pending,
+    }
+    report("remote_watch", result)
+    assert len(actions) == 1, watched.stdout + watched.stderr
+    assert actions[0]["host"] == job_host.hostname
+    assert "not stopped" in " ".join(actions[0]["steps"]), actions
+    assert pending["SigPnd"] == pending["ShdPnd"] == "0000000000000000", pending
+    assert not pending["State"].startswith("T"), pending
+    assert summary["unverified"] == 1 and summary["failed"] == 0
+    assert not any(p.stat().st_size for p in diag.glob("*.stack")), "a stack dump was taken"
+    assert result == {**result, "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
+
+
+def acks_between(truths: list[dict[str, Any]], start: float, end: float) -> int:
+    """Returns how many events the jobs saw acknowledged between two wall-clock instants."""
+    return sum(1 for t in truths for e in t["events"] if start <= (e["acked_at"] or 0) < end)
+
+
+def longest_ack_gap(truth: dict[str, Any]) -> float:
+    """Returns the longest time the job went without an acknowledgement (its own clock)."""
+    times = sorted(e["acked_at"] for e in truth["events"] if e["acked_at"])
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def wait_health(observer: Observer, target: str, status: str, timeout_s: float) -> float:
+    """Waits until the replica's health says status; returns the seconds it took."""
+    began = time.monotonic()
+    wait_for(
+        f"{target} to be {status}",
+        lambda: observer.call("health", target=target) == status,
+        timeout_s=timeout_s,
+    )
+    return time.monotonic() - began
+
+
+# docs/operations.md ("Faults between hosts"): a replica cut off from its database without
+# a reset (packets dropped) is NOT_SERVING within the probe interval (1 s) plus
+# tcp_user_timeout (5 s), and SERVING again within a probe retry (0.25 s) and a connect
+# once the database answers.
+CUT_OFF_BOUND_S: Final = 6.0
+RECONNECT_BOUND_S: Final = 2.5
+
+
+@pytest.mark.postgres
+def test_a_replica_cut_off_from_postgres_turns_not_serving_and_clients_fail_over(
+    net: Network, tmp_path: Path
+) -> None:
+    """Ledger replica ↔ PostgreSQL partition, two replicas, clients given both addresses.
+
+    Expectation: replica A, cut off from the database (packets dropped, no reset),
+    turns NOT_SERVING within the documented bound (probe interval + tcp_user_timeout);
+    the jobs, whose target lists both replicas (``ipv4:A,B``, round robin), go on
+    through replica B meanwhile: their shards commit through B while A is cut off, a
+    run A had locked mid-group included (the database ends A's silent transaction
+    after write_timeout). Healed, A is SERVING again within a probe retry and a
+    connect. Nothing acknowledged is lost or counted twice, nothing is left in a spool.
+    """
+    if pg.find_bin_dir() is None:
+        pytest.skip(pg.SKIP_REASON)
+    db_host, host_a, host_b, job1_host, job2_host, ops = (
+        net.host(n) for n in ("pg", "ledger-a", "ledger-b", "job1", "job2", "ops")
+    )
+    cluster = start_pg(db_host)
+    url = cluster.host_url(cluster.new_database())
+    key = tmp_path / "signing-key.pem"
+    replica_a = Ledgerd(host_a, url, tmp_path, name="ledger-a")
+    replica_b = Ledgerd(host_b, url, tmp_path, name="ledger-b")
+    replica_a.start(key=key)
+    replica_b.start(key=key)
+    observer = Observer(ops, tmp_path)
+    both = f"{replica_a.target},{replica_b.target}"
+    run = "failover"
+    shards = {h.name: [f"{h.name}-s{i}" for i in range(4)] for h in (job1_host, job2_host)}
+    observer.call(
+        "plan",
+        target=replica_b.target,
+        run=run,
+        shards=[s for names in shards.values() for s in names],
+    )
+    jobs = [
+        start_job(
+            h,
+            both,
+            run,
+            shards[h.name],
+            tmp_path,
+            hold=(f"{h.name}-s0", f"{h.name}-s2"),
+            steps=6,
+            step_s=0.25,
+        )
+        for h in (job1_host, job2_host)
+    ]
+    for job in jobs:
+        job.reached(f"{job.host.name}-s0")
+    wait_health(observer, replica_a.target, "SERVING", 30)
+    cut, cut_at = time.monotonic(), time.time()
+    net.partition(host_a, db_host)
+    for job in jobs:
+        job.go(f"{job.host.name}-s0")
+    to_not_serving = wait_health(
+        observer, replica_a.target, "NOT_SERVING", CUT_OFF_BOUND_S + ALLOWANCE_S
+    )
+    for job in jobs:  # a shard committed through replica B while A is cut off
+        wait_state(observer, replica_b.target, run, f"{job.host.name}-s1", "unverified", 30)
+        job.reached(f"{job.host.name}-s2")
+    healed, healed_at = time.monotonic(), time.time()
+    net.heal(host_a, db_host)
+    to_serving = wait_health(observer, replica_a.target, "SERVING", RECONNECT_BOUND_S + ALLOWANCE_S)
+    for job in jobs:
+        job.go(f"{job.host.name}-s2")
+    truths = [job.result() for job in jobs]
+
+    stored = observer.call("events", target=replica_b.target, run=run)
+    counts = tally(truths, stored)
+    summary = observer.call("summary", target=replica_a.target, run=run)
+    result = {
+        **counts,
+        "partition_s": round(healed - cut, 2),
+        "to_not_serving_s": round(to_not_serving, 2),
+        "to_serving_s": round(to_serving, 2),
+        "acked_during_partition": acks_between(truths, cut_at, healed_at),
+        "longest_ack_gap_s": round(max(longest_ack_gap(t) for t in truths), 2),
+    }
+    report("replica_db_partition", result)
+    assert counts == {**counts, "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
+    assert to_not_serving < CUT_OFF_BOUND_S + ALLOWANCE_S
+    assert result["acked_during_partition"] > 0
+    assert summary["unverified"] == 8 and summary["attempts"] == 8
+
+
+@pytest.mark.postgres
+def test_appends_wait_for_a_cut_off_synchronous_standby_and_resume_when_healed(
+    net: Network, tmp_path: Path
+) -> None:
+    """Primary ↔ standby partition under synchronous replication.
+
+    Expectation: while the synchronous standby is cut off, no append is acknowledged:
+    each COMMIT waits for the standby (the client's deadline answers, in doubt; the job
+    spools and keeps running); every event a job saw acknowledged before the heal is
+    already on the standby. Healed, the waiting COMMITs complete, the spool drains, the
+    resends land exactly once: nothing acknowledged is lost or counted twice.
+    """
+    if pg.find_bin_dir() is None:
+        pytest.skip(pg.SKIP_REASON)
+    primary_host, standby_host, ledger_host, job_host, ops = (
+        net.host(n) for n in ("pg-primary", "pg-standby", "ledger", "job1", "ops")
+    )
+    primary, standby = start_replicated_pair(primary_host, standby_host)
+    dbname = primary.new_database()
+    url = (
+        f"postgresql://postgres@{primary_host.ip}:{netns.PG_PORT},{standby_host.ip}:{netns.PG_PORT}"
+        f"/{dbname}?target_session_attrs=read-write"
+    )
+    ledger = Ledgerd(ledger_host, url, tmp_path)
+    ledger.start(key=tmp_path / "signing-key.pem")
+    observer = Observer(ops, tmp_path)
+    run, target = "synchronous", ledger.target
+    shards = [f"j1-s{i}" for i in range(4)]
+    observer.call("plan", target=target, run=run, shards=shards)
+    job = start_job(job_host, target, run, shards, tmp_path, hold=("j1-s0", "j1-s2"))
+    job.reached("j1-s0")
+    wait_state(observer, target, run, "j1-s0", "running", timeout_s=30)
+    cut, cut_at = time.monotonic(), time.time()
+    net.partition(primary_host, standby_host)
+    job.go("j1-s0")
+    blocked = observer.call("probe_append", target=target, run=run, shard="probe", deadline_s=2.0)
+    health = observer.call("health", target=target)
+    job.reached("j1-s2")  # the job went on, spooling
+    on_standby = {
+        row[0]
+        for row in observer.call(
+            "sql",
+            dsn=standby.host_url(dbname),
+            query="SELECT event_id FROM events",
+        )
+    }
+    healed, healed_at = time.monotonic(), time.time()
+    net.heal(primary_host, standby_host)
+    recovered = wait_for(
+        "an append to be acknowledged again",
+        lambda: observer.call(
+            "probe_append", target=target, run=run, shard="probe", deadline_s=2.0
+        )["ok"],
+        timeout_s=30,
+    )
+    to_recover = time.monotonic() - healed
+    job.go("j1-s2")
+    truth = job.result()
+
+    stored = observer.call("events", target=target, run=run)
+    counts = tally([truth], stored)
+    acked_before_heal = [e for e in truth["events"] if e["acked_at"] and e["acked_at"] < healed_at]
+    result = {
+        **counts,
+        "partition_s": round(healed - cut, 2),
+        "acked_during_partition": acks_between([truth], cut_at + 0.5, healed_at),
+        "acked_before_heal_not_on_standby": sum(
+            1 for e in acked_before_heal if e["event_id"] not in on_standby
+        ),
+        "probe_during_partition": blocked,
+        "health_during_partition": health,
+        "recover_s": round(to_recover, 2),
+        "longest_ack_gap_s": round(longest_ack_gap(truth), 2),
+    }
+    report("standby_partition", result)
+    assert recovered
+    assert counts == {**counts, "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
+    assert not blocked["ok"], blocked
+    assert result["acked_before_heal_not_on_standby"] == 0
+    assert result["acked_during_partition"] == 0

@@ -29,6 +29,13 @@ from shard_client.client import LedgerClient
 
 GATE_WAIT_S = 300.0
 
+if os.environ.get("FAKETIME"):
+    # libfaketime 0.9.10 (Debian 12) with FAKETIME_DONT_FAKE_MONOTONIC=1 answers Python's
+    # time.sleep (clock_nanosleep on an absolute monotonic deadline) with EINVAL, while
+    # timed waits on a lock work: under it, a sleep is such a wait. Set before anything runs.
+    _never = threading.Event()
+    time.sleep = _never.wait  # type: ignore[assignment]
+
 
 class Truth:
     """Every event this job emitted and when each was first seen acknowledged."""

@@ -3,8 +3,8 @@
 This kernel has no `netem` qdisc, so the link's faults are made here, in userspace:
 every chunk read from one side reaches the other ``--delay-ms`` (+ up to
 ``--jitter-ms``) later, in order; with ``--stall-prob`` a chunk waits ``--stall-ms``
-more (a burst of retransmissions); with ``--reset-prob`` a chunk is not delivered
-and the connection is reset on both sides (RST: SO_LINGER 0), which is how a lossy
+more (a burst of retransmissions); with ``--reset-prob`` (or at every ``--reset-every``-th
+chunk) a chunk is not delivered and the connection is reset on both sides (RST: SO_LINGER 0), which is how a lossy
 link ends a TCP connection in the end. TCP itself never loses bytes, so a reset
 connection is the only loss a client sees. ``--stats FILE`` gets the counts on
 each change (connections, resets, stalls, bytes).
@@ -32,6 +32,7 @@ class Link:
         self.args = args
         self.rng = random.Random(args.seed)
         self.stats = {"connections": 0, "resets": 0, "stalls": 0, "bytes": 0}
+        self.chunks = 0
         self.stats_file = Path(args.stats) if args.stats else None
 
     def save(self) -> None:
@@ -74,7 +75,9 @@ async def pump(
             if not writer.is_closing():
                 writer.write_eof()
             return
-        if link.rng.random() < link.args.reset_prob:
+        link.chunks += 1
+        every = link.args.reset_every
+        if link.rng.random() < link.args.reset_prob or (every and link.chunks % every == 0):
             link.stats["resets"] += 1
             link.save()
             for w in both:
@@ -128,6 +131,7 @@ def main() -> int:
     parser.add_argument("--stall-prob", type=float, default=0.02)
     parser.add_argument("--stall-ms", type=float, default=800)
     parser.add_argument("--reset-prob", type=float, default=0.01)
+    parser.add_argument("--reset-every", type=int, default=0, help="also reset at every Nth chunk")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats", default="")
     asyncio.run(serve(Link(parser.parse_args())))

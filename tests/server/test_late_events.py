@@ -141,3 +141,24 @@ def test_a_commit_drained_after_the_first_verdict_is_not_part_of_the_first_pass(
     assert after["verified"] == 2  # the shard is fine now
     assert after["first_pass"] == before  # but the night as first reconciled did not have it
     assert before["verified"] == 1
+
+
+def test_each_attempt_shows_its_host_clock_skew_and_whether_it_was_late(
+    client: LedgerClient,
+) -> None:
+    client.append([planned("night", "s0", 0)])
+    # The first attempt's host runs ten minutes ahead and its commit waited 90 s in a
+    # spool; the rerun's host keeps time.
+    client.append([made_ago(started("night", "s0", "a0"), -600)])
+    client.append([made_ago(committed("night", "s0", "a0"), -510)])
+    client.append([made_ago(started("night", "s0", "a1"), 0)])
+    (view,) = client.shards("night")
+    rows = {r["attempt_id"]: r for r in json.loads(view.view_json)["attempt_history"]}
+    # From the start, delivered at once: within a second of the skew (the call's time).
+    assert abs(rows["a0"]["clock_skew_us"] - 600_000_000) < 1_000_000
+    assert abs(rows["a1"]["clock_skew_us"]) < 1_000_000
+    assert (rows["a0"]["late"], rows["a1"]["late"]) == (True, False)
+    assert [a.clock_skew_us for a in view.view.attempt_history] == [
+        rows["a0"]["clock_skew_us"],
+        rows["a1"]["clock_skew_us"],
+    ]

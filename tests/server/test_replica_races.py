@@ -13,6 +13,7 @@ import pytest
 from ledger_server.audit import verify_store
 from ledger_server.config import ServerConfig
 from ledger_server.server import RunningServer, create_server
+from ledger_server.store.base import StoreError
 from ledger_server.store.postgres import PostgresStore
 from ledger_server.store.postgres_sql import MIGRATIONS, server_role_grants
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -127,6 +128,35 @@ def test_one_run_waits_for_its_lock_while_other_runs_proceed(pg_url: str, tmp_pa
     finally:
         for s in servers:
             s.stop(0.5)
+
+
+def test_a_replica_gone_silent_mid_group_frees_its_run_locks_within_the_write_timeout(
+    pg_url: str, tmp_path: Path
+) -> None:
+    # A replica cut off from the database (tests/contract/test_netns_faults.py) leaves its
+    # session idle in its transaction, the run locked, and the server keeps that session
+    # for as long as its TCP connection looks alive: hours without a reset. The store's
+    # sessions end such a transaction after write_timeout, so another replica's append to
+    # the run goes through after about that long (it waited up to 60 s).
+    url = f"{pg_url}?write_timeout=1.5"
+    (server,) = _in_process(url, tmp_path, 1)
+    client = LedgerClient(f"127.0.0.1:{server.port}", timeout_s=20, retry_deadline_s=20)
+    silent = PostgresStore(url)
+    try:
+        client.append([planned("busy", "s0")])
+        with pytest.raises(StoreError), silent.write() as tx:
+            tx.conn.execute("SELECT 1 FROM runs WHERE run_id = 'busy' FOR UPDATE")
+            start = time.monotonic()
+            # The append waits for the run lock, until the database ends the silent session.
+            (result,) = client.append([started("busy", "s0", "a1")])
+            waited = time.monotonic() - start
+            assert result.outcome == pb.APPEND_OUTCOME_APPENDED
+            assert 1.0 < waited < 6.0, waited
+        # Its own group ended with the session: rolled back, never committed.
+    finally:
+        silent.close()
+        client.close()
+        server.stop(0.5)
 
 
 def test_list_events_never_skips_an_event_that_commits_late(pg_url: str) -> None:
