@@ -17,10 +17,9 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from shard_client.errors import LedgerRejected, LedgerUnavailable
 from shardledger_cli.parsing import JSON_RULE, Parser
 
 if TYPE_CHECKING:
@@ -33,28 +32,86 @@ EXIT_UNAVAILABLE: Final = 3
 EXIT_REJECTED: Final = 4
 EXIT_LOCAL: Final = 5
 
-# Each module defines register(subparsers, common) and sets args.func.
-COMMAND_MODULES: Final = (
-    "shardledger_cli.commands.serve",
-    "shardledger_cli.commands.plan",
-    "shardledger_cli.commands.report",
-    "shardledger_cli.commands.verify",
-    "shardledger_cli.commands.spool",
-    "shardledger_cli.commands.audit",
-    "shardledger_cli.commands.watch",
-    "shardledger_cli.demo.command",
-    "shardledger_cli.commands.token",
-    "shardledger_cli.commands.export",
-    "shardledger_cli.commands.trend",
-    "shardledger_cli.commands.field_report",
-    "shardledger_cli.commands.accept",
-    "shardledger_cli.commands.sample",
-    "shardledger_cli.commands.compare",
-    "shardledger_cli.commands.notify",
-    "shardledger_cli.commands.db",
-    "shardledger_cli.exec.command",
-    "shardledger_cli.commands.meta",
+_C: Final = "shardledger_cli.commands."
+# Every command, in --help's order: its name, the module whose register(subparsers, common)
+# adds it (and sets args.func), and its help line. A run imports only the module of the
+# command it names; the others stand in the parser as their name and help line, so
+# `shardledger --help` and a typo's "did you mean" import no command at all
+# (tests/cli/test_startup.py holds this table to what the modules register).
+COMMANDS: Final = (
+    ("serve", _C + "serve", "run the ledger server (embedded SQLite by default)"),
+    ("plan", _C + "plan", "register a run's shards from a manifest or a directory of inputs"),
+    ("status", _C + "report", "a run's summary: submitted = verified + failed + missing + ..."),
+    ("shards", _C + "report", "list a run's shards, optionally in one state"),
+    ("resume", _C + "report", "exactly the shards that must run again"),
+    ("events", _C + "report", "print a run's events, or follow them"),
+    ("runs", _C + "report", "list runs, most recently updated first"),
+    ("verify", _C + "verify", "re-read committed artifacts and record PASSED/FAILED verdicts"),
+    (
+        "spool",
+        _C + "spool",
+        "inspect or drain events kept in local spools while the ledger was unreachable",
+    ),
+    ("audit", _C + "audit", "verify chains and signed heads, prove events, replay the past"),
+    (
+        "watch",
+        _C + "watch",
+        "find stale attempts; with --kill-stale, diagnose and stop them (signals, scancel,"
+        " kubectl) and record failed(timeout)",
+    ),
+    (
+        "demo",
+        "shardledger_cli.demo.command",
+        "run 'Project X' end to end: inject every failure form, find each in the ledger, resume",
+    ),
+    ("token", _C + "token", "create, list and revoke access tokens"),
+    ("export", _C + "export", "write a run as a self-verifying JSONL file"),
+    ("import", _C + "export", "check an exported run and write it into a database"),
+    (
+        "trend",
+        _C + "trend",
+        "completion, silent errors and failure tags over recent runs; ruler drift",
+    ),
+    (
+        "report",
+        _C + "field_report",
+        "a run's report (costs, checkpoint advice), report 1's table by label, HTML",
+    ),
+    (
+        "accept",
+        _C + "accept",
+        "report 2's five-step platform acceptance: pass or fail, with the evidence",
+    ),
+    (
+        "sample",
+        _C + "sample",
+        "plan a seeded, stratified sample of a run's verified shards as a reference run",
+    ),
+    (
+        "compare",
+        _C + "compare",
+        "compare a run with its reference sample; estimate the silent error rate",
+    ),
+    (
+        "notify",
+        _C + "notify",
+        "post a run's report (verified / failed / missing, first pass) to a webhook",
+    ),
+    (
+        "db",
+        _C + "db",
+        "database maintenance: migrate, copy SQLite to PostgreSQL, grants, rebuild projections",
+    ),
+    (
+        "exec",
+        "shardledger_cli.exec.command",
+        "run any program as one attempt at a shard: started, heartbeats, atomic commits of its"
+        " outputs, failed(tag) from its exit",
+    ),
+    ("version", _C + "meta", "print the installed version (also --version) and what it runs on"),
+    ("help", _C + "meta", "print the help of a command (the same as COMMAND --help)"),
 )
+COMMAND_MODULES: Final = tuple(dict.fromkeys(module for _, module, _ in COMMANDS))
 
 # Import names of the server extra's packages: the server's (see ledger_server/__init__.py),
 # rich and sqlite_utils. ledger_server is not imported to learn them: without the extra it cannot be.
@@ -225,6 +282,8 @@ def refuse_fast(target: str) -> None:
     """
     import socket
 
+    from shard_client.errors import LedgerUnavailable
+
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit() or "/" in host or "," in host or host in ("unix", ""):
         return
@@ -246,8 +305,6 @@ def _check_client_tls(args: argparse.Namespace) -> None:
     gRPC takes any bytes as a CA and fails only at the handshake, which reads as
     "unreachable"; a bad file is a local error, named before connecting.
     """
-    from ledger_server.startup import read_pem
-
     files: tuple[tuple[str, str | None, str, Literal["certificate", "private key"]], ...] = (
         ("--tls-ca", getattr(args, "tls_ca", None), "SHARDLEDGER_TLS_CA", "certificate"),
         ("--tls-cert", getattr(args, "tls_cert", None), "SHARDLEDGER_TLS_CERT", "certificate"),
@@ -258,6 +315,8 @@ def _check_client_tls(args: argparse.Namespace) -> None:
         if not path:
             continue
         source = option if given else f"${env}"
+        from ledger_server.startup import read_pem  # cryptography: only when TLS is used
+
         try:
             read_pem(path, kind)
         except OSError as exc:
@@ -307,8 +366,44 @@ def open_ledger(spec: str, *, create: bool = False, read_only: bool = False) -> 
         raise CommandError(text) from None
 
 
-def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
-    """Returns the full parser with every available command group."""
+class _VersionAction(argparse.Action):
+    """--version: the version line, read (importlib.metadata: tens of ms) only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="show program's version number and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from shardledger_cli.versions import version_line
+
+        sys.stdout.write(version_line() + "\n")  # on stdout, as argparse's own action
+        parser.exit()
+
+
+def parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """Returns the parser a run with these arguments needs: only its command's module loaded.
+
+    The command is the first argument that is not an option (the top-level parser has
+    only --help and --version); `help COMMAND` loads every module, as its text needs.
+    """
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return build_parser(load={module for name, module, _ in COMMANDS if name == word})
+
+
+def build_parser(
+    modules: Sequence[str] = COMMAND_MODULES, *, load: Collection[str] | None = None
+) -> argparse.ArgumentParser:
+    """Returns the parser with every available command group.
+
+    ``load``: the modules to import and register (None: all of ``modules``); every other
+    command of ``modules`` is a stand-in with its name and help line (COMMANDS), enough
+    for the top-level help and for choosing among the names.
+    """
     parser = Parser(
         prog="shardledger",
         description="An integrity ledger for batch GPU jobs: plan shards, record every event, "
@@ -316,12 +411,15 @@ def build_parser(modules: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentP
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from shardledger_cli.versions import version_line
-
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = common_parent()
     for name in modules:
+        if load is not None and name not in load:
+            for command, where, line in COMMANDS:
+                if where == name:
+                    sub.add_parser(command, help=line, add_help=False)
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -390,29 +488,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(server_extra_message(missing), file=sys.stderr)
         return EXIT_LOCAL
-    parser = build_parser()
-    if not (sys.argv[1:] if argv is None else list(argv)):
+    words = sys.argv[1:] if argv is None else list(argv)
+    parser = parser_for(words)
+    if not words:
         parser.print_help()  # a bare `shardledger` asks what there is
         return EXIT_OK
-    args = parser.parse_args(argv)
+    args = parser.parse_args(words)
     global QUIET
     QUIET = bool(getattr(args, "quiet", False))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except LedgerUnavailable as exc:
-        from shard_client.client import default_target
-
-        target = getattr(args, "server", None) or default_target()
-        print(f"shardledger: ledger unreachable at {target}: {exc}", file=sys.stderr)
-        print(
-            "  start one with `shardledger serve` or set --server / $SHARDLEDGER_SERVER",
-            file=sys.stderr,
-        )
-        return EXIT_UNAVAILABLE
-    except LedgerRejected as exc:
-        print(f"shardledger: refused ({exc.reason}): {exc}", file=sys.stderr)
-        return EXIT_REJECTED
     except CommandError as exc:
         print(f"shardledger: {exc}", file=sys.stderr)
         return exc.code
@@ -428,3 +514,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc.__context__, BrokenPipeError):
             return EXIT_OK
         raise
+    except Exception as exc:
+        code = _ledger_error_exit(exc, args)
+        if code is None:
+            raise
+        return code
+
+
+def _ledger_error_exit(exc: Exception, args: argparse.Namespace) -> int | None:
+    """Says what a ledger error means and returns its exit code; None for any other error.
+
+    The SDK's errors are imported only once the command has loaded them: an exception
+    raised before they were can be none of them.
+    """
+    errors = sys.modules.get("shard_client.errors")
+    if errors is None:
+        return None
+    if isinstance(exc, errors.LedgerUnavailable):
+        from shard_client.client import default_target
+
+        target = getattr(args, "server", None) or default_target()
+        print(f"shardledger: ledger unreachable at {target}: {exc}", file=sys.stderr)
+        print(
+            "  start one with `shardledger serve` or set --server / $SHARDLEDGER_SERVER",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, errors.LedgerRejected):
+        print(f"shardledger: refused ({exc.reason}): {exc}", file=sys.stderr)
+        return EXIT_REJECTED
+    return None

@@ -1,0 +1,153 @@
+"""CLI start-up: CPU per call of `shardledger --help`, `status RUN` and `resume RUN`.
+
+    python -m tools.bench_cli [--repeat N] [-o bench-results/cli.json]
+
+Each command runs N times as a fresh process (as a script calling it once per shard
+would) against a ledger started here with a small run; the figure is the child's user +
+system CPU (os.wait4), not wall time, so another process on the machine moves it little.
+The baseline is `python -c pass` in the same run, and each row gives its ratio to it and
+the import time of the modules the call loaded (`python -X importtime`, the largest
+first), which is where a missed target's time goes. Target (issue 34): each under 150 ms
+of CPU on a 2-core machine. Nothing here is asserted in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+TARGET_CPU_S: Final = 0.150
+
+
+def _cpu_of(argv: list[str], env: dict[str, str]) -> float:
+    """Runs argv to its end; returns its user + system CPU seconds."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0  # reaped here; Popen must not wait for it again
+    return usage.ru_utime + usage.ru_stime
+
+
+def _heaviest_imports(argv: list[str], env: dict[str, str], top: int = 6) -> list[list[Any]]:
+    """Returns the top-level imports that cost the most (cumulative µs), for the profile."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv[1:]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    rows: list[tuple[str, int]] = []
+    for line in run.stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        _, cumulative, name = line.split("|")
+        if not cumulative.strip().isdigit() or name.startswith("  "):  # nested: counted in its importer's cumulative time
+            continue
+        rows.append((name.strip(), int(cumulative)))
+    return [list(r) for r in sorted(rows, key=lambda r: -r[1])[:top]]
+
+
+def bench_cli(repeat: int = 15) -> dict[str, Any]:
+    """Measures the CLI's calls against a baseline interpreter; returns the figures."""
+    from ledger_server.config import ServerConfig
+    from ledger_server.server import create_server
+    from shard_client.client import LedgerClient
+    from shard_client.ids import PlanEntry, plan_events
+
+    work = Path(tempfile.mkdtemp(prefix="bench-cli-"))
+    running = create_server(ServerConfig(database=str(work / "ledger.db"), listen="127.0.0.1:0"))
+    try:
+        target = f"127.0.0.1:{running.port}"
+        entries = [
+            PlanEntry(
+                shard_id=f"s-{i:03d}",
+                input_ref=f"/data/{i}.bin",
+                input_bytes=1,
+                input_blake3=f"{i:064x}",
+                expected_outputs=("out",),
+            )
+            for i in range(20)
+        ]
+        client = LedgerClient(target)
+        client.append(plan_events("bench-cli", entries))
+        client.close()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLEDGER_")}
+        cli = [sys.executable, "-m", "shardledger_cli"]
+        calls = {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "shardledger --help": [*cli, "--help"],
+            "shardledger status RUN": [*cli, "status", "bench-cli", "--server", target],
+            "shardledger resume RUN": [*cli, "resume", "bench-cli", "--server", target],
+        }
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(repeat):  # interleaved, so a burst of other load hits every call alike
+            for name, argv in calls.items():
+                samples[name].append(_cpu_of(argv, env))
+        base = statistics.median(samples["python -c pass"])
+        rows = {}
+        for name, values in samples.items():
+            cpu = statistics.median(values)
+            rows[name] = {
+                "cpu_ms_median": round(cpu * 1000, 1),
+                "cpu_ms_min": round(min(values) * 1000, 1),
+                "ratio_to_python": round(cpu / base, 2) if base else None,
+                "under_target": cpu <= TARGET_CPU_S if name != "python -c pass" else None,
+                "heaviest_imports_us": _heaviest_imports(calls[name], env)
+                if name != "python -c pass"
+                else [],
+            }
+        return {
+            "env": {
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "load_1m": round(os.getloadavg()[0], 2),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            "repeat": repeat,
+            "target_cpu_ms": TARGET_CPU_S * 1000,
+            "calls": rows,
+        }
+    finally:
+        running.stop(grace_s=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench_cli",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--repeat", type=int, default=15, help="runs of each call (15)")
+    parser.add_argument("-o", "--output", default="bench-results/cli.json", help="JSON file")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    from ledger_server.server import configure_logging
+
+    configure_logging("warning")
+    result = bench_cli(args.repeat)
+    for name, row in result["calls"].items():
+        print(
+            f"{name:<26} {row['cpu_ms_median']:7.1f} ms CPU (min {row['cpu_ms_min']:.1f})"
+            f"  x{row['ratio_to_python']} python -c pass"
+            + ("" if row["under_target"] is None else f"  target 150 ms: {row['under_target']}")
+        )
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
