@@ -2,8 +2,9 @@
 
 Unset, every knob leaves a test at its CI size. ``SHARDLEDGER_CAMPAIGN_KILLS`` sets
 the SIGKILLs of each kill loop, ``SHARDLEDGER_CAMPAIGN_FAILOVERS`` the stop-and-promote
-rounds of the PostgreSQL failover loop, ``SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS`` the wall time the
-fuzz campaign keeps going after its quotas (shared among its tests),
+rounds of the PostgreSQL failover loop, ``SHARDLEDGER_CAMPAIGN_NETNS_ROUNDS`` how often
+each case of the network-namespace fault suite runs, ``SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS``
+the wall time the fuzz campaign keeps going after its quotas (shared among its tests),
 ``SHARDLEDGER_CAMPAIGN_FUZZ_SCALE`` multiplies the fuzz quotas, and
 ``SHARDLEDGER_CAMPAIGN_REPORT_DIR`` is where each test leaves a JSON tally of what
 it checked (written before the test asserts, so a failing run still says what it saw).
@@ -21,6 +22,7 @@ ENV_FUZZ_SECONDS: Final = "SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS"
 ENV_FUZZ_SCALE: Final = "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE"
 ENV_REPORT_DIR: Final = "SHARDLEDGER_CAMPAIGN_REPORT_DIR"
 ENV_FAILOVERS: Final = "SHARDLEDGER_CAMPAIGN_FAILOVERS"
+ENV_NETNS_ROUNDS: Final = "SHARDLEDGER_CAMPAIGN_NETNS_ROUNDS"
 
 
 def _number(name: str, default: float, *, minimum: float) -> float:
@@ -44,6 +46,11 @@ def kills(default: int) -> int:
 def failovers(default: int) -> int:
     """Returns the stop-and-promote rounds of the failover loop: the campaign's setting, else the default."""
     return int(_number(ENV_FAILOVERS, default, minimum=1))
+
+
+def netns_rounds(default: int) -> int:
+    """Returns how many times each network-namespace fault case runs: the campaign's setting, else the default."""
+    return int(_number(ENV_NETNS_ROUNDS, default, minimum=1))
 
 
 def fuzz_seconds() -> float:

@@ -269,6 +269,7 @@ class Network:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.blocked: dict[str, set[str]] = {}
         self.clusters: list[NsPgCluster] = []
+        self.round = 0  # which of the campaign's rounds the test is in
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
         _ip("netns", "add", self.hub)
         try:

@@ -3,6 +3,7 @@
     python -m tools.campaign --kills 100 --fuzz-seconds 1800
     python -m tools.campaign --suites crash,fuzz --kills 5 --fuzz-seconds 60
     python -m tools.campaign --suites failover --failovers 50
+    python -m tools.campaign --suites netns --netns-rounds 10
 
 It runs the suite's own fault tests under pytest with the knobs of tests/campaign.py:
 
@@ -13,6 +14,10 @@ It runs the suite's own fault tests under pytest with the knobs of tests/campaig
                                                   the loop does it F times (--failovers) and holds
                                                   each replica to the documented recovery bound
     fuzz      tests/server/test_fuzz.py           the fuzz quotas, then S more seconds of fuzzing
+    netns     tests/contract/test_netns_faults.py faults between hosts in network namespaces
+                                                  (partitions, a slow lossy link, skewed clocks,
+                                                  watch on another host, PostgreSQL cut off),
+                                                  each case R times (--netns-rounds; needs root)
 
 and prints kills made, acknowledged events checked, lost, moved and duplicated counts,
 and fuzz requests by status code; the JSON lands in bench-results/campaign.json
@@ -38,12 +43,18 @@ SUITES: Final = {
     "replicas": ["tests/server/test_replicas.py"],
     "failover": ["tests/server/test_pg_failover.py"],
     "fuzz": ["tests/server/test_fuzz.py"],
+    "netns": ["tests/contract/test_netns_faults.py"],
 }
 # The counts a kill suite's tally carries (tests/campaign.py); any nonzero is a data-safety fault,
 # or (the failover loop's last two) a replica that hung a call or came back past its bound.
 FAULTS: Final = (
     *("lost", "moved", "duplicated", "unacknowledged_stored", "half_written_batches"),
     *("deadline_exceeded", "over_bound"),
+    "pending",  # a netns case: emitted, never acknowledged (left in a spool)
+)
+# The times a netns case measures, printed as their worst over the rounds.
+NETNS_TIMES: Final = (
+    *("to_stale_s", "recover_s", "to_not_serving_s", "to_serving_s", "longest_ack_gap_s"),
 )
 
 
@@ -70,6 +81,7 @@ def run_campaign(
     fuzz_seconds: float,
     fuzz_scale: float,
     failovers: int = 50,
+    netns_rounds: int = 10,
 ) -> dict[str, Any]:
     """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict."""
     with tempfile.TemporaryDirectory(prefix="shardledger-campaign-") as reports:
@@ -77,6 +89,7 @@ def run_campaign(
             **os.environ,
             "SHARDLEDGER_CAMPAIGN_KILLS": str(kills),
             "SHARDLEDGER_CAMPAIGN_FAILOVERS": str(failovers),
+            "SHARDLEDGER_CAMPAIGN_NETNS_ROUNDS": str(netns_rounds),
             "SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS": str(fuzz_seconds),
             "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE": str(fuzz_scale),
             "SHARDLEDGER_CAMPAIGN_REPORT_DIR": reports,
@@ -105,11 +118,13 @@ def run_campaign(
         )
         tallies = {p.stem: json.loads(p.read_text()) for p in sorted(Path(reports).glob("*.json"))}
     kill_tallies = [t for t in tallies.values() if "kills" in t]
+    netns_tallies = [t for t in tallies.values() if "case" in t]
+    counted = kill_tallies + netns_tallies
     fuzz = tallies.get("fuzz", {})
     totals = {
         "kills": sum(t["kills"] for t in kill_tallies),
-        "acknowledged": sum(t["acknowledged"] for t in kill_tallies),
-        **{f: sum(t.get(f, 0) for t in kill_tallies) for f in FAULTS},
+        "acknowledged": sum(t["acknowledged"] for t in counted),
+        **{f: sum(t.get(f, 0) for t in counted) for f in FAULTS},
         "fuzz_requests": fuzz.get("requests", 0),
         "fuzz_forbidden": fuzz.get("forbidden", 0),
     }
@@ -119,6 +134,7 @@ def run_campaign(
             "suites": suites,
             "kills": kills,
             "failovers": failovers,
+            "netns_rounds": netns_rounds,
             "fuzz_seconds": fuzz_seconds,
             "fuzz_scale": fuzz_scale,
         },
@@ -129,8 +145,25 @@ def run_campaign(
         "totals": totals,
         "fuzz_codes": fuzz.get("codes", {}),
         "suites": tallies,
+        "netns": netns_cases(netns_tallies),
         "pytest_output_tail": (done.stdout + done.stderr)[-4000:] if done.returncode else "",
     }
+
+
+def netns_cases(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Returns each netns case's rounds summed: counts, faults, and its worst times."""
+    cases: dict[str, dict[str, Any]] = {}
+    for tally in tallies:
+        case = cases.setdefault(tally["case"], {"rounds": 0, "acknowledged": 0})
+        case["rounds"] += 1
+        case["acknowledged"] += tally.get("acknowledged", 0)
+        for key in FAULTS:
+            if key in tally:
+                case[key] = case.get(key, 0) + tally[key]
+        for key in NETNS_TIMES:
+            if key in tally:
+                case[f"max_{key}"] = max(case.get(f"max_{key}", 0.0), tally[key])
+    return cases
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -149,6 +182,15 @@ def print_summary(result: dict[str, Any]) -> None:
                 f"{name}: first acknowledgement after each promotion, per replica: max"
                 f" {max(acks, default=0):.2f} s over {len(acks)} (bound {tally['bound_s']} s)"
             )
+    for name, case in result["netns"].items():
+        faults = ", ".join(f"{f} {case[f]}" for f in FAULTS if f in case)
+        times = ", ".join(
+            f"{k[4:]} max {case[k]:.2f}" for k in sorted(case) if k.startswith("max_")
+        )
+        print(
+            f"netns {name}: {case['rounds']} rounds, {case['acknowledged']} acknowledged"
+            f" events checked; {faults}" + (f"; {times}" if times else "")
+        )
     if result["fuzz_codes"]:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(result["fuzz_codes"].items()))
         print(f"fuzz: {totals['fuzz_requests']} requests ({codes})")
@@ -178,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         help="stop-and-promote rounds of the PostgreSQL failover loop (50)",
     )
     parser.add_argument(
+        "--netns-rounds",
+        type=int,
+        default=10,
+        help="times each case of the network-namespace fault suite runs (10)",
+    )
+    parser.add_argument(
         "--fuzz-seconds", type=float, default=1800.0, help="fuzzing past the quotas (1800)"
     )
     parser.add_argument(
@@ -191,10 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-results/campaign.json", help="JSON file to write")
     args = parser.parse_args(argv)
-    if args.kills < 1 or args.failovers < 1 or args.fuzz_seconds < 0:
-        parser.error("--kills and --failovers must be at least 1 and --fuzz-seconds at least 0")
+    if args.kills < 1 or args.failovers < 1 or args.netns_rounds < 1 or args.fuzz_seconds < 0:
+        parser.error(
+            "--kills, --failovers and --netns-rounds must be at least 1"
+            " and --fuzz-seconds at least 0"
+        )
     result = run_campaign(
-        args.suites, args.kills, args.fuzz_seconds, args.fuzz_scale, failovers=args.failovers
+        args.suites,
+        args.kills,
+        args.fuzz_seconds,
+        args.fuzz_scale,
+        failovers=args.failovers,
+        netns_rounds=args.netns_rounds,
     )
     print_summary(result)
     out = Path(args.out)
