@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -41,12 +42,15 @@ class GroupCommitter:
         *,
         clock: Callable[[], int],
         on_group: Callable[[int, int], None] | None = None,
+        on_commit: Callable[[int, float], None] | None = None,
         stats: Counter[str],
     ) -> None:
         self.store = store
         self.clock = clock
         self.stats = stats
         self._on_group = on_group
+        # (events, seconds) of each committed group: the rate admission measures.
+        self._on_commit = on_commit
         self._folder = BatchFolder(cache_records=store.exclusive_writer)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._commit_cond = threading.Condition()
@@ -82,6 +86,7 @@ class GroupCommitter:
             self._commit_group(jobs)
 
     def _commit_group(self, jobs: list[_Job]) -> None:
+        began = time.perf_counter()
         try:
             outcomes = self._write_group_retrying(jobs)
         except Exception as exc:  # the commit itself failed: nobody is acknowledged
@@ -91,10 +96,14 @@ class GroupCommitter:
             for job in jobs:
                 job.future.set_exception(exc)
             return
+        committed = sum(len(o) for o in outcomes if isinstance(o, list))
         self.stats["groups"] += 1
-        self.stats["events"] += sum(len(o) for o in outcomes if isinstance(o, list))
+        self.stats["events"] += committed
+        if self._on_commit is not None:
+            # Every event of the group took the writer's time, refused batches' too.
+            self._on_commit(sum(len(job.events) for job in jobs), time.perf_counter() - began)
         if self._on_group is not None:
-            self._on_group(len(jobs), sum(len(o) for o in outcomes if isinstance(o, list)))
+            self._on_group(len(jobs), committed)
         max_seq = max((r.sequence for o in outcomes if isinstance(o, list) for r in o), default=0)
         with self._commit_cond:
             self._last_sequence = max(self._last_sequence, max_seq)

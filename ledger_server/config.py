@@ -18,10 +18,20 @@ class ServerConfig:
 
     database: str = DEFAULT_DB
     listen: str = DEFAULT_LISTEN
-    max_workers: int = 32
-    # In-flight RPCs beyond this are refused with RESOURCE_EXHAUSTED instead
-    # of queueing without bound (memory growth under overload).
-    max_concurrent_rpcs: int = 256
+    # Handler threads. An admitted append holds one until its group commits; appends
+    # never take the last quarter (admission.read_reserve), which reads keep.
+    max_workers: int = 256
+    # Appends wait for the committer at most this long at its measured rate; beyond it,
+    # and beyond the threads appends may hold, they are refused at once with
+    # RESOURCE_EXHAUSTED (OVERLOADED) and a RetryInfo delay (admission.py). 0 admits all.
+    admission_delay_s: float = 2.0
+    # The queue always admits this many events (two of the SDK's full batches), also
+    # before a commit has measured the rate.
+    admission_min_events: int = 1000
+    # The last resort behind admission: gRPC refuses every RPC (reads too) beyond this
+    # many in flight, RESOURCE_EXHAUSTED without a delay, before any handler runs.
+    # Above max_workers, so that admission acts first; bounded, so that memory is.
+    max_concurrent_rpcs: int = 1024
     max_message_bytes: int = MAX_MESSAGE_BYTES
     reflection: bool = True
     insecure: bool = False

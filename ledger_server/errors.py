@@ -11,9 +11,10 @@
     ├── ConflictError           (ALREADY_EXISTS)
     │   ├── EventIdReused       same event_id, different content
     │   └── PlanConflict        a re-plan with a different definition
-    └── LifecycleViolation      the event breaks the shard's life cycle (FAILED_PRECONDITION)
-        ├── RunClosed           a new shard for a run whose submission is closed
-        └── RunNotClosed        a reopen of a run that is not closed
+    ├── LifecycleViolation      the event breaks the shard's life cycle (FAILED_PRECONDITION)
+    │   ├── RunClosed           a new shard for a run whose submission is closed
+    │   └── RunNotClosed        a reopen of a run that is not closed
+    └── Overloaded              appends wait past capacity: refused unread, retry later (RESOURCE_EXHAUSTED)
 
 Clients never parse messages: they switch on ``reason`` (sent as the
 ``google.rpc.ErrorInfo`` reason) and read ``metadata``. The mapping to gRPC
@@ -134,6 +135,21 @@ class RunNotClosed(LifecycleViolation):
     """A run_reopened event names a run with no close that stands."""
 
     reason = "RUN_NOT_CLOSED"
+
+
+class Overloaded(LedgerError):
+    """The committer's queue is full: the append was refused unread; retry after ``retry_after_s``."""
+
+    reason = "OVERLOADED"
+
+    def __init__(self, retry_after_s: float, *, queued_events: int, bound_events: int) -> None:
+        super().__init__(
+            f"the ledger is at capacity ({queued_events} events waiting for a commit, admitting"
+            f" up to {bound_events}); retry in {retry_after_s:.3f}s",
+            queued_events=queued_events,
+            bound_events=bound_events,
+        )
+        self.retry_after_s = retry_after_s
 
 
 class EventRejected(LedgerError):

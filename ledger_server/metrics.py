@@ -58,7 +58,7 @@ REJECT_REASONS: Final = (
     *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED", "INPUT_CHANGED"),
     # The run's own life cycle (summary.check_new_shard, check_reopen).
     *("RUN_CLOSED", "RUN_NOT_CLOSED"),
-    *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", *STORE_FAULTS),
+    *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "OVERLOADED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
     # A response that cannot hold a recorded value (servicer.built).
     "RESPONSE_FIELD_OUT_OF_RANGE",

@@ -21,6 +21,7 @@ from ledger_server.errors import (
     LedgerError,
     LifecycleViolation,
     LimitExceeded,
+    Overloaded,
     RunNotFound,
     SigningKeyMissing,
 )
@@ -40,6 +41,7 @@ ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
     (SigningKeyMissing, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (LifecycleViolation, grpc.StatusCode.FAILED_PRECONDITION),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
     (LedgerError, grpc.StatusCode.UNAVAILABLE),
 ]
@@ -66,11 +68,13 @@ def rich_status(exc: LedgerError | StoreError) -> grpc.Status:
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
     details = [info]
-    if isinstance(exc, StoreError) and exc.retry_after_s is not None and not exc.permanent:
-        # AIP-193: how long to wait before resending (the store's probe retries that often).
+    retry_after_s = _retry_after_s(exc)
+    if retry_after_s is not None:
+        # AIP-193: how long to wait before resending (a store fault: how often its probe
+        # retries; an overload: when the committer's queue leaves room, admission.py).
         delay = any_pb2.Any()
         retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
+        retry.retry_delay.FromNanoseconds(int(retry_after_s * 1e9))
         delay.Pack(retry)
         details.append(delay)
     field = metadata.get("field")
@@ -81,6 +85,13 @@ def rich_status(exc: LedgerError | StoreError) -> grpc.Status:
         details.append(bad)
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(exc), details=details)
     return rpc_status.to_status(status)
+
+
+def _retry_after_s(exc: LedgerError | StoreError) -> float | None:
+    """Returns the delay a refusal advises before a resend, or None when waiting cannot help."""
+    if isinstance(exc, StoreError):
+        return None if exc.permanent else exc.retry_after_s
+    return exc.retry_after_s if isinstance(exc, Overloaded) else None
 
 
 @contextmanager

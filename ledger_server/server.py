@@ -18,6 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ledger_server.admission import Admission, read_reserve
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.framework import LedgerHealth, enable_reflection
 from ledger_server.interceptor import RequestInterceptor
@@ -117,7 +118,12 @@ def create_server(config: ServerConfig) -> RunningServer:
         # Records of an older format are rebuilt from their events before any write.
         upgrade_projections(store, on_run=_log_upgrade)
         metrics = LedgerMetrics()
-        ledger = LedgerService(store, on_group=metrics.observe_group)
+        admission = Admission(
+            delay_s=config.admission_delay_s,
+            min_events=config.admission_min_events,
+            max_calls=max(1, config.max_workers - read_reserve(config.max_workers)),
+        )
+        ledger = LedgerService(store, on_group=metrics.observe_group, admission=admission)
     except BaseException:
         store.close()
         raise

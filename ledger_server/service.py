@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -9,6 +10,7 @@ from concurrent.futures import Future
 from typing import Any, Final, NamedTuple
 
 from ledger_server import field as figures
+from ledger_server.admission import Admission
 from ledger_server.batch import AppendResult
 from ledger_server.chain import recorded
 from ledger_server.committer import GroupCommitter
@@ -58,11 +60,20 @@ class LedgerService:
         *,
         clock: Callable[[], int] = now_us,
         on_group: Callable[[int, int], None] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.stats: Counter[str] = Counter()
-        self._committer = GroupCommitter(store, clock=clock, on_group=on_group, stats=self.stats)
+        # Only the RPC edge is admitted (servicer): in-process writers (import, tools) wait.
+        self.admission = admission
+        self._committer = GroupCommitter(
+            store,
+            clock=clock,
+            on_group=on_group,
+            on_commit=admission.observe_commit if admission is not None else None,
+            stats=self.stats,
+        )
 
     # --- writes ---------------------------------------------------------------
 
@@ -71,6 +82,12 @@ class LedgerService:
     ) -> list[AppendResult]:
         """Validates and appends a batch atomically; returns after the commit is durable."""
         return self.submit(events).result(timeout=timeout)
+
+    def admitted(self, events: int) -> contextlib.AbstractContextManager[None]:
+        """Holds room in the committer's queue for a batch of ``events``; raises Overloaded if none."""
+        if self.admission is None:
+            return contextlib.nullcontext()
+        return self.admission.admitted(events)
 
     def submit(self, events: Sequence[Event]) -> Future[list[AppendResult]]:
         """Validates a batch and queues it for the next group commit."""

@@ -179,7 +179,9 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     def AppendEvents(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
     ) -> pb.AppendEventsResponse:
-        with abort_on_error(context), self.metrics.timed_append(len(request.events)):
+        count = len(request.events)
+        # Admitted before anything is decoded: a refusal past capacity costs the least.
+        with abort_on_error(context), self.metrics.timed_append(count), self.ledger.admitted(count):
             events = []
             # One authorization per (namespace, run) of the batch, not one per event.
             scopes: dict[tuple[str, str], str] = {}

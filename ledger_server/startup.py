@@ -82,9 +82,15 @@ def check_config(config: ServerConfig) -> None:
     for option, value in (
         ("--max-workers", config.max_workers),
         ("--max-concurrent-rpcs", config.max_concurrent_rpcs),
+        ("--admission-min-events", config.admission_min_events),
     ):
         if value < 1:
             raise StartupError(f"{option} must be at least 1, not {value}", usage=True)
+    if not (math.isfinite(config.admission_delay_s) and config.admission_delay_s >= 0):
+        raise StartupError(
+            f"--admission-delay must be a number of seconds >= 0, not {config.admission_delay_s}",
+            usage=True,
+        )
     if not (math.isfinite(config.grace_s) and config.grace_s >= 0):
         raise StartupError(
             f"--grace must be a number of seconds >= 0, not {config.grace_s}", usage=True

@@ -15,7 +15,13 @@ import grpc
 from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
-from shard_client.errors import RETRYABLE, LedgerUnavailable, NotFound, from_rpc_error
+from shard_client.errors import (
+    LedgerClientError,
+    LedgerUnavailable,
+    NotFound,
+    Overloaded,
+    from_rpc_error,
+)
 from shard_client.ids import run_reopened_event, submission_closed_event
 
 DEFAULT_TARGET: Final = "127.0.0.1:50551"
@@ -102,6 +108,15 @@ def channel_credentials(
     return base
 
 
+def _retryable(error: LedgerClientError) -> bool:
+    """Returns whether a failed call may be sent again as it is."""
+    # A refusal past capacity says when the ledger expects room; gRPC's own limits
+    # (message size, calls in flight) say nothing of the kind and are not retried here.
+    return isinstance(error, LedgerUnavailable) or (
+        isinstance(error, Overloaded) and error.retry_after_s is not None
+    )
+
+
 class LedgerClient:
     """Talks to one ledger; safe across threads and forks.
 
@@ -122,6 +137,7 @@ class LedgerClient:
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.target = channel_target(target or default_target())
         if credentials is None:
@@ -131,6 +147,8 @@ class LedgerClient:
         self.timeout_s = timeout_s
         self.retry_deadline_s = retry_deadline_s
         self.max_backoff_s = max_backoff_s
+        # How call() waits between tries (a test records the waits instead).
+        self.sleep = sleep
         self._credentials = credentials
         self._lock = threading.Lock()
         self._pid = -1
@@ -169,17 +187,23 @@ class LedgerClient:
     def call(
         self, fn: Callable[[float], T], *, retry: bool = True, deadline_s: float | None = None
     ) -> T:
-        """Runs fn(timeout) with capped exponential backoff on UNAVAILABLE/DEADLINE_EXCEEDED."""
+        """Runs fn(timeout), retrying UNAVAILABLE, DEADLINE_EXCEEDED and an OVERLOADED refusal.
+
+        Between tries it waits the ledger's RetryInfo delay when the refusal has one,
+        else a capped exponential step (backoff.retry_wait); it gives up when the next
+        wait would end past the retry deadline.
+        """
         give_up = time.monotonic() + (self.retry_deadline_s if deadline_s is None else deadline_s)
         delay = backoff.FIRST_DELAY_S
         while True:
             try:
                 return fn(self.timeout_s)
             except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                if not retry or code not in RETRYABLE or time.monotonic() + delay > give_up:
-                    raise from_rpc_error(exc) from None
-            time.sleep(backoff.jittered(delay))
+                error = from_rpc_error(exc)
+                wait = backoff.retry_wait(error.retry_after_s, delay, cap_s=self.max_backoff_s)
+                if not retry or not _retryable(error) or time.monotonic() + wait > give_up:
+                    raise error from None
+            self.sleep(wait)
             delay = backoff.grown(delay, self.max_backoff_s)
 
     # --- the contract, one method per RPC -----------------------------------

@@ -9,12 +9,15 @@ LedgerClientError
     ├── LifecycleError         FAILED_PRECONDITION: the shard's life cycle forbids it
     ├── StoreFault             FAILED_PRECONDITION STORE_*: the ledger cannot write (kept, not refused)
     ├── PermissionDenied       UNAUTHENTICATED / PERMISSION_DENIED
-    └── Overloaded             RESOURCE_EXHAUSTED
+    └── Overloaded             RESOURCE_EXHAUSTED: OVERLOADED (past capacity) or a gRPC limit
+
+A refusal that says when to come back (a ``google.rpc.RetryInfo`` detail: an
+overloaded ledger, a store that is away) carries it as ``retry_after_s``.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import grpc
 from google.rpc import error_details_pb2
@@ -23,6 +26,9 @@ from grpc_status import rpc_status
 
 class LedgerClientError(Exception):
     """Base of every SDK error."""
+
+    # Seconds the ledger asked the caller to wait before sending again (None: it did not say).
+    retry_after_s: float | None = None
 
 
 class LedgerUnavailable(LedgerClientError):
@@ -75,7 +81,7 @@ class PermissionDenied(LedgerRejected):
 
 
 class Overloaded(LedgerRejected):
-    """The server refused for lack of capacity or a limit."""
+    """The server refused for lack of capacity (reason OVERLOADED, with ``retry_after_s``) or a limit."""
 
 
 _BY_CODE: Final[dict[grpc.StatusCode, type[LedgerRejected]]] = {
@@ -94,17 +100,29 @@ def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     """Maps a grpc.RpcError to the SDK's hierarchy (the one place that does)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     message = exc.details() if hasattr(exc, "details") else str(exc)
+    reason, metadata, retry_after_s = code.name, dict[str, str](), None
+    try:
+        status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
+    except ValueError:  # a status whose details disagree with the call's own code
+        status = None
+    details: list[Any] = list(status.details) if status is not None else []
+    for detail in details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            # A negative delay asks for none; whoever waits caps a long one at its own maximum.
+            retry_after_s = max(retry.retry_delay.ToNanoseconds() / 1e9, 0.0)
+    error: LedgerClientError
     if code in RETRYABLE:
-        return LedgerUnavailable(f"{code.name}: {message}")
-    reason, metadata = code.name, dict[str, str]()
-    status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                reason, metadata = info.reason, dict(info.metadata)
-    cls = _BY_CODE.get(code, LedgerRejected)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and reason.startswith("STORE_"):
-        cls = StoreFault
-    return cls(message or code.name, code=code, reason=reason, metadata=metadata)
+        error = LedgerUnavailable(f"{code.name}: {message}")
+    else:
+        cls = _BY_CODE.get(code, LedgerRejected)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and reason.startswith("STORE_"):
+            cls = StoreFault
+        error = cls(message or code.name, code=code, reason=reason, metadata=metadata)
+    error.retry_after_s = retry_after_s
+    return error

@@ -129,7 +129,10 @@ class Sender:
 
     ``jitter`` spreads each retry delay (``backoff.jittered``: between half and all
     of it), so that jobs refused together do not retry in step; a simulator or a test
-    that must see this sender's own schedule passes its own.
+    that must see this sender's own schedule passes its own. When the ledger's refusal
+    says when to come back (RetryInfo: overloaded, or its store away), the sender waits
+    that instead, capped at ``max_backoff_s`` and spread by ``advised_jitter``
+    (``backoff.stretched``: between all of it and half again as much).
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class Sender:
         exit_wait_s: float | None = None,
         drain_orphans: bool = True,
         jitter: Callable[[float], float] = backoff.jittered,
+        advised_jitter: Callable[[float], float] = backoff.stretched,
     ) -> None:
         if policy not in ("spool", "block", "raise"):
             raise ValueError(f"policy must be 'spool', 'block' or 'raise', not {policy!r}")
@@ -164,6 +168,7 @@ class Sender:
         self.exit_wait_s = exit_wait_s
         self.drain_orphans = drain_orphans
         self.jitter = jitter
+        self.advised_jitter = advised_jitter
         self._reset()
         _SENDERS.add(self)
 
@@ -434,14 +439,13 @@ class Sender:
                 ):
                     # Blocking means waiting out even a close; the others stop at once.
                     self._wakeup.wait_for(
-                        lambda: self._closing and self.policy != "block",
-                        self.jitter(self._backoff),
+                        lambda: self._closing and self.policy != "block", self._retry_wait(stop)
                     )
                     self._backoff = backoff.grown(self._backoff, self.max_backoff_s)
                     continue
                 if self.policy == "spool":
                     self._spill_locked(batch[pos:])
-                    self._retry_at = time.monotonic() + self.jitter(self._backoff)
+                    self._retry_at = time.monotonic() + self._retry_wait(stop)
                 else:
                     self._down = stop
                     self._fail_locked(batch[pos:], stop)
@@ -451,6 +455,16 @@ class Sender:
             if pos == len(batch):
                 self._down, self._backoff = None, backoff.FIRST_DELAY_S
             self._cond.notify_all()
+
+    def _retry_wait(self, stop: LedgerClientError) -> float:
+        """Returns how long to wait after a failed append: the ledger's delay, else our step."""
+        return backoff.retry_wait(
+            stop.retry_after_s,
+            self._backoff,
+            cap_s=self.max_backoff_s,
+            jitter=self.jitter,
+            advised_jitter=self.advised_jitter,
+        )
 
     def _drain_step(self) -> None:
         spool = self._spool
@@ -470,7 +484,7 @@ class Sender:
                 self._backoff = backoff.FIRST_DELAY_S
             else:
                 now = time.monotonic()
-                self._retry_at = now + self.jitter(self._backoff)
+                self._retry_at = now + self._retry_wait(stop)
                 if self._closing and self._retry_at >= self._exit_deadline:
                     # While closing, one last try just before the exit wait ends, if there
                     # is time for one; after it the rest stays for a later drain.

@@ -25,7 +25,6 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
-import random
 import socket
 import subprocess
 import sys
@@ -33,14 +32,19 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ledger_server.server import raise_fd_limit
+from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.errors import from_rpc_error
 
 DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 CLIENT_PROCS = 4
@@ -64,29 +68,29 @@ def _pct(samples: list[float], q: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
 
 
-def _request(shard: str, seq: int, **payload: Any) -> bytes:
-    event = pb.ShardEvent(event_id=f"{shard}-{seq}", run_id=RUN, shard_id=shard, **payload)
+def _request(run: str, shard: str, seq: int, **payload: Any) -> bytes:
+    event = pb.ShardEvent(event_id=f"{shard}-{seq}", run_id=run, shard_id=shard, **payload)
     if "planned" not in payload:
         event.attempt_id = "a"
     event.client_time.GetCurrentTime()
     return pb.AppendEventsRequest(events=[event]).SerializeToString()
 
 
-def _body(kind: str, shard: str, seq: int, k: int) -> bytes:
+def _body(run: str, kind: str, shard: str, seq: int, k: int) -> bytes:
     """Returns the request of a job's k-th event of this kind."""
     if kind == "started":
         started = pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 60})
-        return _request(shard, seq, started=started)
+        return _request(run, shard, seq, started=started)
     if kind == "commit":
         committed = pb.ArtifactCommitted(
             name="out", path=f"/out/{shard}", size_bytes=1, blake3_hex="ab" * 32
         )
-        return _request(shard, seq, artifact_committed=committed)
+        return _request(run, shard, seq, artifact_committed=committed)
     if kind == "checkpoint":
         saved = pb.CheckpointSaved(step=k, path=f"/ck/{shard}", size_bytes=1, blake3_hex="cd" * 32)
-        return _request(shard, seq, checkpoint=saved)
+        return _request(run, shard, seq, checkpoint=saved)
     beat = pb.Heartbeat(step=k, progress=0.5, metrics={"loss": 0.1})
-    return _request(shard, seq, heartbeat=beat)
+    return _request(run, shard, seq, heartbeat=beat)
 
 
 class _Job:
@@ -105,49 +109,76 @@ class _Job:
         self.busy = False  # an event of this job is in flight or waiting to be resent
 
 
-def _client(target: str, shards: list[str], interval: float, seconds: float, out: Any) -> None:
+def _client(
+    target: str,
+    run: str,
+    shards: list[str],
+    interval: float,
+    seconds: float,
+    out: Any,
+    cpus: list[int] | None = None,
+) -> None:
     """One client process: a channel per job, each job's events at their times.
 
     An overloaded or unreachable ledger (RESOURCE_EXHAUSTED, UNAVAILABLE) is
-    retried with the same event after a capped, jittered backoff, as the SDK's
-    sender does from its spool; the latency of an event runs from its first send
-    to its acknowledgement.
+    retried with the same event as the SDK's sender does from its spool: after the
+    refusal's RetryInfo delay when it has one, else a capped, jittered exponential
+    step (both `shard_client.backoff.retry_wait`, the sender's cap). The latency of
+    an event runs from its first send to its acknowledgement.
     """
     raise_fd_limit()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     jobs = [_Job(target, s) for s in shards]
     lat: dict[str, list[float]] = {"started": [], "heartbeat": [], "checkpoint": [], "commit": []}
     errors: list[str] = []
-    retries = [0]
+    # Answers that sent an event again: OVERLOADED (with a RetryInfo delay), gRPC's own
+    # RESOURCE_EXHAUSTED (none), and UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED.
+    counts = {"sent": 0, "overloaded": 0, "exhausted": 0, "unavailable": 0, "advised_s": 0.0}
     lock = threading.Lock()
     inflight = [0]
-    again: queue.SimpleQueue[tuple[float, int, str, bytes, float, float]] = queue.SimpleQueue()
+    again: queue.SimpleQueue[tuple[float, int, str, bytes, float, int]] = queue.SimpleQueue()
     begin = time.monotonic()
     order = itertools.count()
-    # (due, tiebreak, job, kind, body, first sent, backoff): kind "" is the job's next event.
-    heap: list[tuple[float, int, int, str, bytes, float, float]] = [
-        (begin + interval * j / len(jobs), next(order), j, "", b"", 0.0, 0.0)
+    # (due, tiebreak, job, kind, body, first sent, failures): kind "" is the job's next event.
+    heap: list[tuple[float, int, int, str, bytes, float, int]] = [
+        (begin + interval * j / len(jobs), next(order), j, "", b"", 0.0, 0)
         for j in range(len(jobs))
     ]
 
-    def done(j: int, kind: str, body: bytes, first: float, delay: float, future: Any) -> None:
+    def done(j: int, kind: str, body: bytes, first: float, failures: int, future: Any) -> None:
         code = future.code()
+        advised = None
+        if code in _RETRIED:
+            advised = from_rpc_error(future.exception()).retry_after_s
         with lock:
             inflight[0] -= 1
             jobs[j].busy = code in _RETRIED  # still owed to the ledger
             if code == grpc.StatusCode.OK:
                 lat[kind].append(1000 * (time.monotonic() - first))
             elif code in _RETRIED:
-                retries[0] += 1
+                if advised is not None:
+                    counts["overloaded"] += 1
+                    counts["advised_s"] += advised
+                elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    counts["exhausted"] += 1
+                else:
+                    counts["unavailable"] += 1
                 inflight[0] += 1  # still owed an answer
-                wait = min(max(2 * delay, 0.1), 5.0) * random.uniform(0.5, 1.0)
-                again.put((time.monotonic() + wait, j, kind, body, first, wait))
+                step = backoff.FIRST_DELAY_S * 2 ** min(failures, 16)
+                wait = backoff.retry_wait(
+                    advised,
+                    min(step, backoff.SENDER_MAX_DELAY_S),
+                    cap_s=backoff.SENDER_MAX_DELAY_S,
+                )
+                again.put((time.monotonic() + wait, j, kind, body, first, failures + 1))
             else:
                 errors.append(str(code))
 
     while True:
         while not again.empty():
-            due, j, kind, body, first, delay = again.get()
-            heapq.heappush(heap, (due, next(order), j, kind, body, first, delay))
+            due, j, kind, body, first, failures = again.get()
+            heapq.heappush(heap, (due, next(order), j, kind, body, first, failures))
         with lock:
             idle = not heap and inflight[0] == 0
         if idle:
@@ -155,11 +186,11 @@ def _client(target: str, shards: list[str], interval: float, seconds: float, out
         if not heap or heap[0][0] > time.monotonic():
             time.sleep(0.005 if not heap else min(0.05, max(0.0, heap[0][0] - time.monotonic())))
             continue
-        due, _, j, kind, body, first, delay = heapq.heappop(heap)
+        due, _, j, kind, body, first, failures = heapq.heappop(heap)
         job = jobs[j]
         if not kind and job.busy:
             # The SDK delivers a job's events in order: the next waits for the last's answer.
-            heapq.heappush(heap, (due + 0.1, next(order), j, "", b"", 0.0, 0.0))
+            heapq.heappush(heap, (due + 0.1, next(order), j, "", b"", 0.0, 0))
             continue
         if not kind:  # the job's next event, on its schedule
             job.seq += 1
@@ -172,18 +203,19 @@ def _client(target: str, shards: list[str], interval: float, seconds: float, out
                 if job.k % 4 == 0
                 else "heartbeat"
             )
-            body, first = _body(kind, job.shard, job.seq, job.k), time.monotonic()
+            body, first = _body(run, kind, job.shard, job.seq, job.k), time.monotonic()
+            counts["sent"] += 1
             if kind != "commit":
                 job.k += 1
-                heapq.heappush(heap, (due + interval, next(order), j, "", b"", 0.0, 0.0))
+                heapq.heappush(heap, (due + interval, next(order), j, "", b"", 0.0, 0))
         with lock:
-            inflight[0] += 1 if delay == 0.0 else 0
+            inflight[0] += 1 if failures == 0 else 0
         job.busy = True
         future = job.call.future(body, timeout=60)
-        future.add_done_callback(functools.partial(done, j, kind, body, first, delay))
+        future.add_done_callback(functools.partial(done, j, kind, body, first, failures))
     for job in jobs:
         job.channel.close()
-    out.put((lat, errors, retries[0], begin, time.monotonic()))
+    out.put((lat, errors, counts, begin, time.monotonic()))
 
 
 def _proc_stat(pid: int) -> tuple[float, int, int, int]:
@@ -204,13 +236,13 @@ def _free_port() -> int:
 
 
 def _reader(
-    target: str, metrics_url: str, stop: threading.Event, out: dict[str, list[float]]
+    target: str, run: str, metrics_url: str, stop: threading.Event, out: dict[str, list[float]]
 ) -> None:
     client = LedgerClient(target)
     while not stop.wait(1.0):
         for name, call in (
-            ("status", lambda: client.summary(RUN)),
-            ("resume", lambda: sum(1 for _ in client.resume(RUN))),
+            ("status", lambda: client.summary(run)),
+            ("resume", lambda: sum(1 for _ in client.resume(run))),
             ("metrics", lambda: urllib.request.urlopen(metrics_url, timeout=30).read()),
         ):
             start = time.monotonic()
@@ -223,13 +255,39 @@ def _reader(
     client.close()
 
 
-def _level(
-    connections: int, seconds: float, interval: float, max_workers: int | None
-) -> dict[str, Any]:
+@dataclass(slots=True)
+class Served:
+    """A `shardledger serve` process started for a benchmark."""
+
+    process: subprocess.Popen[bytes]
+    target: str
+    metrics_url: str
+
+
+@contextmanager
+def served(
+    server_args: Sequence[str] = (),
+    *,
+    src: str | None = None,
+    cpus: Sequence[int] | None = None,
+) -> Iterator[Served]:
+    """Runs `shardledger serve` on a fresh ledger in its own process until the block ends.
+
+    ``src``: run the server of another checkout (its directory goes first on the
+    server's PYTHONPATH), so one run can measure a before and an after; ``cpus``:
+    pin the server to these CPUs (taskset).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         port_file, metrics_port = Path(tmp) / "port", _free_port()
+        env = dict(os.environ)
+        if src is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(src).resolve()), str(Path(src).resolve() / "tools")]
+            )
+        pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
         server = subprocess.Popen(
             [
+                *pin,
                 sys.executable,
                 "-m",
                 "shardledger_cli",
@@ -237,11 +295,11 @@ def _level(
                 *("--db", f"{tmp}/l.db", "--listen", "127.0.0.1:0"),
                 *("--port-file", str(port_file), "--log-level", "warning"),
                 *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
-                *(() if max_workers is None else ("--max-workers", str(max_workers))),
-                # Overload is measured by latency and retries, not by refusals at the door.
-                *(() if max_workers is None else ("--max-concurrent-rpcs", str(8 * max_workers))),
+                *server_args,
             ],
             stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=src,
         )
         try:
             while not port_file.exists() or not port_file.read_text():
@@ -249,75 +307,110 @@ def _level(
                     raise RuntimeError("the server did not start")
                 time.sleep(0.05)
             target = f"127.0.0.1:{port_file.read_text().strip()}"
-            shards = [f"j{i}" for i in range(connections)]
-            client = LedgerClient(target)
-            for base in range(0, connections, 1000):
-                client.append(
-                    [
-                        pb.ShardEvent(
-                            event_id=f"plan-{s}",
-                            run_id=RUN,
-                            shard_id=s,
-                            planned=pb.ShardPlanned(input_ref=f"/in/{s}", plan_index=i),
-                        )
-                        for i, s in enumerate(shards[base : base + 1000], base)
-                    ]
-                )
-            stop = threading.Event()
-            reads: dict[str, list[float]] = {}
-            reader = threading.Thread(
-                target=_reader,
-                args=(target, f"http://127.0.0.1:{metrics_port}/metrics", stop, reads),
-            )
-            ctx = mp.get_context("spawn")
-            queue: Any = ctx.Queue()
-            procs = [
-                ctx.Process(
-                    target=_client,
-                    args=(target, shards[p::CLIENT_PROCS], interval, seconds, queue),
-                )
-                for p in range(CLIENT_PROCS)
-            ]
-            cpu0, *_ = _proc_stat(server.pid)
-            wall0 = time.monotonic()
-            for p in procs:
-                p.start()
-            reader.start()
-            peak_fds = 0
-            results: list[Any] = []
-            while len(results) < len(procs):
-                try:
-                    results.append(queue.get(timeout=1.0))
-                except Exception:
-                    peak_fds = max(peak_fds, _proc_stat(server.pid)[3])
-            wall = time.monotonic() - wall0
-            cpu1, rss, peak_rss, fds = _proc_stat(server.pid)
-            stop.set()
-            reader.join()
-            for p in procs:
-                p.join()
-            client.close()
+            yield Served(server, target, f"http://127.0.0.1:{metrics_port}/metrics")
         finally:
             server.terminate()
             server.wait(60)
+
+
+def plan(target: str, run: str, shards: list[str]) -> None:
+    """Plans the jobs' shards, a thousand per append."""
+    client = LedgerClient(target)
+    for base in range(0, len(shards), 1000):
+        client.append(
+            [
+                pb.ShardEvent(
+                    event_id=f"plan-{s}",
+                    run_id=run,
+                    shard_id=s,
+                    planned=pb.ShardPlanned(input_ref=f"/in/{s}", plan_index=i),
+                )
+                for i, s in enumerate(shards[base : base + 1000], base)
+            ]
+        )
+    client.close()
+
+
+def drive(
+    server: Served,
+    run: str,
+    connections: int,
+    *,
+    seconds: float,
+    interval: float,
+    client_cpus: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Runs ``connections`` jobs of one run against a served ledger; returns their figures."""
+    shards = [f"{run}-j{i}" for i in range(connections)]
+    plan(server.target, run, shards)
+    stop = threading.Event()
+    reads: dict[str, list[float]] = {}
+    reader = threading.Thread(
+        target=_reader, args=(server.target, run, server.metrics_url, stop, reads)
+    )
+    ctx = mp.get_context("spawn")
+    results_queue: Any = ctx.Queue()
+    cpus = list(client_cpus) if client_cpus else None
+    procs = [
+        ctx.Process(
+            target=_client,
+            args=(
+                server.target,
+                run,
+                shards[p::CLIENT_PROCS],
+                interval,
+                seconds,
+                results_queue,
+                cpus,
+            ),
+        )
+        for p in range(CLIENT_PROCS)
+    ]
+    pid = server.process.pid
+    cpu0, *_ = _proc_stat(pid)
+    wall0 = time.monotonic()
+    for p in procs:
+        p.start()
+    reader.start()
+    peak_fds = 0
+    results: list[Any] = []
+    while len(results) < len(procs):
+        try:
+            results.append(results_queue.get(timeout=1.0))
+        except queue.Empty:
+            peak_fds = max(peak_fds, _proc_stat(pid)[3])
+    wall = time.monotonic() - wall0
+    cpu1, rss, peak_rss, fds = _proc_stat(pid)
+    stop.set()
+    reader.join()
+    for p in procs:
+        p.join()
     lat: dict[str, list[float]] = {}
     errors: list[str] = []
-    retried = 0
+    counts: dict[str, float] = {}
     # CLOCK_MONOTONIC is one clock for every process: the drive runs from the first
     # client's first send to the last client's last answer (no spawn, no connect).
-    drive = max(r[4] for r in results) - min(r[3] for r in results)
-    for part, errs, tries, _, _ in results:
+    drive_s = max(r[4] for r in results) - min(r[3] for r in results)
+    for part, errs, tally, _, _ in results:
         for kind, samples in part.items():
             lat.setdefault(kind, []).extend(samples)
         errors.extend(errs)
-        retried += tries
+        for key, value in tally.items():
+            counts[key] = counts.get(key, 0) + value
     events = sum(len(v) for v in lat.values())
+    refusals = int(counts["overloaded"] + counts["exhausted"])
     return {
         "connections": connections,
+        "offered_events_per_s": round(connections / interval),
         "events": events,
-        "events_per_s": round(events / drive),
+        "events_per_s": round(events / drive_s),
         "errors": len(errors),
-        "retried_overloaded": retried,
+        "refused": refusals,
+        "refused_overloaded": int(counts["overloaded"]),
+        "refused_grpc_limit": int(counts["exhausted"]),
+        "advised_delay_mean_s": round(counts["advised_s"] / max(counts["overloaded"], 1), 3),
+        "resent_unavailable": int(counts["unavailable"]),
+        "retried_overloaded": refusals + int(counts["unavailable"]),
         "error_codes": sorted(set(errors))[:5],
         "commit_ack_ms": {"p50": _pct(lat["commit"], 0.5), "p99": _pct(lat["commit"], 0.99)},
         "heartbeat_ack_ms": {
@@ -330,11 +423,23 @@ def _level(
         "server_peak_rss_mb": round(peak_rss / 1024),
         "server_open_fds_peak": max(peak_fds, fds),
         "status_ms_p50": _pct(reads.get("status", []), 0.5),
+        "status_ms_p99": _pct(reads.get("status", []), 0.99),
         "resume_ms_p50": _pct(reads.get("resume", []), 0.5),
         "metrics_ms_p50": _pct(reads.get("metrics", []), 0.5),
         "reader_errors": sum(len(v) for k, v in reads.items() if k.endswith("_errors")),
-        "drive_s": round(drive, 1),
+        "drive_s": round(drive_s, 1),
     }
+
+
+def _level(
+    connections: int, seconds: float, interval: float, max_workers: int | None
+) -> dict[str, Any]:
+    args: list[str] = []
+    if max_workers is not None:
+        # Overload is measured by latency and retries, not by refusals at the door.
+        args += ["--max-workers", str(max_workers), "--max-concurrent-rpcs", str(8 * max_workers)]
+    with served(args) as server:
+        return drive(server, RUN, connections, seconds=seconds, interval=interval)
 
 
 def bench_fleet(
@@ -350,7 +455,7 @@ def bench_fleet(
         "workload": f"{CLIENT_PROCS} client processes, one channel per job; a heartbeat every"
         f" {interval:g} s (the SDK's 15 s / {speedup:g}), a checkpoint every 4th beat, the commit"
         f" after {seconds:g} s; status, resume and /metrics once a second",
-        "server_max_workers": max_workers or "default (32)",
+        "server_max_workers": max_workers or "default (256)",
         "levels": [],
         "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
     }

@@ -56,12 +56,37 @@ def register(
     p.add_argument(
         "--listen", default=DEFAULT_LISTEN, help="HOST:PORT to listen on (port 0 picks one)"
     )
-    p.add_argument("--max-workers", type=positive_int, default=32, help="RPC handler threads")
+    p.add_argument(
+        "--max-workers",
+        type=positive_int,
+        default=256,
+        help="RPC handler threads; appends waiting for a commit never take the last quarter,"
+        " which reads keep",
+    )
+    p.add_argument(
+        "--admission-delay",
+        type=non_negative_seconds,
+        default=2.0,
+        metavar="SECONDS",
+        help="admit appends while the events waiting for the group commit take at most this"
+        " long at its measured rate (and within the handler threads appends may hold); refuse"
+        " the rest at once with RESOURCE_EXHAUSTED, reason OVERLOADED and a RetryInfo delay;"
+        " 0 admits every append",
+    )
+    p.add_argument(
+        "--admission-min-events",
+        type=positive_int,
+        default=1000,
+        metavar="N",
+        help="events the commit queue always admits, whatever its measured rate (two of the"
+        " SDK's full batches)",
+    )
     p.add_argument(
         "--max-concurrent-rpcs",
         type=positive_int,
-        default=256,
-        help="in-flight RPCs beyond this get RESOURCE_EXHAUSTED",
+        default=1024,
+        help="the last resort behind admission: RPCs in flight beyond this (reads too) get"
+        " RESOURCE_EXHAUSTED from gRPC, with no delay",
     )
     p.add_argument(
         "--no-reflection", action="store_true", help="do not serve gRPC server reflection"
@@ -135,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         listen=args.listen,
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        admission_delay_s=args.admission_delay,
+        admission_min_events=args.admission_min_events,
         reflection=not args.no_reflection,
         insecure=args.insecure,
         grace_s=args.grace,

@@ -1,0 +1,277 @@
+"""Admission past capacity: appends refused at once with a delay, reads answered, nothing lost.
+
+The group committer's next transaction is held (only the writer thread's, so no
+SQLite lock is taken and reads go on), which keeps one append waiting: with an
+admission bound of one event, every other append is then refused, by rule and not
+by timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ledger_server.admission import MAX_RETRY_S, Admission
+from ledger_server.config import ServerConfig
+from ledger_server.errors import Overloaded
+from ledger_server.server import RunningServer, create_server
+from shard_client import Ack, LedgerClient, Sender, backoff
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
+from tests.builders import event, planned, started
+
+RUN = "run-1"
+SHARDS = [f"shard-{i}" for i in range(8)]
+
+
+class WriterGate:
+    """Holds the group committer's next write transaction until opened."""
+
+    def __init__(self, running: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        store = running.ledger.store
+        write = store.write
+
+        def gated() -> Any:
+            if threading.current_thread().name == "ledger-writer" and not self.opened.is_set():
+                self.entered.set()
+                self.opened.wait()
+            return write()
+
+        monkeypatch.setattr(store, "write", gated)
+
+
+@pytest.fixture
+def tight(tmp_path: Path) -> Iterator[RunningServer]:
+    """Returns a server that admits one event at a time into its commit queue."""
+    config = ServerConfig(
+        database=str(tmp_path / "ledger.db"),
+        listen="127.0.0.1:0",
+        admission_delay_s=1e-9,
+        admission_min_events=1,
+    )
+    running = create_server(config)
+    yield running
+    running.stop(0.5)
+
+
+def _target(running: RunningServer) -> str:
+    return f"127.0.0.1:{running.port}"
+
+
+def _plan(target: str) -> None:
+    client = LedgerClient(target)
+    client.append([planned(RUN, s, i) for i, s in enumerate(SHARDS)])
+    client.close()
+
+
+def _hold_one_append(running: RunningServer, gate: WriterGate) -> threading.Thread:
+    """Starts an append that the gate holds in the commit queue; returns its thread."""
+    client = LedgerClient(_target(running), timeout_s=60)
+    held = threading.Thread(target=client.append, args=([started(RUN, SHARDS[0])],))
+    held.start()
+    assert gate.entered.wait(60)
+    return held
+
+
+def _refusal(call: Callable[[], object]) -> tuple[grpc.StatusCode, str, float | None]:
+    """Returns a refused call's code, ErrorInfo reason and RetryInfo delay (None: no RetryInfo)."""
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    status = rpc_status.from_call(refused.value)  # type: ignore[arg-type]
+    reason, delay = "", None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            delay = retry.retry_delay.ToNanoseconds() / 1e9
+    return refused.value.code(), reason, delay
+
+
+def test_a_flood_past_the_bound_is_refused_overloaded_with_a_delay_and_reads_still_answer(
+    tight: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _plan(_target(tight))
+    gate = WriterGate(tight, monkeypatch)
+    held = _hold_one_append(tight, gate)
+    with grpc.insecure_channel(_target(tight)) as channel:
+        stub = pb_grpc.LedgerServiceStub(channel)
+        flood = []
+        for shard in SHARDS[1:] * 5:
+            request = pb.AppendEventsRequest(events=[started(RUN, shard)])
+            flood.append(_refusal(lambda: stub.AppendEvents(request, timeout=60)))  # noqa: B023
+        # Every read answers while the appends are refused.
+        listed = stub.ListEvents(pb.ListEventsRequest(run_id=RUN), timeout=60)
+        summary = stub.GetRunSummary(pb.GetRunSummaryRequest(run_id=RUN), timeout=60)
+        runs = stub.ListRuns(pb.ListRunsRequest(), timeout=60)
+        shards = stub.ListShards(pb.ListShardsRequest(run_id=RUN), timeout=60)
+        chunks = stub.StreamResumeList(pb.StreamResumeListRequest(run_id=RUN), timeout=60)
+        resume = [entry for chunk in chunks for entry in chunk.entries]
+    gate.opened.set()
+    held.join(60)
+    assert len(flood) == 35
+    assert {(code, reason) for code, reason, _ in flood} == {
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
+    }
+    delays = [delay for _, _, delay in flood]
+    assert all(delay is not None and 0 < delay <= MAX_RETRY_S for delay in delays), delays
+    assert len(listed.events) == len(SHARDS) and len(shards.shards) == len(SHARDS)
+    assert [r.run_id for r in runs.runs] == [RUN] and summary.summary_json
+    assert len(resume) == len(SHARDS)
+    assert tight.ledger.admission is not None
+    assert tight.ledger.admission.refused_calls == 35
+    rejected = tight.metrics.events_rejected.labels("OVERLOADED")._value.get()
+    assert rejected == 35
+
+
+def test_the_sender_waits_the_advised_delay_and_the_ledger_stores_every_event_once(
+    tight: RunningServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    target = _target(tight)
+    _plan(target)
+    gate = WriterGate(tight, monkeypatch)
+    held = _hold_one_append(tight, gate)
+    advised: list[float] = []
+    own: list[float] = []
+    refused = threading.Event()
+    lock = threading.Lock()
+
+    def advised_jitter(delay_s: float) -> float:
+        with lock:
+            advised.append(delay_s)
+        refused.set()
+        return backoff.stretched(delay_s)
+
+    def jitter(delay_s: float) -> float:
+        with lock:
+            own.append(delay_s)
+        return backoff.jittered(delay_s)
+
+    sender = Sender(
+        LedgerClient(target),
+        spool_root=str(tmp_path / "spool"),
+        max_backoff_s=0.5,
+        drain_orphans=False,
+        jitter=jitter,
+        advised_jitter=advised_jitter,
+    )
+    events = [started(RUN, s, "att-2") for s in SHARDS[1:]] + [
+        event(RUN, s, "att-2", heartbeat=pb.Heartbeat(step=step))
+        for step in range(1, 31)
+        for s in SHARDS[1:]
+    ]
+    acks: list[Ack] = [sender.emit(e) for e in events]
+    assert refused.wait(60)  # the sender's first append met the full queue
+    gate.opened.set()
+    held.join(60)
+    assert sender.flush(120)
+    sender.close()
+    with lock:
+        assert advised and all(0 < d <= 0.5 for d in advised), advised
+        assert own == []  # every refusal said how long to wait: no step of its own
+    assert all(a.acknowledged and a.outcome == "appended" for a in acks)
+    client = LedgerClient(target)
+    stored = {e.event_id: e.sequence for e in client.list_events(RUN)}
+    counts = Counter(e.event_id for e in client.list_events(RUN))
+    client.close()
+    assert max(counts.values()) == 1  # nothing stored twice
+    assert {a.event_id: a.sequence for a in acks}.items() <= stored.items()  # nothing lost
+    assert len(stored) == len(SHARDS) + 1 + len(events)  # plans, the held start, the sender's
+
+
+def test_at_no_overload_nothing_is_refused(server: RunningServer, tmp_path: Path) -> None:
+    target = _target(server)
+    _plan(target)
+    client = LedgerClient(target)
+    client.append([started(RUN, s) for s in SHARDS])
+    sender = Sender(client, spool_root=str(tmp_path / "spool"), drain_orphans=False)
+    acks = [
+        sender.emit(event(RUN, s, "att-1", heartbeat=pb.Heartbeat(step=step)))
+        for step in range(1, 376)
+        for s in SHARDS[:4]
+    ]
+
+    def beat_alone(shard: str) -> None:
+        for step in range(1, 51):
+            client.append([event(RUN, shard, "att-1", heartbeat=pb.Heartbeat(step=step))])
+
+    threads = [threading.Thread(target=beat_alone, args=(s,)) for s in SHARDS[4:]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sender.flush(120)
+    sender.close()
+    assert all(a.outcome == "appended" for a in acks) and len(acks) == 1500
+    assert server.ledger.admission is not None
+    assert server.ledger.admission.refused_calls == 0
+    # Every admitted append gave its room back.
+    assert (server.ledger.admission.events, server.ledger.admission.calls) == (0, 0)
+    assert server.metrics.events_rejected.labels("OVERLOADED")._value.get() == 0
+
+
+# --- the rule itself, with a clock of our own ------------------------------------------------
+
+
+def _admission(**kwargs: Any) -> Admission:
+    """Returns an Admission whose clock stands still: its delays are exact."""
+    kwargs = {"delay_s": 1.0, "min_events": 10, "max_calls": 4, **kwargs}
+    return Admission(clock=lambda: 100.0, **kwargs)
+
+
+def test_an_empty_queue_admits_a_batch_larger_than_the_bound() -> None:
+    admission = _admission()
+    with admission.admitted(500):
+        assert (admission.events, admission.calls) == (500, 1)
+    assert (admission.events, admission.calls) == (0, 0)
+
+
+def test_the_bound_is_the_measured_rate_times_the_delay_at_least_the_minimum() -> None:
+    admission = _admission(delay_s=2.0)
+    assert admission.bound() == 10
+    admission.observe_commit(400, 0.1)  # 4,000 events/s
+    assert admission.rate == pytest.approx(4000)
+    assert admission.bound() == 8000
+
+
+def test_refusals_take_turns_behind_the_queue_and_each_other() -> None:
+    admission = _admission(delay_s=0.1, min_events=10)
+    admission.observe_commit(1000, 1.0)  # 1,000 events/s, so 100 may wait; a group takes 1 s
+    admission.admit(100)
+    delays = []
+    for _ in range(3):
+        with pytest.raises(Overloaded) as refused:
+            admission.admit(50)
+        delays.append(refused.value.retry_after_s)
+    # 50 events over the bound drain in 0.05 s, but a group takes 1 s; each later
+    # refusal comes 50 events (0.05 s) behind the one before.
+    assert delays == pytest.approx([1.0, 1.05, 1.1])
+    assert refused.value.metadata == {"queued_events": "100", "bound_events": "100"}
+
+
+def test_appends_never_hold_the_threads_kept_for_reads() -> None:
+    admission = _admission(min_events=1000, max_calls=2)
+    admission.admit(1)
+    admission.admit(1)
+    with pytest.raises(Overloaded):
+        admission.admit(1)
+
+
+def test_a_delay_of_zero_admits_everything() -> None:
+    admission = _admission(delay_s=0.0, min_events=1, max_calls=1)
+    for _ in range(5):
+        admission.admit(100)
+    assert (admission.events, admission.refused_calls) == (500, 0)
