@@ -589,3 +589,32 @@ def test_an_input_copied_over_itself_is_the_same_input_and_the_child_runs(
     code, report, err = night.exec()
     assert code == 0, err
     assert report["outcome"] == "committed"
+
+
+def test_a_shard_id_cut_as_the_cli_prints_it_names_the_whole_shard(
+    night: Night, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cut = night.shard_id[:14] + "…"  # as status, demo and watch print ids
+
+    def exec_shard(shard: str, server: str) -> subprocess.CompletedProcess[str]:
+        argv = night.argv()
+        at = argv.index("--plan-line")
+        argv[at : at + 2] = [shard]
+        argv[argv.index("--server") + 1] = server
+        argv[argv.index("--") + 1 :] = [
+            "bash",
+            "-c",
+            "printf '1 frame\\n' > {tmp:counts} && printf '{\"frame\": 17}' > {tmp:summary}",
+        ]
+        return subprocess.run(argv, env=night.env(), capture_output=True, text=True, timeout=60)
+
+    done = exec_shard(cut, night.target)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["shard_id"] == night.shard_id
+    assert night.final("counts").exists() and night.view(capsys)["state"] == "unverified"
+
+    unknown = exec_shard("s-ffffffff…", night.target)
+    assert unknown.returncode == 4 and "has no shard s-ffffffff…" in unknown.stderr
+    away = exec_shard(cut, f"127.0.0.1:{_free_port()}")
+    assert away.returncode == 3, away.stderr
+    assert "give the whole shard id" in away.stderr

@@ -74,7 +74,9 @@ def run_events(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def resolve_shard(client: LedgerClient, run_id: str, given: str, *, namespace: str = "") -> str:
+def resolve_shard(
+    client: LedgerClient, run_id: str, given: str, *, namespace: str = "", what: str = "--shard"
+) -> str:
     """Returns the run's shard id that `given` names: the id, or a unique prefix of it.
 
     The CLI prints ids cut (``s-3c52ba9ca020…``); such a form, ellipsis and all, names
@@ -95,7 +97,7 @@ def resolve_shard(client: LedgerClient, run_id: str, given: str, *, namespace: s
             f" and {len(matches) - 5} more" if len(matches) > 5 else ""
         )
         raise CommandError(
-            f"--shard {given} matches {len(matches)} shards of run {run_id}: {shown}; give more"
+            f"{what} {given} matches {len(matches)} shards of run {run_id}: {shown}; give more"
             " of the id",
             EXIT_USAGE,
         )

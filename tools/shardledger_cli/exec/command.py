@@ -15,6 +15,8 @@ from shard_client.ids import check_id
 from shard_client.inputs import INPUT_CHECKS, PlannedInput
 from shard_client.options import ShardOptions
 from shardledger_cli.cli import (
+    EXIT_REJECTED,
+    EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CommandError,
     at_least,
@@ -148,7 +150,11 @@ def register(
     json_help(p, single="the attempt's report, after the child ended")
     p.add_argument("run", metavar="RUN", help="run id")
     p.add_argument(
-        "shard", metavar="SHARD", nargs="?", help="shard id (or --plan-line / --plan-file)"
+        "shard",
+        metavar="SHARD",
+        nargs="?",
+        help="shard id, whole or cut as the CLI prints ids (s-3c52ba9ca020…: the ledger names"
+        " the one shard it starts), or --plan-line / --plan-file",
     )
     shard = p.add_argument_group("the shard")
     shard.add_argument(
@@ -295,7 +301,7 @@ def _spec(args: argparse.Namespace) -> ExecSpec:
         check_id("RUN", args.run)
         check_id("--attempt-id", attempt_id)
         target = resolve_target(
-            shard=args.shard,
+            shard=_whole_id(args) if args.shard else args.shard,
             plan_line=args.plan_line,
             plan_file=args.plan_file,
             index=args.index,
@@ -351,6 +357,35 @@ def _spec(args: argparse.Namespace) -> ExecSpec:
             _fields(args.fingerprint_field), enabled=not args.no_fingerprint
         ),
     )
+
+
+def _whole_id(args: argparse.Namespace) -> str:
+    """Returns the shard SHARD names: itself, or, cut as the CLI prints ids (s-3c52ba9ca020…),
+    the one shard of the run whose id it starts.
+
+    Only the cut form is looked up (a listing of the run's shards): an uncut SHARD is an
+    id as it stands, so a job starts without asking the ledger, which may be away.
+    """
+    given: str = args.shard
+    if not given.endswith(("…", "...")) or args.plan_line is not None or args.plan_file:
+        return given
+    from shard_client.errors import LedgerRejected, LedgerUnavailable
+    from shardledger_cli.commands.events import resolve_shard
+
+    try:
+        client = client_from(args)
+        try:
+            return resolve_shard(client, args.run, given, namespace=args.namespace, what="SHARD")
+        finally:
+            client.close()
+    except LedgerUnavailable as exc:
+        raise CommandError(
+            f"SHARD {given} is cut and the ledger, which knows the whole id, is unreachable"
+            f" ({exc}): give the whole shard id",
+            EXIT_UNAVAILABLE,
+        ) from None
+    except LedgerRejected as exc:
+        raise CommandError(f"cannot look up SHARD {given}: {exc}", EXIT_REJECTED) from None
 
 
 def _fill_path(text: str, names: dict[str, str], params: Any) -> str:
