@@ -14,7 +14,6 @@ of CPU on a 2-core machine. Nothing here is asserted in the test suite.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -51,7 +50,9 @@ def _heaviest_imports(argv: list[str], env: dict[str, str], top: int = 6) -> lis
         if not line.startswith("import time:") or "|" not in line:
             continue
         _, cumulative, name = line.split("|")
-        if not cumulative.strip().isdigit() or name.startswith("  "):  # nested: counted in its importer's cumulative time
+        if not cumulative.strip().isdigit() or name.startswith(
+            "  "
+        ):  # nested: counted in its importer's cumulative time
             continue
         rows.append((name.strip(), int(cumulative)))
     return [list(r) for r in sorted(rows, key=lambda r: -r[1])[:top]]
@@ -142,10 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             f"  x{row['ratio_to_python']} python -c pass"
             + ("" if row["under_target"] is None else f"  target 150 ms: {row['under_target']}")
         )
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(f"saved {out}")
+    from tools.bench_projections import save_result
+
+    save_result(args.output, result)
     return 0
 
 
