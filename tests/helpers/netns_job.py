@@ -126,6 +126,7 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=3.0, help="per-call deadline (s)")
     parser.add_argument("--unavailable-after", type=float, default=1.0)
     parser.add_argument("--exit-wait", type=float, default=120.0)
+    parser.add_argument("--progress-timeout", type=float, default=None)
     args = parser.parse_args()
     out, gate = Path(args.out), Path(args.gate_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,6 +152,7 @@ def main() -> int:
                 fingerprint=False,
                 watchdog=False,
                 sigterm_grace=None,
+                progress_timeout=args.progress_timeout,
             ) as shard:
                 for step in range(args.steps):
                     shard.progress(step, (step + 1) / args.steps)
