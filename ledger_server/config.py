@@ -20,7 +20,7 @@ class ServerConfig:
     listen: str = DEFAULT_LISTEN
     # Handler threads. An admitted append holds one until its group commits; appends
     # never take the last quarter (admission.read_reserve), which reads keep.
-    max_workers: int = 256
+    max_workers: int = 1024
     # Appends wait for the committer at most this long at its measured rate; beyond it,
     # and beyond the threads appends may hold, they are refused at once with
     # RESOURCE_EXHAUSTED (OVERLOADED) and a RetryInfo delay (admission.py). 0 admits all.
@@ -31,7 +31,7 @@ class ServerConfig:
     # The last resort behind admission: gRPC refuses every RPC (reads too) beyond this
     # many in flight, RESOURCE_EXHAUSTED without a delay, before any handler runs.
     # Above max_workers, so that admission acts first; bounded, so that memory is.
-    max_concurrent_rpcs: int = 1024
+    max_concurrent_rpcs: int = 2048
     max_message_bytes: int = MAX_MESSAGE_BYTES
     reflection: bool = True
     insecure: bool = False

@@ -135,6 +135,7 @@ def _client(
     # Answers that sent an event again: OVERLOADED (with a RetryInfo delay), gRPC's own
     # RESOURCE_EXHAUSTED (none), and UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED.
     counts = {"sent": 0, "overloaded": 0, "exhausted": 0, "unavailable": 0, "advised_s": 0.0}
+    samples: list[str] = []  # the first few resends' codes and details, as gRPC said them
     lock = threading.Lock()
     inflight = [0]
     again: queue.SimpleQueue[tuple[float, int, str, bytes, float, int]] = queue.SimpleQueue()
@@ -164,6 +165,10 @@ def _client(
                     counts["exhausted"] += 1
                 else:
                     counts["unavailable"] += 1
+                    name = f"code_{code.name}"
+                    counts[name] = counts.get(name, 0) + 1
+                    if len(samples) < 5:
+                        samples.append(f"{code.name}: {future.details()}")
                 inflight[0] += 1  # still owed an answer
                 step = backoff.FIRST_DELAY_S * 2 ** min(failures, 16)
                 wait = backoff.retry_wait(
@@ -215,7 +220,7 @@ def _client(
         future.add_done_callback(functools.partial(done, j, kind, body, first, failures))
     for job in jobs:
         job.channel.close()
-    out.put((lat, errors, counts, begin, time.monotonic()))
+    out.put((lat, errors, counts, begin, time.monotonic(), samples))
 
 
 def _proc_stat(pid: int) -> tuple[float, int, int, int]:
@@ -391,10 +396,12 @@ def drive(
     # CLOCK_MONOTONIC is one clock for every process: the drive runs from the first
     # client's first send to the last client's last answer (no spawn, no connect).
     drive_s = max(r[4] for r in results) - min(r[3] for r in results)
-    for part, errs, tally, _, _ in results:
+    resent: list[str] = []
+    for part, errs, tally, _, _, said in results:
         for kind, samples in part.items():
             lat.setdefault(kind, []).extend(samples)
         errors.extend(errs)
+        resent.extend(said)
         for key, value in tally.items():
             counts[key] = counts.get(key, 0) + value
     events = sum(len(v) for v in lat.values())
@@ -410,6 +417,8 @@ def drive(
         "refused_grpc_limit": int(counts["exhausted"]),
         "advised_delay_mean_s": round(counts["advised_s"] / max(counts["overloaded"], 1), 3),
         "resent_unavailable": int(counts["unavailable"]),
+        "resent_by_code": {k[5:]: int(v) for k, v in sorted(counts.items()) if k[:5] == "code_"},
+        "resent_samples": sorted(set(resent))[:5],
         "retried_overloaded": refusals + int(counts["unavailable"]),
         "error_codes": sorted(set(errors))[:5],
         "commit_ack_ms": {"p50": _pct(lat["commit"], 0.5), "p99": _pct(lat["commit"], 0.99)},
@@ -455,7 +464,7 @@ def bench_fleet(
         "workload": f"{CLIENT_PROCS} client processes, one channel per job; a heartbeat every"
         f" {interval:g} s (the SDK's 15 s / {speedup:g}), a checkpoint every 4th beat, the commit"
         f" after {seconds:g} s; status, resume and /metrics once a second",
-        "server_max_workers": max_workers or "default (256)",
+        "server_max_workers": max_workers or "default (1024)",
         "levels": [],
         "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
     }

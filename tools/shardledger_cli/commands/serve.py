@@ -59,7 +59,7 @@ def register(
     p.add_argument(
         "--max-workers",
         type=positive_int,
-        default=256,
+        default=1024,
         help="RPC handler threads; appends waiting for a commit never take the last quarter,"
         " which reads keep",
     )
@@ -84,7 +84,7 @@ def register(
     p.add_argument(
         "--max-concurrent-rpcs",
         type=positive_int,
-        default=1024,
+        default=2048,
         help="the last resort behind admission: RPCs in flight beyond this (reads too) get"
         " RESOURCE_EXHAUSTED from gRPC, with no delay",
     )
