@@ -513,11 +513,11 @@ class Observer:
     (tests/helpers/netns_observer.py) is its hands on the private network.
     """
 
-    def __init__(self, host: Host, workdir: Path) -> None:
+    def __init__(self, host: Host, workdir: Path, *, name: str = "observer") -> None:
         self.host = host
         self.proc = host.popen(
             [sys.executable, str(HELPERS / "netns_observer.py")],
-            log=workdir / f"observer-{host.name}.log",
+            log=workdir / f"{name}-{host.name}.log",
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )

@@ -115,6 +115,13 @@ def _configure(conn: Conn, *, idle_ms: int) -> None:
     # statements longer than one of them may run (write_timeout), only folds in between.
     conn.execute("SET synchronous_commit = on")
     conn.execute(f"SET idle_in_transaction_session_timeout = {idle_ms}")
+    # That timer runs only once the server has answered a whole request; a replica cut
+    # off mid-request (a pipeline without its Sync, half a message) leaves the session
+    # reading, its locks held, until TCP says the client is gone. The server's own
+    # keepalives, as the client's (LIBPQ_DEFAULTS), say it within 5 + 2 x 3 = 11 s, not
+    # the hours of the kernel's default. (Ignored on a Unix socket.)
+    for name in ("keepalives_idle", "keepalives_interval", "keepalives_count"):
+        conn.execute(f"SET tcp_{name} = {int(LIBPQ_DEFAULTS[name])}")
     conn.execute("SET application_name = 'shardledger'")
 
 

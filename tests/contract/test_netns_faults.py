@@ -16,8 +16,9 @@ namespace (Debian's `nftables`), `tc qdisc ... tbf` (there is no `netem` qdisc i
 this kernel: slow and lossy links are a userspace proxy), libfaketime preloaded into
 one Python process (Debian's `libfaketime`; ``FAKETIME=+600s`` shifts time.time() by
 600 s and gRPC works under it, with ``FAKETIME_DONT_FAKE_MONOTONIC=1``: a faked
-monotonic clock leaves Python's timed waits waiting the whole offset), and `unshare --uts` for a host name per machine.
-`python -m tools.campaign --suites netns --netns-repeat 10` runs the suite ten times.
+monotonic clock leaves Python's timed waits waiting the whole offset), and `unshare
+--uts` for a host name per machine. The whole module takes about a minute.
+`python -m tools.campaign --suites netns --netns-rounds 10` runs each case ten times.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -271,8 +273,12 @@ def test_a_partition_longer_than_the_heartbeat_timeout_spools_goes_stale_and_los
     to_running = wait_state(
         observer, ledger.target, run, "j1-s1", "running", TIMEOUT_S + ALLOWANCE_S
     )
+    # The stale shard is back: its commit, made while cut off, drained with the spool.
+    assert shard_state(observer, ledger.target, run, "j1-s0") == "unverified"
     job1.go("j1-s1")
     truths = [job1.result(), job2.result()]
+    views = observer.call("shards", target=ledger.target, run=run)
+    late = {v["shard_id"]: [a["late"] for a in v["attempt_history"]] for v in views}
 
     stored = observer.call("events", target=ledger.target, run=run)
     counts = tally(truths, stored)
@@ -286,6 +292,7 @@ def test_a_partition_longer_than_the_heartbeat_timeout_spools_goes_stale_and_los
         "late_attempts": summary["late_attempts"],
         "job1_events": len(truths[0]["events"]),
         "job1_acked_after_heal": len(spooled_acks),
+        "job2_longest_ack_gap_s": round(longest_ack_gap(truths[1]), 2),
     }
     report(net, "partition", result)
 
@@ -294,6 +301,8 @@ def test_a_partition_longer_than_the_heartbeat_timeout_spools_goes_stale_and_los
     assert summary["stale"] == summary["running"] == summary["missing"] == summary["failed"] == 0
     assert summary["attempts"] == len(shards1 + shards2)
     assert summary["late_attempts"] == 2
+    assert late == {"j1-s0": [True], "j1-s1": [True], **{s: [False] for s in shards2}}
+    assert result["job2_longest_ack_gap_s"] < TIMEOUT_S  # job2 never waited on the ledger
 
 
 # A link a night may meet: 40-80 ms each way, one chunk in 20 held 0.5 s more (a burst of
@@ -598,6 +607,9 @@ def wait_health(observer: Observer, target: str, status: str, timeout_s: float) 
 # once the database answers.
 CUT_OFF_BOUND_S: Final = 6.0
 RECONNECT_BOUND_S: Final = 2.5
+# A replica cut off mid-group leaves its runs locked until the database finds its host
+# gone: the server-side keepalives the store sets, 5 s idle + 3 probes 2 s apart.
+LOCK_FREED_BOUND_S: Final = 11.0
 
 
 @pytest.mark.postgres
@@ -609,10 +621,12 @@ def test_a_replica_cut_off_from_postgres_turns_not_serving_and_clients_fail_over
     Expectation: replica A, cut off from the database (packets dropped, no reset),
     turns NOT_SERVING within the documented bound (probe interval + tcp_user_timeout);
     the jobs, whose target lists both replicas (``ipv4:A,B``, round robin), go on
-    through replica B meanwhile: their shards commit through B while A is cut off, a
-    run A had locked mid-group included (the database ends A's silent transaction
-    after write_timeout). Healed, A is SERVING again within a probe retry and a
-    connect. Nothing acknowledged is lost or counted twice, nothing is left in a spool.
+    through replica B meanwhile: their shards commit through B while A is cut off,
+    although A was cut off in the middle of a group holding their run's lock (the worst
+    case, made certain here: a session of A's store sent half a pipeline): the database
+    finds A's host gone by the keepalives the store sets (5 s + 3 x 2 s) and frees the
+    lock. Healed, A is SERVING again within a probe retry and a connect. Nothing
+    acknowledged is lost or counted twice, nothing is left in a spool.
     """
     if pg.find_bin_dir() is None:
         pytest.skip(pg.SKIP_REASON)
@@ -652,13 +666,29 @@ def test_a_replica_cut_off_from_postgres_turns_not_serving_and_clients_fail_over
     for job in jobs:
         job.reached(f"{job.host.name}-s0")
     wait_health(observer, replica_a.target, "SERVING", 30)
+    # A's group in flight on the run when the link goes: its lock, half a request sent.
+    Observer(host_a, tmp_path, name="group").call("hold_run_lock", dsn=url, run=run)
     cut, cut_at = time.monotonic(), time.time()
     net.partition(host_a, db_host)
-    for job in jobs:
-        job.go(f"{job.host.name}-s0")
-    to_not_serving = wait_health(
-        observer, replica_a.target, "NOT_SERVING", CUT_OFF_BOUND_S + ALLOWANCE_S
-    )
+    prober = Observer(ops, tmp_path, name="prober")
+    with ThreadPoolExecutor(1) as pool:
+        # How long B's appends to the run wait for A's lock.
+        through_b = pool.submit(
+            prober.call,
+            "probe_append",
+            target=replica_b.target,
+            run=run,
+            shard="probe",
+            deadline_s=5,
+            retry_s=60,
+            timeout_s=90,
+        )
+        for job in jobs:
+            job.go(f"{job.host.name}-s0")
+        to_not_serving = wait_health(
+            observer, replica_a.target, "NOT_SERVING", CUT_OFF_BOUND_S + ALLOWANCE_S
+        )
+        lock_freed = through_b.result()
     for job in jobs:  # a shard committed through replica B while A is cut off
         wait_state(observer, replica_b.target, run, f"{job.host.name}-s1", "unverified", 30)
         job.reached(f"{job.host.name}-s2")
@@ -679,12 +709,16 @@ def test_a_replica_cut_off_from_postgres_turns_not_serving_and_clients_fail_over
         "to_serving_s": round(to_serving, 2),
         "acked_during_partition": acks_between(truths, cut_at, healed_at),
         "longest_ack_gap_s": round(max(longest_ack_gap(t) for t in truths), 2),
+        "lock_freed_s": round(lock_freed.get("seconds", -1), 2),
     }
     report(net, "replica_db_partition", result)
     assert counts == {**counts, "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
     assert to_not_serving < CUT_OFF_BOUND_S + ALLOWANCE_S
+    assert lock_freed["ok"], lock_freed
+    assert lock_freed["seconds"] < LOCK_FREED_BOUND_S + ALLOWANCE_S
     assert result["acked_during_partition"] > 0
-    assert summary["unverified"] == 6 and summary["attempts"] == 6
+    # The six shards and the probe's plan; one attempt each.
+    assert summary["unverified"] == 6 and summary["missing"] == 1 and summary["attempts"] == 6
 
 
 @pytest.mark.postgres

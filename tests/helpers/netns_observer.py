@@ -5,12 +5,14 @@ on stdout ({"result": ...} or {"error": "Type: message"}). Every call is one try
 a short deadline (no retries): the test decides what to wait for.
 
 ops: plan (target, run, shards), summary (target, run), shards (target, run),
-events (target, run), health (target), probe_append (target, run, shard, deadline_s),
-verify (target, run), sql (dsn, query): rows of a read-only query.
+events (target, run), health (target), probe_append (target, run, shard, deadline_s,
+retry_s), sql (dsn, query): rows of a read-only query, hold_run_lock (dsn, run): a
+replica's group cut off mid-request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -71,16 +73,44 @@ def health(target: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
 
 
-def probe_append(target: str, run: str, shard: str, deadline_s: float) -> dict[str, Any]:
-    """Appends one planned event with a fresh id; returns whether it was acknowledged, and when."""
+def probe_append(
+    target: str, run: str, shard: str, deadline_s: float, retry_s: float = 0
+) -> dict[str, Any]:
+    """Appends one planned event with a fresh id; returns whether it was acknowledged, and when.
+
+    One call with deadline_s, or calls with that deadline retried for retry_s.
+    """
     probe = planned(run, shard)
     probe.event_id = uuid.uuid4().hex
     started = time.monotonic()
     try:
-        LedgerClient(target, timeout_s=deadline_s, retry_deadline_s=0).append([probe])
+        LedgerClient(target, timeout_s=deadline_s, retry_deadline_s=retry_s).append([probe])
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     return {"ok": True, "seconds": time.monotonic() - started, "event_id": probe.event_id}
+
+
+_held: list[contextlib.ExitStack] = []
+
+
+def hold_run_lock(dsn: str, run: str) -> str:
+    """Locks the run as a replica's group does, then sends a statement of a pipeline and no Sync.
+
+    What a replica cut off mid-group leaves on the database: a session holding the run's
+    lock that has not finished its request, so the server waits to read the rest (its
+    idle_in_transaction_session_timeout is not running). Held until the process ends.
+    """
+    from ledger_server.store.postgres import PostgresStore
+
+    stack = contextlib.ExitStack()
+    store = PostgresStore(dsn)
+    stack.callback(store.close)
+    tx = stack.enter_context(store.write())
+    tx.conn.execute("SELECT 1 FROM runs WHERE run_id = %s FOR UPDATE", (run,))
+    stack.enter_context(tx.conn.pipeline())
+    tx.conn.execute("SELECT 1")
+    _held.append(stack)
+    return "held"
 
 
 def sql(dsn: str, query: str) -> list[list[Any]]:
@@ -108,6 +138,8 @@ def answer(request: dict[str, Any]) -> Any:
         return probe_append(**request)
     if op == "sql":
         return sql(**request)
+    if op == "hold_run_lock":
+        return hold_run_lock(**request)
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -159,6 +159,25 @@ def test_a_replica_gone_silent_mid_group_frees_its_run_locks_within_the_write_ti
         server.stop(0.5)
 
 
+def test_store_sessions_end_silent_transactions_and_find_a_vanished_replica_host(
+    pg_url: str,
+) -> None:
+    # Both ends of a store's session find a replica host that vanished without a reset
+    # (tests/contract/test_netns_faults.py cuts one off mid-group): the server drops an
+    # idle transaction after write_timeout, and, as the client does, probes the
+    # connection after 5 s of silence, every 2 s, 3 times, rather than the kernel's hours.
+    store = PostgresStore(f"{pg_url}?write_timeout=1.5")
+    try:
+        (row,) = store.execute_raw(
+            "SELECT current_setting('idle_in_transaction_session_timeout'),"
+            " current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_interval'),"
+            " current_setting('tcp_keepalives_count')"
+        )
+    finally:
+        store.close()
+    assert tuple(row) == ("1500ms", "5", "2", "3")
+
+
 def test_list_events_never_skips_an_event_that_commits_late(pg_url: str) -> None:
     import psycopg
 
