@@ -183,12 +183,17 @@ def test_a_live_scrape_passes_promtool_check_metrics(
 
 
 def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
-    server: RunningServer, client: LedgerClient
+    server: RunningServer, client: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for i in range(5):
         client.append([planned(f"old-{i}")])
-    time.sleep(1.2)  # every old run is now outside the 1 s active window
+    time.sleep(1.2)  # the old runs' last events are at least 1.2 s before the live ones'
     client.append([planned("live-0"), planned("live-1")])
+    # The scrape's "now" is 0.1 s after the live runs' events, whenever it really runs:
+    # the live runs are inside the 1 s active window and the old ones outside it, on a
+    # loaded machine too.
+    last_us = max(r.update_time.ToMicroseconds() for r in client.list_runs())
+    monkeypatch.setattr(server.ledger, "clock", lambda: last_us + 100_000)
     httpd, port = start(server, RunExport(active_window_s=1.0, finished_runs=2))
     try:
         samples = scrape(port)
@@ -198,7 +203,8 @@ def test_only_active_runs_and_the_k_most_recent_finished_runs_are_exported(
     assert exported_runs(samples) == {"live-0", "live-1", "old-4", "old-3"}
     assert samples[("shardledger_metrics_exported_runs", (("kind", "active"),))] == 2
     assert samples[("shardledger_metrics_exported_runs", (("kind", "finished"),))] == 2
-    assert time.time() - samples[("shardledger_ledger_last_event_timestamp_seconds", ())] < 1.0
+    last = samples[("shardledger_ledger_last_event_timestamp_seconds", ())]
+    assert last == pytest.approx(last_us / 1e6, abs=1e-3)
 
 
 def test_active_runs_beyond_the_hard_cap_are_not_exported(

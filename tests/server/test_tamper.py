@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -340,8 +339,6 @@ def test_a_clean_log_of_100k_events_raises_no_alarm(
     ledger.close()
     store.close()
 
-    started_at = time.perf_counter()
+    # How long it takes is a benchmark's question, never a timing assert here (tests/README.md).
     code, report = cli(capsys, "audit", "verify", "--db", str(db), "big")
-    elapsed = time.perf_counter() - started_at
     assert code == 0 and report["ok"] and report["events"] == 100_000
-    assert elapsed < 30, f"verifying 100k events took {elapsed:.1f}s"
