@@ -76,7 +76,7 @@ def skip_reason() -> str | None:
         return "network namespaces need root (run as root, as CI does)"
     if shutil.which("ip") is None:
         return "`ip` not found (apt-get install iproute2)"
-    name = f"{PREFIX}{os.getpid()}probe{next(_counter)}"
+    name = f"{PREFIX}{os.getpid()}n{next(_counter)}-probe"
     made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if made.returncode != 0:
         return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
