@@ -48,6 +48,8 @@ SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].fu
 log = structlog.get_logger("shardledger.server")
 # How long past the grace a stop may wait for grpcio before it cancels every call.
 STOP_MARGIN_S: Final = 3.0
+# Seconds a call may wait for the polling thread before gRPC's core cancels it (see _start).
+UNREQUESTED_CALL_S: Final = 5
 
 
 @dataclass(slots=True)
@@ -201,6 +203,11 @@ def _start(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.so_reuseport", 0),
+        # A call waits in gRPC's core until the server's one polling thread takes it; when
+        # that thread is starved of the GIL (overload on few cores), core cancels calls
+        # waiting longer than this (CANCELLED, which the SDK sends again). Its default,
+        # 30 s, hands Python calls whose client gave up at its 10 s deadline long before.
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_S),
         *config.extra_options,
     ]
     server = grpc.server(

@@ -1,7 +1,7 @@
 """Errors the SDK raises, keyed by the server's ErrorInfo reason (never by message text).
 
 LedgerClientError
-├── LedgerUnavailable          the server could not be reached in time (retryable)
+├── LedgerUnavailable          UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED: not reached in time (retryable)
 └── LedgerRejected             the server refused the request; ``reason`` says why
     ├── InvalidArgument        INVALID_ARGUMENT: a malformed field (``field``)
     ├── NotFound               NOT_FOUND: e.g. RUN_NOT_FOUND
@@ -93,7 +93,12 @@ _BY_CODE: Final[dict[grpc.StatusCode, type[LedgerRejected]]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
 }
-RETRYABLE: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# CANCELLED: the SDK cancels no unary call of its own, so the server's side did (a call
+# an overloaded server's core dropped before handling it, a shutdown): nothing was
+# stored, and every call the SDK sends again is idempotent.
+RETRYABLE: Final = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 
 
 def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:

@@ -50,6 +50,8 @@ DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 CLIENT_PROCS = 4
 APPEND = "/shardledger.v1.LedgerService/AppendEvents"
 RUN = "fleet"
+# The SDK's deadline per call (LedgerClient.timeout_s).
+CALL_TIMEOUT_S = 10.0
 # What the SDK's sender keeps (spools) and sends again rather than giving up on.
 _RETRIED = frozenset(
     {
@@ -216,7 +218,7 @@ def _client(
         with lock:
             inflight[0] += 1 if failures == 0 else 0
         job.busy = True
-        future = job.call.future(body, timeout=60)
+        future = job.call.future(body, timeout=CALL_TIMEOUT_S)
         future.add_done_callback(functools.partial(done, j, kind, body, first, failures))
     for job in jobs:
         job.channel.close()
@@ -409,6 +411,7 @@ def drive(
     return {
         "connections": connections,
         "offered_events_per_s": round(connections / interval),
+        "sent_events": int(counts["sent"]),
         "events": events,
         "events_per_s": round(events / drive_s),
         "errors": len(errors),

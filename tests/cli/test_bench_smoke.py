@@ -115,3 +115,22 @@ def test_bench_refuses_connections_that_are_no_numbers(tmp_path: Path) -> None:
     done = _bench("tools.bench", "fleet", "--connections", "many", timeout=60)
     assert done.returncode == 2
     assert "--connections 'many': give numbers" in done.stderr
+
+
+def test_bench_overload_drives_each_speedup_against_one_server_and_reports_the_ratio(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "overload.json"
+    done = _bench(
+        "tools.bench_overload",
+        *("--connections", "20", "--seconds", "1", "--speedups", "10,20", "-o", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    [run] = json.loads(out.read_text())["runs"]
+    assert [phase["speedup"] for phase in run["phases"]] == [10.0, 20.0]
+    for phase in run["phases"]:
+        # 20 jobs are far below any admission bound: nothing may be refused.
+        assert (phase["connections"], phase["errors"], phase["refused"]) == (20, 0, 0)
+        assert phase["reader_errors"] == 0
+        assert phase["events"] == phase["sent_events"] > 0  # every event acknowledged
+    assert run["acknowledged_ratio_last_to_first"] > 0

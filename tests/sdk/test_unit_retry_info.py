@@ -192,3 +192,12 @@ def test_the_spool_drain_waits_the_advised_delay(tmp_path: Path) -> None:
         [_overloaded(0.3), _overloaded(0.6)], tmp_path, policy="spool", unavailable_after_s=0.0
     )
     assert (advised, own) == ([0.3, 0.6], [])
+
+
+def test_a_call_the_server_cancelled_is_sent_again_not_recorded_as_refused() -> None:
+    # An overloaded server's gRPC core cancels calls its Python server did not take in time
+    # (server.UNREQUESTED_CALL_S): nothing was stored, and an append is idempotent.
+    cancelled = _Refused(grpc.StatusCode.CANCELLED, "CANCELLED", None)
+    assert isinstance(from_rpc_error(cancelled), LedgerUnavailable)
+    answer, waited = _client_waits([cancelled])
+    assert answer == "answered" and len(waited) == 1
