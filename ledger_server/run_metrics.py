@@ -45,9 +45,19 @@ __all__ = [
 # The same logger as the server counters: one name for everything /metrics logs.
 log = structlog.get_logger("shardledger.metrics")
 
-# The run_shards states: they partition the submitted shards (failed includes
-# verify_failed, unverified is committed), so sum by (run_id) is the submitted count.
-SHARD_STATES: Final = ("verified", "failed", "missing", "running", "stale", "unverified")
+# The run_shards states, each the set `shardledger shards --state NAME` lists: they
+# partition the submitted shards (failed is a loud failure, verify_failed an artifact
+# that failed verification, unverified is committed), so sum by (run_id) is the
+# submitted count.
+SHARD_STATES: Final = (
+    "verified",
+    "failed",
+    "missing",
+    "running",
+    "stale",
+    "unverified",
+    "verify_failed",
+)
 # verify_failed shards are exported under one tag, because verify reasons are free text.
 VERIFY_FAILED_TAG: Final = "verify_failed"
 # CompareRuns' integer figures, exported per value of each well-known label. hangs and
@@ -96,8 +106,9 @@ class RunExport:
 # server reads the same value back from the store, so rate() never sees a reset).
 RUN_FAMILIES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "shards": (
-        "Shards by state; the states partition the submitted shards"
-        " (failed includes verify_failed, unverified is committed).",
+        "Shards by state, each the set `shards --state` lists; the states partition the"
+        " submitted shards (failed: a loud failure; verify_failed: an artifact failed"
+        " verification; unverified: committed, not yet verified).",
         ("state",),
     ),
     "submitted_shards": ("Planned shards (the sum of every state).", ()),
@@ -289,8 +300,9 @@ class RunCollector(Collector):
         """Adds one run's series; returns False when its field figures had to be left out."""
         s = self.ledger.summary(run.namespace, run.run_id, now=now_us)
         key = [run.namespace, run.run_id]
+        states: dict[str, int] = s["by_state"]
         for state in SHARD_STATES:
-            f["shards"].add_metric([*key, state], float(s[state]))
+            f["shards"].add_metric([*key, state], float(states.get(state, 0)))
         f["submitted_shards"].add_metric(key, float(s["submitted"]))
         tags: dict[str, int] = s["failure_tags"]
         for tag in FAILURE_TAGS:

@@ -86,14 +86,14 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
     client: LedgerClient, metrics_port: int
 ) -> None:
     run = "night-1"
-    client.append([planned(run, f"s{i}", i) for i in range(4)])
+    client.append([planned(run, f"s{i}", i) for i in range(5)])
 
     before = scrape(metrics_port)
-    assert run_value(before, "shardledger_run_submitted_shards", run) == 4
+    assert run_value(before, "shardledger_run_submitted_shards", run) == 5
     assert run_value(before, "shardledger_run_shards", run, state="planned") is None
-    assert run_value(before, "shardledger_run_shards", run, state="missing") == 4
+    assert run_value(before, "shardledger_run_shards", run, state="missing") == 5
     assert run_value(before, "shardledger_run_shards", run, state="stale") == 0
-    assert run_value(before, "shardledger_run_events_total", run) == 4
+    assert run_value(before, "shardledger_run_events_total", run) == 5
     assert run_value(before, "shardledger_run_oldest_heartbeat_timestamp_seconds", run) is None
     assert run_value(before, "shardledger_run_submission_closed", run) == 0
     assert run_value(before, "shardledger_run_settled", run) == 0
@@ -109,21 +109,38 @@ def test_gauges_follow_missing_stale_duplicate_and_failed_shards_during_a_run(
             committed(run, "s1", "a1-again", digest=DIGEST_B),
             started(run, "s2", "a2"),
             event(run, "s2", "a2", failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM)),
+            # s4 reported success, and its artifact failed verification.
+            started(run, "s4", "a4"),
+            committed(run, "s4", "a4"),
+            event(
+                run,
+                "s4",
+                verified=pb.ArtifactVerified(
+                    name="out",
+                    path="/out/x",
+                    blake3_hex=DIGEST_A,
+                    result=pb.VERIFICATION_RESULT_FAILED,
+                    reason="truncated: 3 of 5 bytes",
+                ),
+            ),
         ]
     )
     during = scrape(metrics_port)
     assert run_value(during, "shardledger_run_shards", run, state="running") == 1
     assert run_value(during, "shardledger_run_shards", run, state="missing") == 1
     assert run_value(during, "shardledger_run_shards", run, state="unverified") == 1
+    # One name per count, as `shards --state` lists them: failed is the loud failure only.
     assert run_value(during, "shardledger_run_shards", run, state="failed") == 1
+    assert run_value(during, "shardledger_run_shards", run, state="verify_failed") == 1
     assert run_value(during, "shardledger_run_failed_shards", run, tag="oom") == 1
+    assert run_value(during, "shardledger_run_failed_shards", run, tag="verify_failed") == 1
     assert run_value(during, "shardledger_run_duplicate_shards", run, kind="wasted") == 1
     assert run_value(during, "shardledger_run_duplicate_shards", run, kind="nondeterministic") == 1
     assert run_value(during, "shardledger_run_duplicate_shards", run, kind="zombie") == 0
     assert run_value(during, "shardledger_run_completion_ratio", run) == 0.0
     partition = [run_value(during, "shardledger_run_shards", run, state=s) for s in SHARD_STATES]
     # The states partition the submitted shards: sum by (run_id) counts each shard once.
-    assert sum(v or 0 for v in partition) == 4
+    assert sum(v or 0 for v in partition) == 5
 
     after = scrape_until(
         metrics_port, lambda s: run_value(s, "shardledger_run_shards", run, state="stale") == 1
@@ -361,3 +378,17 @@ def test_the_oldest_heartbeat_is_exact_across_heartbeat_rows_and_records(tmp_pat
     assert collector._oldest_last_seen(run.run_pk) == reference() == 1_010_000_000
     at(80, ev(0, "h1", Heartbeat(1, 0.1, {})))  # shard 0 beats: now shard 3 (record 40 s) is
     assert collector._oldest_last_seen(run.run_pk) == reference() == 1_040_000_000
+
+
+def test_the_cardinality_the_docs_state_is_what_the_export_computes() -> None:
+    """docs/alerts.md sizes Prometheus by SERIES_PER_RUN: the figures there are the code's."""
+    repo = Path(__file__).parents[2]
+    text = " ".join((repo / "docs" / "alerts.md").read_text().split())
+    per_run = RunExport().series_per_run()
+    assert f"at most {SERIES_PER_RUN} series without its label values" in text
+    assert f"{len(SHARD_STATES)} states" in text
+    assert f"and {per_run} in all per run" in text
+    assert f"550 × {per_run} = {550 * per_run:,}" in text
+    assert f"550 × {SERIES_PER_RUN} = {550 * SERIES_PER_RUN:,}" in text
+    readme = " ".join((repo / "deploy" / "prometheus" / "README.md").read_text().split())
+    assert f"at most {SERIES_PER_RUN} series per run" in readme
