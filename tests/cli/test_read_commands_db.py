@@ -147,6 +147,18 @@ COMMANDS: dict[str, tuple[list[str], frozenset[str]]] = {
         ["verify", RUN, "--root", "{root}", "--dry-run", "--recheck", "--json"],
         AS_OF,
     ),
+    "compare": (
+        ["compare", RUN, RUN_2, "--root", "{root}", "--ref-root", "{root}", "--json"],
+        AS_OF,
+    ),
+    "accept": (["accept", "--runs", f"{RUN},{RUN_2}", "--json"], AS_OF),
+    "sample --dry-run": (
+        ["sample", RUN, "--as", "night-01-ref", "--min", "2", "--dry-run", "--json"],
+        AS_OF,
+    ),
+    "notify --dry-run": (["notify", RUN, "--dry-run", "--json"], AS_OF),
+    # Lists the stale attempts (the SIGKILLed job's) as of now; --db acts on none.
+    "watch": (["watch", RUN, "--diag-dir", "{out}", "--json"], AS_OF),
 }
 
 
@@ -236,6 +248,11 @@ WITH_DB = [
     ["trend"],
     ["export", RUN],
     ["verify", RUN, "--dry-run"],
+    ["compare", RUN, RUN_2],
+    ["accept", "--runs", RUN],
+    ["sample", RUN, "--as", "ref", "--dry-run"],
+    ["notify", RUN, "--dry-run"],
+    ["watch", RUN],
 ]
 
 
@@ -291,6 +308,26 @@ def test_verify_dry_run_through_a_server_records_nothing(
     assert report["dry_run"] and report["appended"] == 0
     assert report["not_recorded"] == report["checked"] > 0
     assert event_count() == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["sample", RUN, "--as", "night-01-ref"], "add --dry-run"),
+        (["watch", RUN, "--kill-stale"], "--kill-stale records failed(timeout)"),
+        (["watch", RUN, "--record-remote"], "--record-remote records failed(timeout)"),
+        (["watch", RUN, "--interval", "5"], "--interval waits"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_a_command_that_would_write_or_wait_is_refused_on_a_file_and_changes_nothing(
+    night: Night, capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    before = snapshot(night.copy)
+    code, out, err = run_cli(capsys, *argv, "--db", str(night.copy))
+    assert (code, out) == (2, ""), err
+    assert flag in err and "--server" in err
+    assert snapshot(night.copy) == before
 
 
 def test_events_follow_on_a_file_is_refused(

@@ -1,7 +1,7 @@
 """Read commands on a ledger file (--db PATH|URL): the ledger served read-only, in process.
 
-`status --db F` (and shards, resume, events, runs, report, trend, export, verify
---dry-run) open F read-only, start the real gRPC server over it on a Unix socket in
+`status --db F` (and shards, resume, events, runs, report, trend, export, compare,
+accept, notify, verify --dry-run, sample --dry-run, watch without acting) open F read-only, start the real gRPC server over it on a Unix socket in
 a private directory, and point the command's client there. Every command then runs
 its ordinary code path against the same servicer, service and projections a
 `shardledger serve --db F` would use, so it answers exactly what it would answer

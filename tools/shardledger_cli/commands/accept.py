@@ -30,6 +30,7 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.trend import ShardArtifacts, consistency_of, shard_artifacts
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import print_json, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
@@ -81,7 +82,7 @@ def register(
     p.add_argument("--min-consistency", type=_rate, default=0.95, help="default 0.95")
     json_help(p, single="the acceptance verdict, each step with its figures and threshold")
     add_format_option(p)
-    p.set_defaults(func=run_accept)
+    serve_db_option(p, run_accept)
 
 
 @dataclass(slots=True)

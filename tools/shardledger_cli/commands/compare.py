@@ -40,6 +40,7 @@ from shardledger_cli.cli import (
     CommandError,
     client_from,
 )
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import print_json, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
@@ -139,7 +140,7 @@ def register(
         p, single="the comparison: agreement rate, each disagreement, the silent error estimate"
     )
     add_format_option(p)
-    p.set_defaults(func=run_compare)
+    serve_db_option(p, run_compare)
 
 
 def _where(root: str, path: str) -> str:

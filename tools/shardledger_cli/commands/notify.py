@@ -30,6 +30,7 @@ from shardledger_cli.cli import (
     client_from,
     positive_seconds,
 )
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import by_state, count_shards, print_json
 from shardledger_cli.parsing import json_help
 
@@ -112,7 +113,7 @@ def register(
         help="deadline of one POST (default 10)",
     )
     json_help(p, single="what was posted (the report) and whether it was delivered")
-    p.set_defaults(func=run_notify)
+    serve_db_option(p, run_notify)
 
 
 def run_notify(args: argparse.Namespace) -> int:

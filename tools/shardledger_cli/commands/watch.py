@@ -62,6 +62,7 @@ from shardledger_cli.commands import watch_stop
 from shardledger_cli.commands.watch_diag import DIAG_ENV, LOG_FIELDS, default_diag_dir, log_path
 from shardledger_cli.commands.watch_handle import Action, handle_stale, stale_checker
 from shardledger_cli.commands.watch_stop import StartedIndex, Target
+from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.parsing import json_help
 
 __all__ = ["Action", "StartedIndex", "Target", "default_diag_dir", "handle_stale", "stale_checker"]
@@ -134,7 +135,23 @@ def register(
         "host and no scheduler identity, no recorded start time, a failed stop)",
     )
     json_help(p, lines="one stale attempt and what was done to it")
-    p.set_defaults(func=run)
+    serve_db_option(p, run, refuse=_acts)
+
+
+def _acts(args: argparse.Namespace) -> str:
+    """Returns why watch cannot run on a ledger read with --db (it would act or wait), or ""."""
+    for given, flag, why in (
+        (args.kill_stale, "--kill-stale", "records failed(timeout)"),
+        (args.record_remote, "--record-remote", "records failed(timeout)"),
+        (args.interval > 0, "--interval", "waits for what a server records"),
+    ):
+        if given:
+            return (
+                f"{flag} {why}, and --db reads the ledger with no server and writes nothing:"
+                " with --db, watch only lists the stale attempts (one pass); act through the"
+                " server that writes the ledger (--server)"
+            )
+    return ""
 
 
 def _check_options(args: argparse.Namespace, diag_dir: Path) -> None:
