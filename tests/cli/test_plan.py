@@ -535,7 +535,7 @@ def test_reopen_then_new_shards_are_accepted_and_status_says_reopened(
     )
     cli(["status", RUN, "--server", f"127.0.0.1:{server.port}"])  # exit 1: shards missing
     status = capsys.readouterr().out
-    assert f"\nlifecycle\topen (reopened at sequence {reopen.sequence}, " in status
+    assert f"\nlifecycle\topen (reopened at event {reopen.run_sequence}, " in status
     assert "settled" not in status
     assert plan(server, *directory, "--params", '{"seed": 2}', "--add", "--json") == 0
     assert json.loads(capsys.readouterr().out)["new"] == 3

@@ -107,8 +107,9 @@ N (TIME): plan --reopen to add shards"), exit 4, one line, and nothing of the
 plan is stored (the plan stops at the first batch refused; a batch is atomic).
 An identical re-plan of the shards it has is still fine (already planned).
 --reopen appends a run-level run_reopened event (with --reason, if given) that
-undoes the close: the run is open again, `status` says "reopened at sequence N"
-and no longer "settled", and new shards are accepted until the next --close.
+undoes the close: the run is open again, `status` says "reopened at event N" (the
+run's own numbering, as `events` shows it) and no longer "settled", and new shards
+are accepted until the next --close.
 With a manifest or inputs, --reopen reopens first and then plans (and, with
 --close too, closes again after planning: a late wave in one command). A run
 that is not closed cannot be reopened (RUN_NOT_CLOSED, exit 4).

@@ -358,6 +358,19 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
         print_table(title, heads, cells, plain=plain, console=console)
 
 
+def in_run(section: dict[str, Any], moment: str) -> Any:
+    """Returns a summary moment as the run's own event number (SEQ in `events RUN`).
+
+    A server older than the run's numbering gives only the ledger-wide sequence: that
+    one is shown, marked as such.
+    """
+    own = section.get(f"{moment}_run_sequence")
+    if own:
+        return own
+    wide = section.get(f"{moment}_sequence")
+    return f"{wide} (ledger-wide sequence)" if wide else None
+
+
 def lifecycle_line(s: dict[str, Any]) -> str:
     """Returns one line saying whether the run is over, and if not what it waits on."""
     life = s.get("lifecycle")
@@ -368,10 +381,10 @@ def lifecycle_line(s: dict[str, Any]) -> str:
     if life.get("submission_closes_at"):
         return f"lifecycle          open until {life['submission_closes_at']} (--submitted-until)"
     if not life["submission_closed"]:
-        reopened = life.get("reopened_at_sequence")
+        reopened = in_run(life, "reopened_at")
         return (
             "lifecycle          open"
-            + (f" (reopened at sequence {reopened}, {life['reopened_at']})" if reopened else "")
+            + (f" (reopened at event {reopened}, {life['reopened_at']})" if reopened else "")
             + f": jobs may still start (`shardledger plan {s['run_id']} --close` once none will)"
         )
     words = {"unverified": "committed, not verified", "unplanned": "announced, not planned"}
@@ -387,7 +400,7 @@ def _first_pass(say: Callable[..., None], s: dict[str, Any]) -> None:
     if not fp:
         return
     when = (
-        f"closed at sequence {fp['closed_at_sequence']} (the run's first verdict)"
+        f"closed at event {in_run(fp, 'closed_at')} (the run's first verdict)"
         if fp["closed"]
         else "still open: no verdict yet, so every attempt so far belongs to it"
     )
