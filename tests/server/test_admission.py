@@ -8,10 +8,12 @@ by timing.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -26,7 +28,7 @@ from ledger_server.server import RunningServer, create_server
 from shard_client import Ack, LedgerClient, Sender, backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
-from tests.builders import event, planned, started
+from tests.builders import event, planned, run_cli, started
 
 RUN = "run-1"
 SHARDS = [f"shard-{i}" for i in range(8)]
@@ -275,3 +277,49 @@ def test_a_delay_of_zero_admits_everything() -> None:
     for _ in range(5):
         admission.admit(100)
     assert (admission.events, admission.refused_calls) == (500, 0)
+
+
+def test_plan_waits_the_advised_delay_and_plans_every_shard_once(
+    tight: RunningServer,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from shardledger_cli.commands import plan as plan_command
+
+    target = _target(tight)
+    _plan(target)
+    gate = WriterGate(tight, monkeypatch)
+    held = _hold_one_append(tight, gate)
+    waits: list[tuple[float | None, float]] = []
+
+    def retry_wait(advised_s: float | None, step_s: float, *, cap_s: float) -> float:
+        wait = backoff.retry_wait(advised_s, step_s, cap_s=cap_s)
+        waits.append((advised_s, wait))
+        gate.opened.set()  # the refusal was met: let the queue drain
+        return wait
+
+    monkeypatch.setattr(
+        plan_command, "backoff", SimpleNamespace(retry_wait=retry_wait, grown=backoff.grown)
+    )
+    inputs = []
+    for i in range(3):
+        inputs.append(tmp_path / f"in-{i}.txt")
+        inputs[-1].write_text(f"input {i}\n")
+    manifest = tmp_path / "late.jsonl"
+    manifest.write_text("".join(json.dumps({"input": str(p)}) + "\n" for p in inputs))
+
+    code, out, err = run_cli(
+        capsys, "plan", "run-2", "--manifest", str(manifest), "--server", target, "--json"
+    )
+    held.join(60)
+    assert code == 0, err
+    assert json.loads(out)["new"] == 3
+    # The ledger said how long to wait, and plan waited that (spread up to half again).
+    assert waits, "plan never met the full queue"
+    advised, wait = waits[0]
+    assert advised is not None and 0 < advised <= MAX_RETRY_S
+    assert advised <= wait <= 1.5 * advised
+    client = LedgerClient(target)
+    assert len(list(client.list_events("run-2"))) == 3  # each shard planned once
+    client.close()

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from ledger_server.validation import MAX_EXPECTED_SHARDS
+from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
@@ -617,18 +618,23 @@ def _refusal_text(exc: LedgerRejected) -> str:
 def _deliver_all(
     client: LedgerClient, events: Sequence[pb.ShardEvent]
 ) -> list[pb.AppendResult | LedgerRejected]:
-    """Delivers every event, retrying while the ledger is briefly unreachable."""
+    """Delivers every event, retrying while the ledger is briefly unreachable or overloaded.
+
+    An overloaded ledger's refusal says when to come back (RetryInfo): that wait, spread
+    a little so that many planners do not return at once; otherwise a doubling step.
+    """
     done: list[pb.AppendResult | LedgerRejected] = []
-    give_up, backoff = time.monotonic() + client.retry_deadline_s, 0.1
+    give_up, step = time.monotonic() + client.retry_deadline_s, 0.1
     while len(done) < len(events):
         results, stop = deliver(client, events[len(done) :])
         done += results
         if stop is None:
             break
-        if time.monotonic() + backoff > give_up:
+        wait = backoff.retry_wait(stop.retry_after_s, step, cap_s=client.max_backoff_s)
+        if time.monotonic() + wait > give_up:
             raise stop
-        time.sleep(backoff)
-        backoff = min(backoff * 2, 2.0)
+        time.sleep(wait)
+        step = backoff.grown(step, client.max_backoff_s)
     return done
 
 
