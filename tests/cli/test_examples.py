@@ -203,3 +203,60 @@ def test_slurm_array_template_is_valid_bash() -> None:
     text = (EXAMPLES / "slurm_array.sbatch").read_text()
     assert "--format slurm-array" in text
     assert "SLURM_ARRAY_TASK_ID + 1" in text
+
+
+@pytest.mark.parametrize(
+    ("settings", "plan_lines", "message"),
+    [
+        ({"PLAN_LINES": "plan-lines.jsonl"}, "x\n", "RUN: set RUN (the run id)"),
+        ({"RUN": "n1", "PLAN_LINES": "no-such.jsonl"}, "x\n", "is not a readable file"),
+        ({"RUN": "n1", "PLAN_LINES": "plan-lines.jsonl"}, "", "has no plan line"),
+    ],
+)
+def test_the_slurm_submit_script_refuses_a_bad_setting_before_submitting(
+    tmp_path: Path, settings: dict[str, str], plan_lines: str, message: str
+) -> None:
+    # No Slurm here: a stand-in sbatch on PATH records any call, and none may come.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho called >> {tmp_path}/sbatch-calls\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    (tmp_path / "plan-lines.jsonl").write_text(plan_lines)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": "out", **settings}
+    done = subprocess.run(
+        ["bash", str(EXAMPLES / "slurm_submit.sh")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert not (tmp_path / "sbatch-calls").exists()
+
+
+def test_the_slurm_submit_script_sends_every_plan_line_with_logs_in_out(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > args\necho 42\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    (tmp_path / "plan-lines.jsonl").write_text("a\nb\nc\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RUN": "n1", "PLAN_LINES": "plan-lines.jsonl"}
+    done = subprocess.run(
+        ["bash", str(EXAMPLES / "slurm_submit.sh"), "--gres=none"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout == "42\n"
+    assert (tmp_path / "out" / "logs").is_dir()
+    assert (tmp_path / "args").read_text().splitlines() == [
+        "--parsable",
+        "--export=ALL",
+        "--output=out/logs/%x-%A_%a.out",
+        "--array=0-2%64",
+        "--gres=none",
+        str(EXAMPLES / "slurm_submit.sh").replace("slurm_submit.sh", "slurm_array.sbatch"),
+    ]

@@ -21,7 +21,7 @@ slurm_cluster = slurm.slurm_cluster
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
-SBATCH = REPO / "examples" / "slurm_array.sbatch"
+SUBMIT = REPO / "examples" / "slurm_submit.sh"
 RUN = "night-slurm"
 HUNG = {"s1", "s4"}
 
@@ -53,17 +53,15 @@ def _plan(tmp_path: Path, target: str) -> Path:
     return plan_lines
 
 
-def _sbatch(cluster: SlurmCluster, tmp_path: Path, array: str) -> int:
-    # The template asks for a GPU and 8 CPUs; this node has no GPU, so the test asks for none.
-    return cluster.sbatch(
-        f"--array={array}",
-        "--gres=none",
-        "--cpus-per-task=1",
-        f"--output={tmp_path}/slurm-%A_%a.out",
-        "--export=ALL",
-        str(SBATCH),
-        cwd=REPO,
+def _submit(cluster: SlurmCluster, *args: str) -> int:
+    """Submits as docs/cluster.md does: examples/slurm_submit.sh, from the repository root.
+
+    The template asks for a GPU and 8 CPUs; this node has no GPU, so the test asks for none.
+    """
+    done = cluster.run(
+        "bash", str(SUBMIT), "--gres=none", "--cpus-per-task=1", *args, cwd=REPO, timeout_s=60
     )
+    return int(done.stdout.strip().split(";")[0])
 
 
 def _wait_tasks(cluster: SlurmCluster, job_id: int, timeout_s: float = 30) -> dict[str, str]:
@@ -110,7 +108,9 @@ def test_hung_array_tasks_are_stopped_through_scancel_and_the_rerun_completes_th
         monkeypatch.setenv(name, value)
     # The watchdog's scancel and scontrol talk to the test cluster.
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
-    array_id = _sbatch(slurm_cluster, tmp_path, "0-5%6")
+    monkeypatch.setenv("THROTTLE", "6")
+    checkout_before = set(REPO.glob("slurm-*.out"))
+    array_id = _submit(slurm_cluster)  # every plan line: 0-5%6
     # On a two-CPU node the two hung tasks hold every CPU: s5 waits for the watchdog.
     _wait_states(client, {"s1": "stale", "s4": "stale"})
     capsys.readouterr()
@@ -148,8 +148,15 @@ def test_hung_array_tasks_are_stopped_through_scancel_and_the_rerun_completes_th
     array = capsys.readouterr().out.strip()
     assert array == "1,4"
     monkeypatch.delenv("HANG_SHARDS")
-    rerun = _sbatch(slurm_cluster, tmp_path, f"{array}%6")
+    rerun = _submit(slurm_cluster, f"--array={array}%6")
     assert slurm_cluster.wait_job(rerun) == "COMPLETED"
+    # Every task logged under $OUT/logs, Slurm's word on a cancelled task included, and
+    # nothing in the checkout the jobs were submitted from.
+    logs = {p.name for p in (out / "logs").iterdir()}
+    first = {f"project-x-{array_id}_{i}.out" for i in range(6)}
+    assert logs == first | {f"project-x-{rerun}_{i}.out" for i in (1, 4)}
+    assert "CANCELLED" in (out / "logs" / f"project-x-{array_id}_1.out").read_text()
+    assert set(REPO.glob("slurm-*.out")) == checkout_before
     assert main(["verify", RUN, "--root", str(out), "--server", target]) == 0
     capsys.readouterr()
     assert main(["status", RUN, "--server", target, "--json"]) == 0
