@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final, NamedTuple
 
+from ledger_server import formats
 from shard_client.canonical import MAX_SAFE_INTEGER, canonical_json, legacy_json
 
 DEFAULT_NAMESPACE: Final = "default"
@@ -20,7 +21,7 @@ READ_BACKS: Final = ("", "size_etag", "digest")
 # adopted, which keep their bytes), 2 is RFC 8785 with a "v":2 key in the row. New rows
 # are written in ROW_FORMAT.
 ROW_FORMAT_LEGACY: Final = 1
-ROW_FORMAT: Final = 2
+ROW_FORMAT: Final = formats.ROW_FORMAT
 ROW_FORMATS: Final = (ROW_FORMAT_LEGACY, ROW_FORMAT)
 
 

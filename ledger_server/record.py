@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import orjson
 
+from ledger_server import formats
 from ledger_server.events import ShardPlanned
 from ledger_server.states import ShardState
 from shard_client.canonical import legacy_json
@@ -32,7 +33,7 @@ from shard_client.canonical import legacy_json
 # longer to arrive than its started event did (or the start longer than it) by more than
 # its heartbeat timeout: the job's clock cancels out (was: arrived a minute after its
 # client time, which a skewed job clock made or hid).
-RECORD_VERSION: Final = 6
+RECORD_VERSION: Final = formats.RECORD_FORMAT
 
 
 @dataclass(slots=True)

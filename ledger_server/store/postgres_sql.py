@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from ledger_server import formats
 from ledger_server.states import ShardState
 from ledger_server.store.resume_sql import resume_reason_sql
 
@@ -109,6 +110,7 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
         ],
     ),
 ]
+formats.check_schema("PostgreSQL", MIGRATIONS, formats.POSTGRESQL_SCHEMA)
 
 IMMUTABLE_SQLSTATE: Final = "SL001"
 EVENT_SEQUENCE: Final = "events_seq_seq"

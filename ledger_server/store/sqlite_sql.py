@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from ledger_server import formats
 from ledger_server.states import RESUME_STATES, ShardState
 from ledger_server.store.resume_sql import resume_reason_sql
 
@@ -130,6 +131,7 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
         ],
     ),
 ]
+formats.check_schema("SQLite", MIGRATIONS, formats.SQLITE_SCHEMA)
 SQL_TOKEN_COLUMNS: Final = "token_id, namespace, role, run_prefix, secret_hash, description, created_us, expires_us, revoked_us"
 
 SQL_GET_RUN: Final = (

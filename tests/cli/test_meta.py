@@ -10,6 +10,10 @@ import sys
 
 import pytest
 
+from ledger_server.events import ROW_FORMAT
+from ledger_server.record import RECORD_VERSION
+from ledger_server.store.postgres_sql import MIGRATIONS as POSTGRESQL
+from ledger_server.store.sqlite_sql import MIGRATIONS as SQLITE
 from tests.builders import run_cli
 
 
@@ -17,7 +21,10 @@ def test_version_says_the_package_the_contract_and_python(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     installed = importlib.metadata.version("shardledger")
-    line = f"shardledger {installed} (contract shardledger.v1, Python {platform.python_version()})"
+    line = (
+        f"shardledger {installed} (contract shardledger.v1, store schema {SQLITE[-1][0]} (SQLite),"
+        f" {POSTGRESQL[-1][0]} (PostgreSQL), Python {platform.python_version()})"
+    )
     code, out, _ = run_cli(capsys, "version")
     assert (code, out.strip()) == (0, line)
     # --version is argparse's: it exits 0 after printing the same line.
@@ -29,6 +36,13 @@ def test_version_says_the_package_the_contract_and_python(
     v = json.loads(out)
     assert (v["shardledger"], v["contract"]) == (installed, "shardledger.v1")
     assert v["grpcio"] == importlib.metadata.version("grpcio")
+    # The formats are the ones the store and the chain really write.
+    assert v["store"] == {
+        "sqlite_schema": SQLITE[-1][0],
+        "postgresql_schema": POSTGRESQL[-1][0],
+        "row_format": ROW_FORMAT,
+        "record_format": RECORD_VERSION,
+    }
 
 
 def test_help_prints_a_commands_help_and_names_the_known_ones_on_a_typo(

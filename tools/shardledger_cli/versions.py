@@ -25,10 +25,38 @@ def versions() -> dict[str, Any]:
         "grpcio": of("grpcio"),
         "protobuf": of("protobuf"),
         "torch": of("torch"),
+        "store": store_formats(),
+    }
+
+
+def store_formats() -> dict[str, Any] | None:
+    """Returns the ledger formats this release writes, or None without the server extra.
+
+    sqlite_schema and postgresql_schema are the last migration of each store (a ledger at
+    a lower one is migrated by `shardledger db migrate`), row_format the chained event
+    row's, record_format the shard records'.
+    """
+    try:
+        from ledger_server import formats
+    except ImportError:
+        return None
+    return {
+        "sqlite_schema": formats.SQLITE_SCHEMA,
+        "postgresql_schema": formats.POSTGRESQL_SCHEMA,
+        "row_format": formats.ROW_FORMAT,
+        "record_format": formats.RECORD_FORMAT,
     }
 
 
 def version_line() -> str:
     """Returns the one line `--version` prints."""
     v = versions()
-    return f"shardledger {v['shardledger']} (contract {v['contract']}, Python {v['python']})"
+    store = v["store"]
+    schema = (
+        f"store schema {store['sqlite_schema']} (SQLite), {store['postgresql_schema']} (PostgreSQL)"
+        if store is not None
+        else "no server extra"
+    )
+    return (
+        f"shardledger {v['shardledger']} (contract {v['contract']}, {schema}, Python {v['python']})"
+    )

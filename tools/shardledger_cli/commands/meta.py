@@ -19,10 +19,17 @@ def register(
         epilog=examples("shardledger version", "shardledger version --json | jq -r .shardledger"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="print the installed version (also --version) and what it runs on",
-        description="Prints shardledger's version, the contract it speaks and the versions of\n"
-        "Python, grpcio, protobuf and torch (null: not installed) it runs on.",
+        description="Prints shardledger's version, the contract it speaks, the ledger formats it\n"
+        "writes (the SQLite and PostgreSQL schema, a ledger at a lower one is migrated by\n"
+        "`shardledger db migrate`; with --json also the event row and shard record formats)\n"
+        "and the versions of Python, grpcio, protobuf and torch (null: not installed) it\n"
+        "runs on.",
     )
-    add_json_option(p, single="shardledger, contract, python, grpcio, protobuf, torch")
+    add_json_option(
+        p,
+        single="shardledger, contract, python, grpcio, protobuf, torch, and store: sqlite_schema,"
+        " postgresql_schema, row_format, record_format (null without the server extra)",
+    )
     p.set_defaults(func=run_version)
     h = sub.add_parser(
         "help",
