@@ -157,29 +157,7 @@ class LedgerService:
         out["as_of_us"] = at
         out["event_count"] = run.event_count
         out["head_hash"] = run.head_hash.hex()
-        # The moments the counters hold as ledger-wide sequences, also as the run's own
-        # (what `events RUN` numbers them): one indexed read each, of the event itself.
-        for part, key in (
-            ("lifecycle", "submission_closed_at_sequence"),
-            ("lifecycle", "reopened_at_sequence"),
-            ("first_pass", "closed_at_sequence"),
-        ):
-            section = out.get(part)
-            if section is not None:
-                sequence = section.get(key)
-                run_key = key.replace("_sequence", "_run_sequence")
-                section[run_key] = self._run_sequence(view, run.run_pk, sequence)
         return out
-
-    @staticmethod
-    def _run_sequence(view: Any, run_pk: int, sequence: int | None) -> int | None:
-        """Returns the run's own sequence of its event at this ledger-wide sequence, or None."""
-        if not sequence:
-            return None
-        rows = view.list_events(run_pk, after_sequence=sequence - 1, limit=1)
-        if not rows or rows[0].sequence != sequence:
-            return None
-        return int(rows[0].run_sequence)
 
     def report(self, namespace: str, run_id: str, *, now: int | None = None) -> dict[str, Any]:
         """Returns the run's field figures at now: costs, checkpoint advice, first pass.

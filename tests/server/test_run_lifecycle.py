@@ -269,7 +269,7 @@ def test_plan_close_of_an_unknown_run_exits_4(
     assert "cannot close run nope: RUN_NOT_FOUND" in err
 
 
-def test_the_summary_gives_each_moment_as_the_run_s_own_event_number_too(
+def test_status_gives_each_moment_as_the_run_s_own_event_number_too(
     client: LedgerClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Another run's events come first, so the ledger-wide sequences and the run's differ.
@@ -280,12 +280,14 @@ def test_the_summary_gives_each_moment_as_the_run_s_own_event_number_too(
     reopen = client.reopen_submission(RUN, reason="a late wave")
     events = {e.sequence: e.run_sequence for e in client.list_events(RUN)}
 
-    summary = json.loads(client.summary(RUN))
+    _, out, err = run_cli(capsys, "status", RUN, "--server", client.target, "--json")
+    summary = json.loads(out)
     life, first = summary["lifecycle"], summary["first_pass"]
     assert life["reopened_at_sequence"] == reopen.sequence
     assert life["reopened_at_run_sequence"] == events[reopen.sequence] == 6
     assert first["closed_at_run_sequence"] == events[first["closed_at_sequence"]] == 4
     assert close.sequence != events[close.sequence]
+    assert life["submission_closed_at_run_sequence"] is None  # reopened since: no close stands
     _, out, err = run_cli(capsys, "status", RUN, "--server", client.target)
     assert "first pass\tclosed at event 4 (the run's first verdict)" in out, out + err
     assert "open (reopened at event 6, " in out

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ledger_server.states import QUERY_ALIASES, QUERY_STATES, canonical_query
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
@@ -25,6 +25,9 @@ from shardledger_cli.output import (
     ts_us,
 )
 from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
+
+if TYPE_CHECKING:
+    from shard_client.client import LedgerClient
 
 __all__ = ["lifecycle_line", "register", "render_summary", "run_runs", "run_status"]
 
@@ -234,6 +237,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Prints the run summary; exits 0 only when every planned shard is verified."""
     client = client_from(args)
     summary: dict[str, Any] = json.loads(client.summary(args.run, namespace=args.namespace))
+    add_run_sequences(client, summary, namespace=args.namespace)
     if getattr(args, "costs", False):
         from shardledger_cli.commands.field_report import print_costs, run_report_json
 
@@ -248,6 +252,40 @@ def run_status(args: argparse.Namespace) -> int:
             print_costs(summary["costs"], summary["checkpoint_advice"], plain=fmt == "plain")
     done = summary["submitted"] > 0 and summary["verified"] == summary["submitted"]
     return EXIT_OK if done else EXIT_PROBLEMS
+
+
+# The summary's moments, held as ledger-wide sequences: (section, moment).
+MOMENTS: Final = (
+    ("lifecycle", "submission_closed_at"),
+    ("lifecycle", "reopened_at"),
+    ("first_pass", "closed_at"),
+)
+
+
+def add_run_sequences(client: LedgerClient, s: dict[str, Any], *, namespace: str) -> None:
+    """Adds MOMENT_run_sequence beside each MOMENT_sequence: that event's number in the run.
+
+    The number `events RUN` shows (SEQ), read from the event itself (one ListEvents of
+    one event each); None where the moment has not happened.
+    """
+    for part, moment in MOMENTS:
+        section = s.get(part)
+        if not section or f"{moment}_sequence" not in section:
+            continue
+        wide = section[f"{moment}_sequence"]
+        own = None
+        if wide:
+            first = next(
+                iter(
+                    client.list_events(
+                        s["run_id"], namespace=namespace, after_sequence=wide - 1, page_size=1
+                    )
+                ),
+                None,
+            )
+            if first is not None and first.sequence == wide:
+                own = first.run_sequence
+        section[f"{moment}_run_sequence"] = own
 
 
 def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
