@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from ledger_server import field
 from ledger_server.record import Attempt, latest_attempt_from_row
 from ledger_server.service import LedgerService
-from ledger_server.states import ShardState
+from ledger_server.states import PARTITION, ShardState
 from ledger_server.store.base import RunRow
 from ledger_server.summary import DUPLICATE_KINDS
 from shard_client.labels import WELL_KNOWN_LABELS
@@ -49,15 +49,7 @@ log = structlog.get_logger("shardledger.metrics")
 # partition the submitted shards (failed is a loud failure, verify_failed an artifact
 # that failed verification, unverified is committed), so sum by (run_id) is the
 # submitted count.
-SHARD_STATES: Final = (
-    "verified",
-    "failed",
-    "missing",
-    "running",
-    "stale",
-    "unverified",
-    "verify_failed",
-)
+SHARD_STATES: Final = PARTITION
 # verify_failed shards are exported under one tag, because verify reasons are free text.
 VERIFY_FAILED_TAG: Final = "verify_failed"
 # CompareRuns' integer figures, exported per value of each well-known label. hangs and

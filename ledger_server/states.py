@@ -42,6 +42,23 @@ class QueryState(StrEnum):
     UNCONFIRMED = "unconfirmed"
 
 
+# The query states that partition a run's submitted shards, in the order of the
+# reconciliation line (`status`) and of shardledger_run_shards{state}: the summary's
+# by_state, each the set `shards --state NAME` lists.
+PARTITION: Final = tuple(
+    s.value
+    for s in (
+        QueryState.VERIFIED,
+        QueryState.FAILED,
+        QueryState.MISSING,
+        QueryState.RUNNING,
+        QueryState.STALE,
+        QueryState.UNVERIFIED,
+        QueryState.VERIFY_FAILED,
+    )
+)
+
+
 # Plain strings, in the documented order: drivers bind them as text (psycopg would
 # dump an Enum member by its name).
 BASE_STATES: Final[tuple[str, ...]] = tuple(s.value for s in ShardState)

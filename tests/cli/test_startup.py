@@ -35,9 +35,9 @@ HEAVY = (
 )
 
 
-# The ledger's format numbers (`version` prints them) load nothing else: the one part of
-# ledger_server a light command may import.
-LIGHT: Final = ("ledger_server", "ledger_server.formats")
+# The ledger's format numbers (`version` prints them) and state names load nothing else:
+# the parts of ledger_server a light command may import.
+LIGHT: Final = ("ledger_server", "ledger_server.formats", "ledger_server.states")
 
 
 def loaded_after(code: str) -> list[str]:

@@ -26,7 +26,7 @@ from shardledger_cli.parsing import add_db_option
 if TYPE_CHECKING:
     from ledger_server.signing import SigningKey
 
-__all__ = ["DB_HELP", "require_signing_key", "serve_db_option", "served"]
+__all__ = ["DB_HELP", "require_signing_key", "serve_db_option", "served", "unless_dry_run"]
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -81,6 +81,25 @@ def serve_db_option(
 
     run.__doc__ = func.__doc__
     parser.set_defaults(func=run)
+
+
+def unless_dry_run(does: str, dry: str, act: str) -> Callable[[argparse.Namespace], str]:
+    """Returns a refuse(args) for serve_db_option: a command that writes unless --dry-run.
+
+    does: what the command writes ("verify records a verdict on every commit it reads");
+    dry: what --dry-run does instead; act: the command's writing form, for --server.
+    """
+
+    def refuse(args: argparse.Namespace) -> str:
+        if args.dry_run:
+            return ""
+        return (
+            f"{does}, and --db opens the ledger read-only: add --dry-run to {dry}, or {act}"
+            " through the server that writes the ledger (`shardledger serve --db FILE`, then"
+            " --server)"
+        )
+
+    return refuse
 
 
 @contextmanager

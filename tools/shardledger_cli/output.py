@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any, Final
 
+from ledger_server.states import PARTITION
 from shard_client.atomic import atomic_write
 from shardledger_cli import cli
 from shardledger_cli.cli import CommandError
@@ -133,15 +134,7 @@ def iso_us(us: int | None) -> str:
 
 # The shard states in the order of the reconciliation line; they partition the
 # submitted shards, and each is the set `shards --state NAME` lists.
-SHARD_STATES: Final = (
-    "verified",
-    "failed",
-    "missing",
-    "running",
-    "stale",
-    "unverified",
-    "verify_failed",
-)
+SHARD_STATES: Final = PARTITION
 
 
 def by_state(s: Mapping[str, Any]) -> dict[str, int]:

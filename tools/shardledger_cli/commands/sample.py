@@ -35,7 +35,7 @@ from shardledger_cli.cli import (
     client_from,
 )
 from shardledger_cli.commands.plan import send_plan
-from shardledger_cli.local_ledger import serve_db_option
+from shardledger_cli.local_ledger import serve_db_option, unless_dry_run
 from shardledger_cli.output import print_json, print_note, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
@@ -84,16 +84,10 @@ def register(
     p.add_argument("--dry-run", action="store_true", help="print the pick; plan nothing")
     json_help(p, single="the sample run: which shards were picked, by fingerprint group")
     add_format_option(p)
-    serve_db_option(p, run_sample, refuse=_plans)
-
-
-def _plans(args: argparse.Namespace) -> str:
-    """Returns why sample cannot run on a ledger read with --db (it would plan), or ""."""
-    if args.dry_run:
-        return ""
-    return (
-        "sample plans the reference run, and --db reads the ledger with no server and writes"
-        " nothing: add --dry-run to print the pick, or plan it through the server (--server)"
+    serve_db_option(
+        p,
+        run_sample,
+        refuse=unless_dry_run("sample plans the reference run", "print the pick", "plan it"),
     )
 
 

@@ -44,7 +44,7 @@ from shardledger_cli.commands.verify_scan import (
     unique,
 )
 from shardledger_cli.input_check import CHANGED, GONE, InputNow, check_inputs, collect_plans
-from shardledger_cli.local_ledger import serve_db_option
+from shardledger_cli.local_ledger import serve_db_option, unless_dry_run
 from shardledger_cli.output import progress
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
@@ -150,17 +150,12 @@ def register(
     )
     json_help(p, single="the verification report")
     add_format_option(p)
-    serve_db_option(p, run_verify, refuse=_records)
-
-
-def _records(args: argparse.Namespace) -> str:
-    """Returns why verify cannot run on a ledger read with --db (it would record), or ""."""
-    if args.dry_run:
-        return ""
-    return (
-        "verify records a verdict on every commit it reads, and --db opens the ledger"
-        " read-only: add --dry-run to judge without recording, or verify through the"
-        " server that writes the ledger (`shardledger serve --db FILE`, then --server)"
+    serve_db_option(
+        p,
+        run_verify,
+        refuse=unless_dry_run(
+            "verify records a verdict on every commit it reads", "judge without recording", "verify"
+        ),
     )
 
 
