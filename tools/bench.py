@@ -544,6 +544,19 @@ def main(argv: list[str] | None = None) -> int:
         help="fleet: the SDK's 15 s heartbeat interval divided by this (default: 2; 1 is the"
         " real cadence, whose rate 10,000 real jobs would send)",
     )
+    parser.add_argument(
+        "--fleet-client",
+        choices=("aio", "threads"),
+        default="aio",
+        help="fleet: one asyncio process multiplexing every job's channel (default), or four"
+        " processes of gRPC futures (the earlier generator, for comparison)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="fleet: leave the server and the load unpinned (default: the server on one core,"
+        " the load on another)",
+    )
     args = parser.parse_args(argv)
     if args.speedup <= 0:
         parser.error("--speedup must be positive")
@@ -579,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["connections"] = connections
             kwargs["max_workers"] = args.max_workers
             kwargs["speedup"] = args.speedup
+            kwargs["client"] = args.fleet_client
+            kwargs["pin"] = not args.no_pin
         report[key] = BENCHES[name](**kwargs)
         print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output or RESULTS / "ingest.json")

@@ -19,12 +19,15 @@ connection is a descriptor on each side); the server raises its own at start.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import itertools
+import math
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import subprocess
 import sys
@@ -48,6 +51,7 @@ from shard_client.errors import from_rpc_error
 
 DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 CLIENT_PROCS = 4
+CLIENTS = ("aio", "threads")
 APPEND = "/shardledger.v1.LedgerService/AppendEvents"
 RUN = "fleet"
 # The SDK's deadline per call (LedgerClient.timeout_s).
@@ -225,6 +229,129 @@ def _client(
     out.put((lat, errors, counts, begin, time.monotonic(), samples))
 
 
+def _advised_s(exc: Any) -> float | None:
+    """Returns a refusal's RetryInfo delay (None: none), from an asyncio call's trailers.
+
+    ``from_rpc_error`` reads it through ``grpc.Call``, which an asyncio error is not; the
+    details travel the same way, as ``grpc-status-details-bin``.
+    """
+    from google.rpc import error_details_pb2, status_pb2
+
+    trailers: list[tuple[str, Any]] = list(exc.trailing_metadata() or ())
+    for key, value in trailers:
+        if key != "grpc-status-details-bin":
+            continue
+        for detail in status_pb2.Status.FromString(bytes(value)).details:
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                return max(float(retry.retry_delay.ToNanoseconds()) / 1e9, 0.0)
+    return None
+
+
+def _aio_client(
+    target: str,
+    run: str,
+    shards: list[str],
+    interval: float,
+    seconds: float,
+    out: Any,
+    cpus: list[int] | None = None,
+) -> None:
+    """One asyncio client process for every job: a channel each, one event loop for all.
+
+    The threaded client (``_client``) pays a gRPC polling thread per busy channel, and
+    at 10,000 channels its four processes took 1.4 of the machine's two cores: the
+    load generator decided the result. Here one loop drives every job's coroutine,
+    each on its own channel and TCP connection, with the same events, schedule and
+    resends (RetryInfo delay, else the sender's capped, jittered step) as ``_client``.
+    """
+    import asyncio
+
+    raise_fd_limit()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    out.put(asyncio.run(_aio_fleet(target, run, shards, interval, seconds)))
+
+
+async def _aio_fleet(
+    target: str, run: str, shards: list[str], interval: float, seconds: float
+) -> tuple[Any, ...]:
+    import asyncio
+
+    from grpc import aio
+
+    lat: dict[str, list[float]] = {"started": [], "heartbeat": [], "checkpoint": [], "commit": []}
+    errors: list[str] = []
+    counts = {"sent": 0, "overloaded": 0, "exhausted": 0, "unavailable": 0, "advised_s": 0.0}
+    samples: list[str] = []
+    channels: list[Any] = []
+    begin = time.monotonic()
+
+    async def job(index: int, shard: str) -> None:
+        channel = aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        channels.append(channel)
+        call = channel.unary_unary(APPEND, None, None)  # bytes in, bytes out: _body serializes
+        due = begin + interval * index / len(shards)
+        k = seq = 0
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            seq += 1
+            kind = (
+                "started"
+                if k == 0
+                else "commit"
+                if due - begin >= seconds
+                else "checkpoint"
+                if k % 4 == 0
+                else "heartbeat"
+            )
+            body, first, failures = _body(run, kind, shard, seq, k), time.monotonic(), 0
+            counts["sent"] += 1
+            # The SDK delivers a job's events in order: the next waits for this one's answer.
+            while True:
+                try:
+                    await call(body, timeout=CALL_TIMEOUT_S)
+                except aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code not in _RETRIED:
+                        errors.append(str(code))
+                        break
+                    advised = _advised_s(exc)
+                    if advised is not None:
+                        counts["overloaded"] += 1
+                        counts["advised_s"] += advised
+                    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        counts["exhausted"] += 1
+                    else:
+                        counts["unavailable"] += 1
+                        name = f"code_{code.name}"
+                        counts[name] = counts.get(name, 0) + 1
+                        if len(samples) < 5:
+                            samples.append(f"{code.name}: {exc.details()}")
+                    step = backoff.FIRST_DELAY_S * 2 ** min(failures, 16)
+                    failures += 1
+                    await asyncio.sleep(
+                        backoff.retry_wait(
+                            advised,
+                            min(step, backoff.SENDER_MAX_DELAY_S),
+                            cap_s=backoff.SENDER_MAX_DELAY_S,
+                        )
+                    )
+                    continue
+                lat[kind].append(1000 * (time.monotonic() - first))
+                break
+            if kind == "commit":
+                return
+            k += 1
+            due += interval
+
+    await asyncio.gather(*(job(i, s) for i, s in enumerate(shards)))
+    end = time.monotonic()
+    await asyncio.gather(*(c.close() for c in channels))
+    return lat, errors, counts, begin, end, samples
+
+
 def _proc_stat(pid: int) -> tuple[float, int, int, int]:
     """Returns (CPU seconds, RSS KiB, peak RSS KiB, open descriptors) of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -346,8 +473,13 @@ def drive(
     seconds: float,
     interval: float,
     client_cpus: Sequence[int] | None = None,
+    client: str = "aio",
 ) -> dict[str, Any]:
-    """Runs ``connections`` jobs of one run against a served ledger; returns their figures."""
+    """Runs ``connections`` jobs of one run against a served ledger; returns their figures.
+
+    client: "aio" (one asyncio process for every job, ``_aio_client``) or "threads"
+    (CLIENT_PROCS processes of gRPC futures, ``_client``).
+    """
     shards = [f"{run}-j{i}" for i in range(connections)]
     plan(server.target, run, shards)
     stop = threading.Event()
@@ -358,34 +490,38 @@ def drive(
     ctx = mp.get_context("spawn")
     results_queue: Any = ctx.Queue()
     cpus = list(client_cpus) if client_cpus else None
+    if client not in CLIENTS:
+        raise ValueError(f"client {client!r}: one of {', '.join(CLIENTS)}")
+    # One asyncio process, or as many as the descriptor limit needs (a channel is one).
+    per_process = max(1, int(0.9 * resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+    count = math.ceil(connections / per_process) if client == "aio" else CLIENT_PROCS
     procs = [
         ctx.Process(
-            target=_client,
-            args=(
-                server.target,
-                run,
-                shards[p::CLIENT_PROCS],
-                interval,
-                seconds,
-                results_queue,
-                cpus,
-            ),
+            target=_aio_client if client == "aio" else _client,
+            args=(server.target, run, shards[p::count], interval, seconds, results_queue, cpus),
         )
-        for p in range(CLIENT_PROCS)
+        for p in range(count)
     ]
     pid = server.process.pid
     cpu0, *_ = _proc_stat(pid)
+    load_cpu0 = 0.0
     wall0 = time.monotonic()
     for p in procs:
         p.start()
     reader.start()
     peak_fds = 0
     results: list[Any] = []
+    load_cpu: dict[int, float] = {}
     while len(results) < len(procs):
         try:
             results.append(results_queue.get(timeout=1.0))
         except queue.Empty:
             peak_fds = max(peak_fds, _proc_stat(pid)[3])
+            for p in procs:
+                if p.pid is not None and p.is_alive():
+                    # It may end between the check and the read.
+                    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                        load_cpu[p.pid] = _proc_stat(p.pid)[0]
     wall = time.monotonic() - wall0
     cpu1, rss, peak_rss, fds = _proc_stat(pid)
     stop.set()
@@ -429,6 +565,8 @@ def drive(
             "p50": _pct(lat["heartbeat"], 0.5),
             "p99": _pct(lat["heartbeat"], 0.99),
         },
+        "client": f"{client} ({len(procs)} process{'es' if len(procs) > 1 else ''})",
+        "client_cpu_cores": round((sum(load_cpu.values()) - load_cpu0) / wall, 2),
         "server_cpu_cores": round((cpu1 - cpu0) / wall, 2),
         "server_cpu_us_per_event": round(1e6 * (cpu1 - cpu0) / max(events, 1)),
         "server_rss_mb": round(rss / 1024),
@@ -444,14 +582,49 @@ def drive(
 
 
 def _level(
-    connections: int, seconds: float, interval: float, max_workers: int | None
+    connections: int,
+    seconds: float,
+    interval: float,
+    max_workers: int | None,
+    *,
+    client: str,
+    pin: tuple[list[int], list[int]] | None,
 ) -> dict[str, Any]:
     args: list[str] = []
     if max_workers is not None:
         # Overload is measured by latency and retries, not by refusals at the door.
         args += ["--max-workers", str(max_workers), "--max-concurrent-rpcs", str(8 * max_workers)]
-    with served(args) as server:
-        return drive(server, RUN, connections, seconds=seconds, interval=interval)
+    server_cpus, client_cpus = pin if pin else (None, None)
+    with served(args, cpus=server_cpus) as server:
+        return drive(
+            server,
+            RUN,
+            connections,
+            seconds=seconds,
+            interval=interval,
+            client_cpus=client_cpus,
+            client=client,
+        )
+
+
+# Descriptors for a fleet: a connection is one on each side, and 20,000 channels pass
+# the 20,000 many machines allow a process by default.
+FLEET_FDS = 65_536
+# Descriptors a server needs beside its connections (the ledger, its WAL, logs, metrics).
+FD_MARGIN = 256
+
+
+def _raise_fd_hard_limit(want: int = FLEET_FDS) -> int:
+    """Raises this process's descriptor limits (hard too, where allowed: root); returns the soft one.
+
+    The server and the clients are this process's children and inherit them.
+    """
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard < want:
+        # Not root: the hard limit stands, and raise_fd_limit takes it.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    return raise_fd_limit()
 
 
 def bench_fleet(
@@ -459,24 +632,60 @@ def bench_fleet(
     connections: tuple[int, ...] = (1000, 5000, 10000),
     speedup: float = 2.0,
     max_workers: int | None = None,
+    client: str = "aio",
+    pin: bool = True,
 ) -> dict[str, Any]:
-    """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed."""
-    raise_fd_limit()
+    """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed.
+
+    pin: on a machine of two or more cores, the server on core 0 and the load (client
+    processes, readers, this process) on core 1 (taskset / sched_setaffinity), so the
+    server's figures are one core's, whatever the load generator costs.
+    """
+    fds = _raise_fd_hard_limit()
     interval = DEFAULT_INTERVAL_S / speedup
+    cores = sorted(os.sched_getaffinity(0))
+    placement: tuple[list[int], list[int]] | None = None
+    if pin and len(cores) >= 2:
+        placement = ([cores[0]], [cores[1]])
+        os.sched_setaffinity(0, placement[1])
+    processes = (
+        "one asyncio client process" if client == "aio" else f"{CLIENT_PROCS} client processes"
+    )
     out: dict[str, Any] = {
-        "workload": f"{CLIENT_PROCS} client processes, one channel per job; a heartbeat every"
+        "workload": f"{processes}, one channel per job; a heartbeat every"
         f" {interval:g} s (the SDK's 15 s / {speedup:g}), a checkpoint every 4th beat, the commit"
         f" after {seconds:g} s; status, resume and /metrics once a second",
+        "placement": (
+            f"server on CPU {placement[0][0]}, load on CPU {placement[1][0]}"
+            if placement
+            else "unpinned"
+        ),
+        "fd_limit": fds,
         "server_max_workers": max_workers or "default (1024)",
         "levels": [],
         "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
     }
     for n in connections:
-        level = _level(n, seconds, interval, max_workers)
+        if n + FD_MARGIN > fds:
+            # The server holds a descriptor per connection: past its limit it refuses them.
+            out["levels"].append(
+                {
+                    "connections": n,
+                    "skipped": f"the server would need {n + FD_MARGIN:,} descriptors and a"
+                    f" process may hold {fds:,} here (its hard RLIMIT_NOFILE; raising it needs"
+                    " CAP_SYS_RESOURCE, which this process lacks)",
+                }
+            )
+            print(out["levels"][-1], flush=True)
+            continue
+        level = _level(n, seconds, interval, max_workers, client=client, pin=placement)
         print(level, flush=True)
         out["levels"].append(level)
-    base = out["levels"][0]
-    for level in out["levels"]:
+    measured = [level for level in out["levels"] if "skipped" not in level]
+    if not measured:
+        return out
+    base = measured[0]
+    for level in measured:
         level["commit_p99_vs_smallest"] = round(
             level["commit_ack_ms"]["p99"] / max(base["commit_ack_ms"]["p99"], 0.01), 2
         )

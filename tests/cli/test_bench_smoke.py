@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _bench(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Runs one benchmark module as a user would, capturing its output."""
@@ -102,13 +104,24 @@ def test_bench_coalesce_sends_fewer_heartbeats_than_calls(tmp_path: Path) -> Non
     assert every["other_events_per_shard"] == merged["other_events_per_shard"] == 2
 
 
-def test_bench_fleet_runs_every_job_to_its_commit_without_errors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", ["aio", "threads"])
+def test_bench_fleet_runs_every_job_to_its_commit_without_errors(
+    tmp_path: Path, client: str
+) -> None:
     out = tmp_path / "ingest.json"
-    done = _bench("tools.bench", "fleet", "--seconds", "1", "--connections", "20", "-o", str(out))
+    done = _bench(
+        "tools.bench",
+        *("fleet", "--seconds", "1", "--connections", "20,100000000", "-o", str(out)),
+        *("--fleet-client", client),
+    )
     assert done.returncode == 0, done.stderr
-    [level] = json.loads(out.read_text())["fleet"]["levels"]
+    [level, beyond] = json.loads(out.read_text())["fleet"]["levels"]
     assert (level["connections"], level["errors"], level["reader_errors"]) == (20, 0, 0)
+    assert level["client"].startswith(client)
+    assert level["events"] == level["sent_events"] > 0  # every event acknowledged
     assert level["commit_ack_ms"]["p99"] > 0 and level["server_open_fds_peak"] >= 20
+    # A level past what a process may open is said, not attempted.
+    assert beyond["connections"] == 100000000 and "descriptors" in beyond["skipped"]
 
 
 def test_bench_refuses_connections_that_are_no_numbers(tmp_path: Path) -> None:
