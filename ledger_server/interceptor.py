@@ -84,6 +84,12 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self.on_rejected = on_rejected
         self.rejections: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # method -> (the handler gRPC found, our wrapping of it). gRPC's one polling thread
+        # takes every call in through intercept_service, holding the GIL that every
+        # handler thread needs: it only looks the wrapping up here, built once per
+        # method, and the per-call work (authentication included) runs on the call's
+        # own handler thread (docs/performance.md, "Overload").
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     def _reject(self, exc: Unauthenticated, method: str, peer: str) -> None:
         with self._lock:
@@ -103,25 +109,51 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        method: str = details.method
         if handler is None:
             return None
+        method: str = details.method
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
         if method.startswith(OPEN_PREFIXES):
-            return _tolerant(handler)
-        principal: Principal | None = None
-        failure: Unauthenticated | None = None
-        if self.tokens is not None:
-            header = next((v for k, v in details.invocation_metadata if k == "authorization"), None)
-            try:
-                principal = authenticate(header, self.tokens, now_us=self.clock())
-            except Unauthenticated as exc:
-                failure = exc
-        return _wrap(handler, self._behavior_factory(method, principal, failure))
+            wrapped = _tolerant(handler)
+        else:
+            wrapped = _wrap(handler, self._behavior_factory(method))
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _caller(self, context: grpc.ServicerContext) -> Principal | None:
+        """Returns who makes this call (None: tokens are not required); raises Unauthenticated."""
+        if self.tokens is None:
+            return None
+        header = next(
+            (
+                v
+                for k, v in context.invocation_metadata()
+                if k == "authorization" and isinstance(v, str)
+            ),
+            None,
+        )
+        return authenticate(header, self.tokens, now_us=self.clock())
+
+    def _authenticated(self, context: grpc.ServicerContext, method: str) -> Principal | None:
+        """Returns the call's principal, or ends the call UNAUTHENTICATED (counted and logged)."""
+        try:
+            return self._caller(context)
+        except Unauthenticated as failure:
+            self._reject(failure, method, context.peer())
+            context.abort_with_status(rich_status(failure))
+            raise  # abort_with_status raises; this line is never reached
 
     def _behavior_factory(
-        self, method: str, principal: Principal | None, failure: Unauthenticated | None
+        self, method: str
     ) -> Callable[[Callable[..., Any], bool], Callable[..., Any]]:
-        def finish(context: grpc.ServicerContext, start: float, failed: bool) -> None:
+        def finish(
+            context: grpc.ServicerContext,
+            start: float,
+            failed: bool,
+            principal: Principal | None,
+        ) -> None:
             if not log.is_enabled_for(logging.INFO):
                 return  # context.peer() and the rest cost more than a filtered-out line
             code = context.code() if failed else None  # type: ignore[attr-defined]
@@ -142,9 +174,7 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         def make(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                if failure is not None:
-                    self._reject(failure, method, context.peer())
-                    context.abort_with_status(rich_status(failure))
+                principal = self._authenticated(context, method)
                 start, failed = time.perf_counter(), True
                 token = CURRENT_PRINCIPAL.set(principal)
                 method_token = CURRENT_METHOD.set(method)
@@ -156,12 +186,10 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 finally:
                     CURRENT_METHOD.reset(method_token)
                     CURRENT_PRINCIPAL.reset(token)
-                    finish(context, start, failed)
+                    finish(context, start, failed, principal)
 
             def stream(request: Any, context: grpc.ServicerContext) -> Any:
-                if failure is not None:
-                    self._reject(failure, method, context.peer())
-                    context.abort_with_status(rich_status(failure))
+                principal = self._authenticated(context, method)
                 start, failed = time.perf_counter(), True
                 try:
                     _refuse_malformed(request, context)
@@ -180,7 +208,7 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                         yield item
                     failed = False
                 finally:
-                    finish(context, start, failed)
+                    finish(context, start, failed, principal)
 
             return stream if streaming else unary
 
