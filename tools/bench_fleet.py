@@ -164,24 +164,8 @@ def _client(
             if code == grpc.StatusCode.OK:
                 lat[kind].append(1000 * (time.monotonic() - first))
             elif code in _RETRIED:
-                if advised is not None:
-                    counts["overloaded"] += 1
-                    counts["advised_s"] += advised
-                elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    counts["exhausted"] += 1
-                else:
-                    counts["unavailable"] += 1
-                    name = f"code_{code.name}"
-                    counts[name] = counts.get(name, 0) + 1
-                    if len(samples) < 5:
-                        samples.append(f"{code.name}: {future.details()}")
+                wait = _resend_wait(counts, samples, code, future.details(), advised, failures)
                 inflight[0] += 1  # still owed an answer
-                step = backoff.FIRST_DELAY_S * 2 ** min(failures, 16)
-                wait = backoff.retry_wait(
-                    advised,
-                    min(step, backoff.SENDER_MAX_DELAY_S),
-                    cap_s=backoff.SENDER_MAX_DELAY_S,
-                )
                 again.put((time.monotonic() + wait, j, kind, body, first, failures + 1))
             else:
                 errors.append(str(code))
@@ -227,6 +211,38 @@ def _client(
     for job in jobs:
         job.channel.close()
     out.put((lat, errors, counts, begin, time.monotonic(), samples))
+
+
+def _resend_wait(
+    counts: dict[str, Any],
+    samples: list[str],
+    code: grpc.StatusCode,
+    details: str | None,
+    advised: float | None,
+    failures: int,
+) -> float:
+    """Counts one answer that sends an event again (by kind) and returns the wait before it.
+
+    OVERLOADED with a RetryInfo delay, gRPC's own RESOURCE_EXHAUSTED (none), or an
+    unreachable ledger (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED: counted by code, the
+    first five kept as said); the wait is the sender's: the advised delay, else its
+    capped, jittered step after this many failures.
+    """
+    if advised is not None:
+        counts["overloaded"] += 1
+        counts["advised_s"] += advised
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        counts["exhausted"] += 1
+    else:
+        counts["unavailable"] += 1
+        name = f"code_{code.name}"
+        counts[name] = counts.get(name, 0) + 1
+        if len(samples) < 5:
+            samples.append(f"{code.name}: {details}")
+    step = backoff.FIRST_DELAY_S * 2 ** min(failures, 16)
+    return backoff.retry_wait(
+        advised, min(step, backoff.SENDER_MAX_DELAY_S), cap_s=backoff.SENDER_MAX_DELAY_S
+    )
 
 
 def _advised_s(exc: Any) -> float | None:
@@ -317,27 +333,11 @@ async def _aio_fleet(
                     if code not in _RETRIED:
                         errors.append(str(code))
                         break
-                    advised = _advised_s(exc)
-                    if advised is not None:
-                        counts["overloaded"] += 1
-                        counts["advised_s"] += advised
-                    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        counts["exhausted"] += 1
-                    else:
-                        counts["unavailable"] += 1
-                        name = f"code_{code.name}"
-                        counts[name] = counts.get(name, 0) + 1
-                        if len(samples) < 5:
-                            samples.append(f"{code.name}: {exc.details()}")
-                    step = backoff.FIRST_DELAY_S * 2 ** min(failures, 16)
-                    failures += 1
-                    await asyncio.sleep(
-                        backoff.retry_wait(
-                            advised,
-                            min(step, backoff.SENDER_MAX_DELAY_S),
-                            cap_s=backoff.SENDER_MAX_DELAY_S,
-                        )
+                    wait = _resend_wait(
+                        counts, samples, code, exc.details(), _advised_s(exc), failures
                     )
+                    failures += 1
+                    await asyncio.sleep(wait)
                     continue
                 lat[kind].append(1000 * (time.monotonic() - first))
                 break
