@@ -320,6 +320,7 @@ class Round:
 
     delay_s: float
     allowance_s: float
+    down_s: float  # from the crash until the new primary took writes
     first_ack_s: list[float]  # per replica, after the new primary took writes
     not_serving_after_stop_s: list[float]  # inf: never seen
     serving_after_promotion_s: list[float]
@@ -387,6 +388,7 @@ def test_repeated_failovers_lose_nothing_and_every_replica_writes_again_within_t
                     Round(
                         delay_s=delay,
                         allowance_s=allowance,
+                        down_s=writable - stopped,
                         first_ack_s=firsts,
                         not_serving_after_stop_s=[
                             (w.first(NOT_SERVING, stopped) or float("inf")) - stopped
@@ -415,7 +417,8 @@ def test_repeated_failovers_lose_nothing_and_every_replica_writes_again_within_t
 
     for n, r in enumerate(rounds):
         print(
-            f"failover {n + 1}: promoted {r.delay_s} s after the crash; first ack per replica"
+            f"failover {n + 1}: promoted {r.delay_s} s after the crash (writable again after"
+            f" {r.down_s:.2f} s); first ack per replica"
             f" {[round(s, 2) for s in r.first_ack_s]} s after it took writes; NOT_SERVING"
             f" {[round(s, 2) for s in r.not_serving_after_stop_s]} s after the crash,"
             f" SERVING again {[round(s, 2) for s in r.serving_after_promotion_s]} s"
@@ -452,7 +455,13 @@ def test_repeated_failovers_lose_nothing_and_every_replica_writes_again_within_t
     assert slowest_refusal <= FAIL_FAST_S, "a refusal took a large part of the call's deadline"
     for r in rounds:
         assert all(s <= BOUND_S + r.allowance_s for s in r.first_ack_s), r
-        assert all(s <= PROBE_INTERVAL_S + r.allowance_s for s in r.not_serving_after_stop_s), r
+        # NOT_SERVING is promised while the store stays unwritable past one probe interval;
+        # a store writable again sooner (promotion at once) may never be seen down at all.
+        detect_s = PROBE_INTERVAL_S + r.allowance_s
+        assert all(
+            s <= detect_s or (s == float("inf") and r.down_s <= detect_s)
+            for s in r.not_serving_after_stop_s
+        ), r
         assert all(s <= BOUND_S + r.allowance_s for s in r.serving_after_promotion_s), r
         assert not any(r.serving_while_down), r
 
