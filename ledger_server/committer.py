@@ -64,6 +64,9 @@ class GroupCommitter:
         if self.closed:
             raise LedgerError("the ledger is shutting down", reason="SHUTTING_DOWN")
         future: Future[list[AppendResult]] = Future()
+        # Running from here: a waiter that gives up (a cancelled asyncio call) cannot
+        # cancel it, so the writer always sets its outcome, and never meets a cancelled one.
+        future.set_running_or_notify_cancel()
         self._queue.put(_Job(events, future))
         return future
 

@@ -10,6 +10,8 @@ from ledger_server.store.urls import sqlite_path
 DEFAULT_DB: Final = "ledger.db"
 DEFAULT_LISTEN: Final = "127.0.0.1:50551"
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# What serves the calls (ServerConfig.engine); the first is the default.
+ENGINES: Final = ("aio", "aio-executor", "threads")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,10 @@ class ServerConfig:
     # Above max_workers, so that admission acts first; bounded, so that memory is.
     max_concurrent_rpcs: int = 2048
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # "aio": grpc.aio, appends awaited on the event loop, reads on max_workers threads;
+    # "aio-executor": the same with appends on those threads too; "threads": grpcio's
+    # threaded server, every call on one of max_workers threads (ledger_server/aio.py).
+    engine: str = "aio"
     reflection: bool = True
     insecure: bool = False
     grace_s: float = 10.0

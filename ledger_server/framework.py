@@ -80,19 +80,25 @@ class LedgerHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         """Streams a service's status now and at every change, holding no worker thread."""
         if send_response_callback is None:  # a server without non-blocking streams
             raise RuntimeError("health Watch needs grpcio's non-blocking server streams")
-        with self._lock:
-            watch = _Watch(
-                send_response_callback, request.service, self._status.get(request.service, _UNKNOWN)
-            )
-            watch.finish = self._shutting_down
-            self._watches.setdefault(request.service, set()).add(watch)
-            self._owe(watch)
-            self._start_delivery()
-        context.add_callback(lambda: self._forget(watch))
+        watch = self.open_watch(request.service, send_response_callback)
+        context.add_callback(lambda: self.close_watch(watch))
         return None
 
     Watch.experimental_non_blocking = True  # type: ignore[attr-defined]
     Watch.experimental_thread_pool = None  # type: ignore[attr-defined]
+
+    def open_watch(self, service: str, send: Callable[[Any], None]) -> _Watch:
+        """Starts a watch of service: send(answer) now and at every change, send(None) at the end.
+
+        send is called from the delivery thread, never with a lock held.
+        """
+        with self._lock:
+            watch = _Watch(send, service, self._status.get(service, _UNKNOWN))
+            watch.finish = self._shutting_down
+            self._watches.setdefault(service, set()).add(watch)
+            self._owe(watch)
+            self._start_delivery()
+        return watch
 
     def List(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Answers every service's status, as Check answers each (NOT_SERVING while stopping)."""
@@ -138,8 +144,8 @@ class LedgerHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             self._owing.append(watch)
             self._lock.notify_all()
 
-    def _forget(self, watch: _Watch) -> None:
-        """grpcio's close callback: the stream ended, so nothing more is sent to it."""
+    def close_watch(self, watch: _Watch) -> None:
+        """Ends a watch whose stream ended (the client left): nothing more is sent to it."""
         with self._lock:
             watch.gone = True
             self._watches.get(watch.service, set()).discard(watch)
@@ -207,11 +213,17 @@ def register_v1_descriptors(pool: descriptor_pool.DescriptorPool | None = None) 
         pool.Add(_v1_file_proto())
 
 
-def enable_reflection(service_names: Iterable[str], server: grpc.Server) -> None:
+def enable_reflection(service_names: Iterable[str], server: grpc.Server | grpc.aio.Server) -> None:
     """Serves reflection of service_names (and of itself) as both v1 and v1alpha."""
     register_v1_descriptors()
     names = (*service_names, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME)
-    servicer = reflection.ReflectionServicer(names)
+    # The asyncio server takes the asyncio servicer (same answers, an async generator).
+    is_aio = isinstance(server, grpc.aio.Server)
+    servicer = (
+        reflection.aio.ReflectionServicer  # type: ignore[attr-defined]
+        if is_aio
+        else reflection.ReflectionServicer
+    )(names)
     # grpcio-reflection 1.85 ships v1alpha only. v1's messages are v1alpha's field for
     # field (only the package differs), so the bytes on the wire are identical and the
     # one servicer answers both services with v1alpha's (de)serializers.

@@ -29,7 +29,7 @@ CURRENT_PRINCIPAL: ContextVar[Principal | None] = ContextVar("shardledger_princi
 CURRENT_METHOD: ContextVar[str] = ContextVar("shardledger_method", default="")
 # Health must answer load balancers without credentials; reflection only describes the schema.
 OPEN_PREFIXES: Final = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-# Stands in for a request whose bytes do not parse (see _lenient).
+# Stands in for a request whose bytes do not parse (see lenient).
 _MALFORMED: Final = object()
 
 
@@ -42,7 +42,7 @@ class MalformedRequest(InvalidEvent):
         super().__init__("request", "is not a valid protobuf message of the method's type")
 
 
-def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     """Returns a deserializer that yields _MALFORMED instead of raising."""
     if deserialize is None:
         return None
@@ -57,7 +57,7 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return parse
 
 
-def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
+def refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
     if request is _MALFORMED:
         context.abort_with_status(rich_status(MalformedRequest()))
 
@@ -65,7 +65,7 @@ def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
 def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
     """Yields a client stream's requests, ending the call at the first malformed one."""
     for request in requests:
-        _refuse_malformed(request, context)
+        refuse_malformed(request, context)
         yield request
 
 
@@ -136,7 +136,7 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         )
         return authenticate(header, self.tokens, now_us=self.clock())
 
-    def _authenticated(self, context: grpc.ServicerContext, method: str) -> Principal | None:
+    def authenticated(self, context: grpc.ServicerContext, method: str) -> Principal | None:
         """Returns the call's principal, or ends the call UNAUTHENTICATED (counted and logged)."""
         try:
             return self._caller(context)
@@ -144,6 +144,33 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             self._reject(failure, method, context.peer())
             context.abort_with_status(rich_status(failure))
             raise  # abort_with_status raises; this line is never reached
+
+    def handled(
+        self,
+        method: str,
+        context: grpc.ServicerContext,
+        start: float,
+        failed: bool,
+        principal: Principal | None,
+    ) -> None:
+        """Logs one handled request: method, code, duration, peer and token id."""
+        if not log.is_enabled_for(logging.INFO):
+            return  # context.peer() and the rest cost more than a filtered-out line
+        code = context.code() if failed else None  # type: ignore[attr-defined]
+        if code:
+            name = code.name
+        elif not context.is_active():
+            name = "CANCELLED"  # the client went away: e.g. a tail it cancelled
+        else:
+            name = "UNKNOWN" if failed else "OK"
+        log.info(
+            "request_handled",
+            method=method,
+            code=name,
+            duration_ms=round((time.perf_counter() - start) * 1000, 3),
+            peer=context.peer(),
+            token_id=principal.token_id if principal else None,
+        )
 
     def _behavior_factory(
         self, method: str
@@ -154,32 +181,16 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             failed: bool,
             principal: Principal | None,
         ) -> None:
-            if not log.is_enabled_for(logging.INFO):
-                return  # context.peer() and the rest cost more than a filtered-out line
-            code = context.code() if failed else None  # type: ignore[attr-defined]
-            if code:
-                name = code.name
-            elif not context.is_active():
-                name = "CANCELLED"  # the client went away: e.g. a tail it cancelled
-            else:
-                name = "UNKNOWN" if failed else "OK"
-            log.info(
-                "request_handled",
-                method=method,
-                code=name,
-                duration_ms=round((time.perf_counter() - start) * 1000, 3),
-                peer=context.peer(),
-                token_id=principal.token_id if principal else None,
-            )
+            self.handled(method, context, start, failed, principal)
 
         def make(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                principal = self._authenticated(context, method)
+                principal = self.authenticated(context, method)
                 start, failed = time.perf_counter(), True
                 token = CURRENT_PRINCIPAL.set(principal)
                 method_token = CURRENT_METHOD.set(method)
                 try:
-                    _refuse_malformed(request, context)
+                    refuse_malformed(request, context)
                     result = behavior(request, context)
                     failed = False
                     return result
@@ -189,10 +200,10 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     finish(context, start, failed, principal)
 
             def stream(request: Any, context: grpc.ServicerContext) -> Any:
-                principal = self._authenticated(context, method)
+                principal = self.authenticated(context, method)
                 start, failed = time.perf_counter(), True
                 try:
-                    _refuse_malformed(request, context)
+                    refuse_malformed(request, context)
                     # A generator runs on whichever thread pulls it: set the principal per step.
                     inner = behavior(request, context)
                     while True:
@@ -219,13 +230,13 @@ def _wrap(handler: Any, make: Callable[[Callable[..., Any], bool], Callable[...,
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             make(handler.unary_unary, False),
-            request_deserializer=_lenient(handler.request_deserializer),
+            request_deserializer=lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
             make(handler.unary_stream, True),
-            request_deserializer=_lenient(handler.request_deserializer),
+            request_deserializer=lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
     return handler
@@ -233,13 +244,13 @@ def _wrap(handler: Any, make: Callable[[Callable[..., Any], bool], Callable[...,
 
 def _tolerant(handler: Any) -> Any:
     """Returns an open (framework) method's handler, parsing leniently and refusing garbage."""
-    deserializer = _lenient(handler.request_deserializer)
+    deserializer = lenient(handler.request_deserializer)
     serializer = handler.response_serializer
     if handler.unary_unary is not None:
         unary = handler.unary_unary
 
         def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-            _refuse_malformed(request, context)
+            refuse_malformed(request, context)
             return unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
@@ -251,7 +262,7 @@ def _tolerant(handler: Any) -> Any:
             context: grpc.ServicerContext,
             send_response_callback: Callable[[Any], None] | None = None,
         ) -> Any:
-            _refuse_malformed(request, context)
+            refuse_malformed(request, context)
             if send_response_callback is None:
                 return server_stream(request, context)
             return server_stream(request, context, send_response_callback)

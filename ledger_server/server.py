@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger_server.admission import Admission, read_reserve
+from ledger_server.aio import AioInterceptor, AioServer, health_handler
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.framework import LedgerHealth, enable_reflection
 from ledger_server.interceptor import RequestInterceptor
@@ -56,7 +57,7 @@ UNREQUESTED_CALL_S: Final = 5
 class RunningServer:
     """A started server and the parts a caller may need."""
 
-    server: grpc.Server
+    server: grpc.Server | AioServer
     port: int
     ledger: LedgerService
     health: LedgerHealth
@@ -65,6 +66,7 @@ class RunningServer:
     metrics_http: Any = None
     metrics_port: int | None = None
     probe: StoreProbe | None = None
+    pool: futures.ThreadPoolExecutor | None = None  # the asyncio engine's read threads
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, drains in-flight calls, closes the database."""
@@ -77,6 +79,10 @@ class RunningServer:
         if not self.server.stop(grace_s).wait(grace_s + STOP_MARGIN_S):
             log.warning("shutdown_forced", grace_s=grace_s, margin_s=STOP_MARGIN_S)
             self.server.stop(0).wait(STOP_MARGIN_S)
+        if isinstance(self.server, AioServer):
+            self.server.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         if self.metrics_http is not None:
             stop_metrics_server(self.metrics_http)
         self.ledger.close()
@@ -210,21 +216,53 @@ def _start(
         ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_S),
         *config.extra_options,
     ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
-        interceptors=[interceptor],
-        options=options,
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-    )
     servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor, metrics=metrics)
-    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
     health_servicer = LedgerHealth()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if config.reflection:
-        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        enable_reflection((SERVICE_NAME, health_name), server)
-    port = _bind(server, config.listen, credentials)
-    server.start()
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    server: grpc.Server | AioServer
+    pool = None
+    if config.engine == "threads":
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
+            interceptors=[interceptor],
+            options=options,
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        )
+        ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        if config.reflection:
+            enable_reflection((SERVICE_NAME, health_name), server)
+        port = _bind(server, config.listen, credentials)
+        server.start()
+    else:
+        pool = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc")
+        server = AioServer()
+
+        def build() -> Any:
+            aio = grpc.aio.server(
+                interceptors=[
+                    AioInterceptor(
+                        interceptor, servicer, pool, append_on_loop=config.engine == "aio"
+                    )
+                ],
+                options=options,
+                maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            )
+            ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, aio)
+            aio.add_generic_rpc_handlers([health_handler(health_servicer)])
+            if config.reflection:
+                enable_reflection((SERVICE_NAME, health_name), aio)
+            server.server = aio
+            bound = _bind(aio, config.listen, credentials)
+            return _started(aio, bound)
+
+        try:
+            port = server.run(build)
+        except BaseException:
+            server.stop(0).wait(STOP_MARGIN_S)
+            server.close()
+            pool.shutdown(wait=False)
+            raise
     metrics_http, metrics_port = None, None
     if config.metrics_listen:
         try:
@@ -233,6 +271,10 @@ def _start(
             )
         except OSError as exc:
             server.stop(0).wait()
+            if isinstance(server, AioServer):
+                server.close()
+            if pool is not None:
+                pool.shutdown(wait=False)
             raise StartupError(
                 f"cannot serve metrics on {config.metrics_listen}: {exc.strerror};"
                 " pick another --metrics-listen"
@@ -256,6 +298,7 @@ def _start(
         auth="tokens" if require_tokens else "off",
         metrics_port=metrics_port,
         store_probe_interval_s=config.store_probe_interval_s,
+        engine=config.engine,
     )
     return RunningServer(
         server,
@@ -267,10 +310,18 @@ def _start(
         metrics_http,
         metrics_port,
         probe,
+        pool,
     )
 
 
-def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+async def _started(server: grpc.aio.Server, port: int) -> int:
+    await server.start()
+    return port
+
+
+def _bind(
+    server: grpc.Server | grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None
+) -> int:
     """Binds listen and returns the port, or raises StartupError."""
     try:
         if credentials is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -17,6 +18,7 @@ from grpc_status import rpc_status as grpc_rpc_status
 from ledger_server import codec
 from ledger_server.audit_rpc import AuditRpcMixin
 from ledger_server.auth import APPEND, READ, Forbidden, authorize, effective_namespace
+from ledger_server.batch import AppendResult
 from ledger_server.errors import EventRejected, InvalidEvent, LedgerError
 from ledger_server.interceptor import CURRENT_METHOD, CURRENT_PRINCIPAL, RequestInterceptor
 from ledger_server.metrics import LedgerMetrics
@@ -146,6 +148,36 @@ def _page_size(value: int) -> int:
     return min(value or 1000, MAX_PAGE_SIZE)
 
 
+AppendSteps = Generator["Future[list[AppendResult]]", list[AppendResult], pb.AppendEventsResponse]
+
+
+def drive(steps: AppendSteps, future: Future[list[AppendResult]]) -> pb.AppendEventsResponse:
+    """Runs append steps to their answer, waiting for the commit on this thread."""
+    try:
+        results = future.result()
+    except BaseException as exc:  # the commit's error, raised where the steps map it to a status
+        return finish(steps, error=exc)
+    return finish(steps, results=results)
+
+
+def finish(
+    steps: AppendSteps,
+    *,
+    results: list[AppendResult] | None = None,
+    error: BaseException | None = None,
+) -> pb.AppendEventsResponse:
+    """Sends the commit's results (or raises its error) into append steps; returns their answer."""
+    try:
+        if error is not None:
+            steps.throw(error)
+        else:
+            assert results is not None
+            steps.send(results)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    raise RuntimeError("append steps waited for a second commit")
+
+
 class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ignore[misc]
     """Thin adapter from the v1 contract to the LedgerService."""
 
@@ -179,6 +211,18 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     def AppendEvents(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
     ) -> pb.AppendEventsResponse:
+        steps = self.append_steps(request, context)
+        return drive(steps, next(steps))
+
+    def append_steps(
+        self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
+    ) -> AppendSteps:
+        """AppendEvents as steps: yields the commit's future, is sent its results, returns the answer.
+
+        The threaded server waits for the future on the call's thread (drive); the asyncio
+        server awaits it on the event loop (ledger_server.aio), so both answer through
+        this one path: admission, authorization, decoding, and errors become statuses.
+        """
         count = len(request.events)
         # Admitted before anything is decoded: a refusal past capacity costs the least.
         with abort_on_error(context), self.metrics.timed_append(count), self.ledger.admitted(count):
@@ -196,10 +240,11 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                     events.append(codec.decode_event(msg))
                 except LedgerError as exc:
                     raise EventRejected(index, exc) from None
+            results = yield self.ledger.submit(events)
             response = pb.AppendEventsResponse()
             add, outcomes = response.results.add, codec.OUTCOMES
             # add() fills the repeated field in place: no message built and then copied in.
-            for event_id, sequence, outcome, input_changed in self.ledger.append(events):
+            for event_id, sequence, outcome, input_changed in results:
                 add(
                     event_id=event_id,
                     sequence=sequence,

@@ -20,7 +20,7 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
-from ledger_server.config import DEFAULT_DB, ServerConfig, split_listen
+from ledger_server.config import DEFAULT_DB, ENGINES, ServerConfig, split_listen
 from ledger_server.signing import SigningKey
 from ledger_server.store import Store, open_store
 from ledger_server.store.base import StoreError
@@ -79,6 +79,11 @@ def check_config(config: ServerConfig) -> None:
         )
     if config.auth not in ("auto", "tokens", "off"):
         raise StartupError(f"--auth must be auto, tokens or off, not {config.auth!r}", usage=True)
+    if config.engine not in ENGINES:
+        raise StartupError(
+            f"--engine must be {', '.join(ENGINES[:-1])} or {ENGINES[-1]}, not {config.engine!r}",
+            usage=True,
+        )
     for option, value in (
         ("--max-workers", config.max_workers),
         ("--max-concurrent-rpcs", config.max_concurrent_rpcs),

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from ledger_server.audit import verify_store
-from ledger_server.config import ServerConfig
+from ledger_server.config import ENGINES, ServerConfig
 from ledger_server.server import RunningServer, create_server
 from ledger_server.store.base import StoreError
 from ledger_server.store.sqlite import SqliteStore
@@ -29,6 +29,16 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.errors import Conflict, InvalidArgument, LedgerRejected, LifecycleError, NotFound
 from tests.builders import DIGEST_A, DIGEST_B, committed, event, planned, started
+
+
+@pytest.fixture(params=ENGINES)
+def server(db_path: Path, request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    """Starts a real server on 127.0.0.1: these tests run on every engine (ServerConfig.engine)."""
+    running = create_server(
+        ServerConfig(database=str(db_path), listen="127.0.0.1:0", engine=request.param)
+    )
+    yield running
+    running.stop(0.5)
 
 
 def _every_kind() -> list[pb.ShardEvent]:
@@ -569,7 +579,8 @@ def test_health_and_reflection_are_served(server: object, client: LedgerClient) 
     channel.close()
 
 
-def test_serve_command_drains_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_serve_command_drains_and_exits_cleanly_on_sigterm(tmp_path: Path, engine: str) -> None:
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [
@@ -583,6 +594,8 @@ def test_serve_command_drains_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
             "127.0.0.1:0",
             "--port-file",
             str(port_file),
+            "--engine",
+            engine,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -596,7 +609,13 @@ def test_serve_command_drains_and_exits_cleanly_on_sigterm(tmp_path: Path) -> No
         client = LedgerClient(f"127.0.0.1:{port_file.read_text()}")
         client.append([planned()])
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        try:
+            code = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            logs = proc.stderr.read() if proc.stderr else ""
+            pytest.fail(f"serve still running 20 s after SIGTERM; its log:\n{logs}")
+        assert code == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
-from ledger_server.config import ServerConfig
+from ledger_server.config import ENGINES, ServerConfig
 from ledger_server.framework import V1_FILE, V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME
 from ledger_server.rpc_status import ERROR_DOMAIN
 from ledger_server.server import RunningServer, create_server
@@ -39,6 +39,22 @@ FRAMEWORK_METHODS: Final = {
     },
 }
 RAW: Final[dict[str, Any]] = {"request_serializer": None, "response_deserializer": None}
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Each test here runs on every engine: health and reflection are served by each."""
+    return str(request.param)
+
+
+@pytest.fixture
+def server(db_path: Path, engine: str) -> Iterator[RunningServer]:
+    """Starts a real server of the engine on 127.0.0.1 with an ephemeral port."""
+    running = create_server(
+        ServerConfig(database=str(db_path), listen="127.0.0.1:0", engine=engine)
+    )
+    yield running
+    running.stop(0.5)
 
 
 @pytest.fixture
@@ -119,10 +135,12 @@ def test_health_watch_still_streams_serving(channel: grpc.Channel) -> None:
     assert first.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_open_health_watches_hold_no_handler_thread(tmp_path: Path) -> None:
+def test_open_health_watches_hold_no_handler_thread(tmp_path: Path, engine: str) -> None:
     # Watch answers through a callback; a wrapper that lost that would park a worker
     # per watcher, and a few load balancers would starve the ledger of threads.
-    config = ServerConfig(database=str(tmp_path / "ledger.db"), listen="127.0.0.1:0", max_workers=2)
+    config = ServerConfig(
+        database=str(tmp_path / "ledger.db"), listen="127.0.0.1:0", max_workers=2, engine=engine
+    )
     running = create_server(config)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
@@ -149,14 +167,16 @@ def _cancel_all(watches: list[Any]) -> None:
         watch.cancel()
 
 
-def test_a_stop_while_watchers_cancel_ends(tmp_path: Path) -> None:
+def test_a_stop_while_watchers_cancel_ends(tmp_path: Path, engine: str) -> None:
     # grpcio's servicer sent NOT_SERVING while holding its lock; a cancelled watch's
     # close callback, run on grpcio's server thread, waited for that lock while the send
     # waited for the server thread, and a CI stop hung for good. Many rounds, because
     # the two must meet.
     for round_ in range(12):
         running = create_server(
-            ServerConfig(database=str(tmp_path / f"ledger-{round_}.db"), listen="127.0.0.1:0")
+            ServerConfig(
+                database=str(tmp_path / f"ledger-{round_}.db"), listen="127.0.0.1:0", engine=engine
+            )
         )
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
@@ -171,9 +191,11 @@ def test_a_stop_while_watchers_cancel_ends(tmp_path: Path) -> None:
         assert not stopper.is_alive(), f"stop hung in round {round_}"
 
 
-def test_watchers_hear_not_serving_then_their_stream_ends_on_stop(tmp_path: Path) -> None:
+def test_watchers_hear_not_serving_then_their_stream_ends_on_stop(
+    tmp_path: Path, engine: str
+) -> None:
     running = create_server(
-        ServerConfig(database=str(tmp_path / "ledger.db"), listen="127.0.0.1:0")
+        ServerConfig(database=str(tmp_path / "ledger.db"), listen="127.0.0.1:0", engine=engine)
     )
     with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from ledger_server.config import DEFAULT_DB, DEFAULT_LISTEN, ServerConfig
+from ledger_server.config import DEFAULT_DB, DEFAULT_LISTEN, ENGINES, ServerConfig
 from ledger_server.server import configure_logging, serve
 from ledger_server.startup import StartupError
 from ledger_server.store import redact_url
@@ -60,8 +60,18 @@ def register(
         "--max-workers",
         type=positive_int,
         default=1024,
-        help="RPC handler threads; appends waiting for a commit never take the last quarter,"
-        " which reads keep",
+        help="threads that run reads (and appends, with --engine threads or aio-executor);"
+        " appends waiting for a commit are never more than three quarters of this many, so"
+        " reads keep the last quarter",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="what serves the calls: aio (grpc.aio; one event loop takes every call and"
+        " awaits each append's group commit, reads run on --max-workers threads),"
+        " aio-executor (the same, appends on those threads too), threads (grpcio's threaded"
+        " server: every call on a thread of its own)",
     )
     p.add_argument(
         "--admission-delay",
@@ -159,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         database=database,
         listen=args.listen,
         max_workers=args.max_workers,
+        engine=args.engine,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         admission_delay_s=args.admission_delay,
         admission_min_events=args.admission_min_events,
