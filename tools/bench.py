@@ -7,6 +7,7 @@
     python -m tools.bench sdk       heartbeat thread CPU and emit blocking time, server up and down
     python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
     python -m tools.bench fleet     1,000 / 5,000 / 10,000 open channels at the SDK's cadence + readers
+    python -m tools.bench engines   unary and batched on each engine (aio, aio-executor, threads)
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
     python -m tools.bench all       everything but report; JSON lands in bench-results/ingest.json
@@ -37,7 +38,7 @@ from typing import Any
 import blake3
 import grpc
 
-from ledger_server.config import ServerConfig
+from ledger_server.config import ENGINES, ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
@@ -202,11 +203,18 @@ def _heartbeat_payloads(
 # --- benchmarks -----------------------------------------------------------------
 
 
-def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict[str, Any]:
+def bench_unary(
+    seconds: float = 5.0, procs: int = 2, threads: int = 32, engine: str = ENGINES[0]
+) -> dict[str, Any]:
     """Durable single-event appends vs a bare echo of the same bytes, 64 in flight."""
     with tempfile.TemporaryDirectory() as tmp:
         running = create_server(
-            ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", max_concurrent_rpcs=1024)
+            ServerConfig(
+                database=f"{tmp}/l.db",
+                listen="127.0.0.1:0",
+                max_concurrent_rpcs=1024,
+                engine=engine,
+            )
         )
         client = LedgerClient(f"127.0.0.1:{running.port}")
         per_proc = int(seconds * 4000)
@@ -226,6 +234,7 @@ def bench_unary(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict
         running.stop(1)
     return {
         "workload": f"{procs * threads} concurrent unary callers, 1 heartbeat per call",
+        "engine": engine,
         "event_ids": id_style,
         "echo_calls_per_s": round(echo["calls_per_s"]),
         "durable_appends_per_s": round(ours["calls_per_s"]),
@@ -270,10 +279,18 @@ def _raw_sqlite_rate(rows: int, row_bytes: int, clients: int) -> float:
     return rows / elapsed
 
 
-def bench_batched(seconds: float = 5.0, procs: int = 2, threads: int = 4) -> dict[str, Any]:
+def bench_batched(
+    seconds: float = 5.0,
+    procs: int = 2,
+    threads: int = 4,
+    engine: str = ENGINES[0],
+    raw_rows: int = 200_000,
+) -> dict[str, Any]:
     """100-event appends from 8 clients vs raw SQLite inserts of the same rows."""
     with tempfile.TemporaryDirectory() as tmp:
-        running = create_server(ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0"))
+        running = create_server(
+            ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", engine=engine)
+        )
         client = LedgerClient(f"127.0.0.1:{running.port}")
         per_proc = int(seconds * 300)
         payloads = [
@@ -286,9 +303,10 @@ def bench_batched(seconds: float = 5.0, procs: int = 2, threads: int = 4) -> dic
         row_bytes = len(row[0].row) if row else 300
         running.stop(1)
     events_per_s = ours["calls_per_s"] * 100
-    raw = _raw_sqlite_rate(200_000, row_bytes, procs)
+    raw = _raw_sqlite_rate(raw_rows, row_bytes, procs)
     return {
         "workload": f"{procs * threads} clients, 100 heartbeats per append, chain + projections",
+        "engine": engine,
         "event_ids": id_style,
         "events_per_s": round(events_per_s),
         "raw_sqlite_rows_per_s": round(raw),
@@ -482,6 +500,53 @@ def bench_sdk(seconds: float = 10.0, events: int = 20_000) -> dict[str, Any]:
     return out
 
 
+def bench_engines(seconds: float = 5.0, rounds: int = 2) -> dict[str, Any]:
+    """Unary and batched appends on each engine, in turn, beside the same run's baselines.
+
+    Rounds alternate the order of the engines (on this machine the second of two
+    identical runs tends to win), and each engine's figure is its median over rounds.
+    """
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {
+        e: {"unary": [], "batched": []} for e in ENGINES
+    }
+    for n in range(rounds):
+        for engine in ENGINES if n % 2 == 0 else ENGINES[::-1]:
+            samples[engine]["unary"].append(bench_unary(seconds, engine=engine))
+            samples[engine]["batched"].append(bench_batched(seconds, engine=engine))
+            print(engine, samples[engine]["unary"][-1], samples[engine]["batched"][-1], flush=True)
+
+    def median(engine: str, kind: str, key: str) -> float:
+        return float(statistics.median(s[key] for s in samples[engine][kind]))
+
+    threads = ENGINES[-1]
+    table = {}
+    for engine in ENGINES:
+        unary = median(engine, "unary", "durable_appends_per_s")
+        batched = median(engine, "batched", "events_per_s")
+        table[engine] = {
+            "unary_appends_per_s": round(unary),
+            "unary_ratio_to_echo": round(median(engine, "unary", "ratio_to_echo"), 3),
+            "unary_server_cpu_us_per_call": round(
+                median(engine, "unary", "server_cpu_us_per_call"), 1
+            ),
+            "unary_vs_threads": round(unary / median(threads, "unary", "durable_appends_per_s"), 3),
+            "batched_events_per_s": round(batched),
+            "batched_ratio_to_raw_sqlite": round(
+                median(engine, "batched", "ratio_to_raw_sqlite"), 3
+            ),
+            "batched_server_cpu_us_per_event": round(
+                median(engine, "batched", "server_cpu_us_per_event"), 1
+            ),
+            "batched_vs_threads": round(batched / median(threads, "batched", "events_per_s"), 3),
+        }
+    return {
+        "workload": "bench unary (64 callers, 1 event per call, beside a grpcio echo) and bench"
+        f" batched (8 clients, 100 events per call, beside raw SQLite), {rounds} rounds",
+        "engines": table,
+        "samples": samples,
+    }
+
+
 BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "unary": bench_unary,
     "batched": bench_batched,
@@ -489,11 +554,19 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "sdk": bench_sdk,
     "coalesce": bench_coalesce,
     "fleet": bench_fleet,
+    "engines": bench_engines,
     "peers": bench_peers,
     "report": bench_report,
 }
 # How long each driven benchmark runs unless --seconds says otherwise.
-DEFAULT_SECONDS = {"unary": 5.0, "batched": 5.0, "coalesce": 10.0, "fleet": 30.0, "peers": 5.0}
+DEFAULT_SECONDS = {
+    "unary": 5.0,
+    "batched": 5.0,
+    "coalesce": 10.0,
+    "fleet": 30.0,
+    "engines": 5.0,
+    "peers": 5.0,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -552,6 +625,12 @@ def main(argv: list[str] | None = None) -> int:
         " processes of gRPC futures (the earlier generator, for comparison)",
     )
     parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="unary, batched and fleet: the server's engine (engines measures each in turn)",
+    )
+    parser.add_argument(
         "--no-pin",
         action="store_true",
         help="fleet: leave the server and the load unpinned (default: the server on one core,"
@@ -594,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["speedup"] = args.speedup
             kwargs["client"] = args.fleet_client
             kwargs["pin"] = not args.no_pin
+            kwargs["engine"] = args.engine
+        if name in ("unary", "batched"):
+            kwargs["engine"] = args.engine
         report[key] = BENCHES[name](**kwargs)
         print(json.dumps(report[key], indent=2), flush=True)
     out = Path(args.output or RESULTS / "ingest.json")

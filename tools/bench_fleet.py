@@ -43,6 +43,7 @@ from typing import Any
 
 import grpc
 
+from ledger_server.config import ENGINES
 from ledger_server.server import raise_fd_limit
 from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -589,8 +590,9 @@ def _level(
     *,
     client: str,
     pin: tuple[list[int], list[int]] | None,
+    engine: str,
 ) -> dict[str, Any]:
-    args: list[str] = []
+    args: list[str] = ["--engine", engine]
     if max_workers is not None:
         # Overload is measured by latency and retries, not by refusals at the door.
         args += ["--max-workers", str(max_workers), "--max-concurrent-rpcs", str(8 * max_workers)]
@@ -634,6 +636,7 @@ def bench_fleet(
     max_workers: int | None = None,
     client: str = "aio",
     pin: bool = True,
+    engine: str = ENGINES[0],
 ) -> dict[str, Any]:
     """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed.
 
@@ -662,6 +665,7 @@ def bench_fleet(
         ),
         "fd_limit": fds,
         "server_max_workers": max_workers or "default (1024)",
+        "server_engine": engine,
         "levels": [],
         "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
     }
@@ -678,7 +682,9 @@ def bench_fleet(
             )
             print(out["levels"][-1], flush=True)
             continue
-        level = _level(n, seconds, interval, max_workers, client=client, pin=placement)
+        level = _level(
+            n, seconds, interval, max_workers, client=client, pin=placement, engine=engine
+        )
         print(level, flush=True)
         out["levels"].append(level)
     measured = [level for level in out["levels"] if "skipped" not in level]
