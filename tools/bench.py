@@ -92,6 +92,50 @@ def _echo_server() -> tuple[grpc.Server, int]:
     return server, port
 
 
+def _minimal_server(path: str) -> tuple[grpc.Server, int]:
+    """The minimal durable gRPC server: fields read in Python, one executemany and commit per call.
+
+    The same-run baseline for batched ingest: it answers AppendEvents at the ledger's
+    own method path (with an empty response) and keeps each event's id, run, shard,
+    kind and bytes in SQLite (WAL, synchronous=FULL, a unique index on the id). No
+    chain, no projections, no validation: what the stack reaches at its simplest.
+    """
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute(
+        "CREATE TABLE events (seq INTEGER PRIMARY KEY, event_id TEXT NOT NULL UNIQUE,"
+        " run_id TEXT NOT NULL, shard_id TEXT NOT NULL, kind TEXT, body BLOB NOT NULL)"
+    )
+    lock = threading.Lock()
+
+    def append(request: bytes, context: grpc.ServicerContext) -> bytes:
+        events = pb.AppendEventsRequest.FromString(request).events
+        rows = [
+            (e.event_id, e.run_id, e.shard_id, e.WhichOneof("payload"), e.SerializeToString())
+            for e in events
+        ]
+        with lock:
+            conn.execute("BEGIN")
+            conn.executemany(
+                "INSERT OR IGNORE INTO events (event_id, run_id, shard_id, kind, body)"
+                " VALUES (?, ?, ?, ?, ?)",
+                rows,
+            )
+            conn.execute("COMMIT")
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        "shardledger.v1.LedgerService",
+        {"AppendEvents": grpc.unary_unary_rpc_method_handler(append)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
 def _client_proc(
     kind: str, port: int, threads: int, seconds: float, payloads: list[bytes], out: Any
 ) -> None:
@@ -285,8 +329,12 @@ def bench_batched(
     threads: int = 4,
     engine: str = ENGINES[0],
     raw_rows: int = 200_000,
+    minimal: bool = False,
 ) -> dict[str, Any]:
-    """100-event appends from 8 clients vs raw SQLite inserts of the same rows."""
+    """100-event appends from 8 clients vs raw SQLite inserts of the same rows.
+
+    minimal: also drive the minimal durable server (_minimal_server) with the same requests.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         running = create_server(
             ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", engine=engine)
@@ -302,9 +350,25 @@ def bench_batched(
         row = running.ledger.store.read().list_events(1, after_sequence=5000, limit=1)
         row_bytes = len(row[0].row) if row else 300
         running.stop(1)
+        baseline: dict[str, Any] = {}
+        if minimal:
+            plain, port = _minimal_server(f"{tmp}/minimal.db")
+            simple = _drive(
+                "ledger", port, procs=procs, threads=threads, seconds=seconds, payloads=payloads
+            )
+            plain.stop(0)
+            baseline = {
+                "minimal_server_events_per_s": round(simple["calls_per_s"] * 100),
+                "ratio_to_minimal_server": round(ours["calls_per_s"] / simple["calls_per_s"], 3),
+                "minimal_server_cpu_us_per_event": round(simple["server_cpu_us_per_call"] / 100, 1),
+                "cpu_ratio_to_minimal_server": round(
+                    simple["server_cpu_us_per_call"] / ours["server_cpu_us_per_call"], 3
+                ),
+            }
     events_per_s = ours["calls_per_s"] * 100
     raw = _raw_sqlite_rate(raw_rows, row_bytes, procs)
     return {
+        **baseline,
         "workload": f"{procs * threads} clients, 100 heartbeats per append, chain + projections",
         "engine": engine,
         "event_ids": id_style,
@@ -512,7 +576,7 @@ def bench_engines(seconds: float = 5.0, rounds: int = 2) -> dict[str, Any]:
     for n in range(rounds):
         for engine in ENGINES if n % 2 == 0 else ENGINES[::-1]:
             samples[engine]["unary"].append(bench_unary(seconds, engine=engine))
-            samples[engine]["batched"].append(bench_batched(seconds, engine=engine))
+            samples[engine]["batched"].append(bench_batched(seconds, engine=engine, minimal=True))
             print(engine, samples[engine]["unary"][-1], samples[engine]["batched"][-1], flush=True)
 
     def median(engine: str, kind: str, key: str) -> float:
@@ -538,6 +602,13 @@ def bench_engines(seconds: float = 5.0, rounds: int = 2) -> dict[str, Any]:
                 median(engine, "batched", "server_cpu_us_per_event"), 1
             ),
             "batched_vs_threads": round(batched / median(threads, "batched", "events_per_s"), 3),
+            "batched_ratio_to_minimal_server": round(
+                median(engine, "batched", "ratio_to_minimal_server"), 3
+            ),
+            # The minimal server's CPU per event over ours: the issue's >= 0.35 target.
+            "batched_cpu_ratio_to_minimal_server": round(
+                median(engine, "batched", "cpu_ratio_to_minimal_server"), 3
+            ),
         }
     return {
         "workload": "bench unary (64 callers, 1 event per call, beside a grpcio echo) and bench"
