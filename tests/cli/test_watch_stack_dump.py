@@ -7,6 +7,7 @@ dump is complete once SIGUSR1 is pending nowhere and no thread runs its handler
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from shardledger_cli.commands import watch_diag
 from shardledger_cli.commands.watch_diag import _dump_done, _masks, stack_dump
+
 
 @pytest.fixture(autouse=True)
 def _faulthandler_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are of the faulthandler path: a py-spy on the developer's PATH is not used."""
-    monkeypatch.setattr(watch_diag.shutil, "which", lambda name, *args, **kwargs: None)
+    monkeypatch.setattr(shutil, "which", lambda name, *args, **kwargs: None)
 
 
 # The child: THREADS idle threads, SIGUSR1 blocked in every one until a line arrives
