@@ -222,11 +222,13 @@ class AioInterceptor(_ServerInterceptor):
     async def _append(self, request: Any, context: AioContext) -> Any:
         sync = SyncContext(context)
         interceptor = self.interceptor
-        principal = None
+        try:
+            # A refusal here is logged as request_rejected, not request_handled (as threaded).
+            principal = interceptor.authenticated(sync.as_grpc(), APPEND_METHOD)
+        except Aborted as aborted:
+            await _abort(context, aborted)
         start, failed = time.perf_counter(), True
         try:
-            principal = interceptor.authenticated(sync.as_grpc(), APPEND_METHOD)
-            start = time.perf_counter()
             # The loop runs this call in a task of its own: the principal is the task's.
             CURRENT_PRINCIPAL.set(principal)
             CURRENT_METHOD.set(APPEND_METHOD)
@@ -298,6 +300,14 @@ class AioInterceptor(_ServerInterceptor):
         return stream
 
 
+async def _refuse_malformed(request: Any, context: AioContext) -> None:
+    """Ends the call INVALID_ARGUMENT MALFORMED_REQUEST when the request bytes did not parse."""
+    try:
+        refuse_malformed(request, SyncContext(context).as_grpc())
+    except Aborted as aborted:
+        await _abort(context, aborted)
+
+
 def _open(handler: Any) -> Any:
     """Returns an open (health, reflection) asyncio handler, parsing leniently and refusing garbage."""
     deserializer = lenient(handler.request_deserializer)
@@ -306,10 +316,7 @@ def _open(handler: Any) -> Any:
         unary = handler.unary_unary
 
         async def unary_unary(request: Any, context: AioContext) -> Any:
-            try:
-                refuse_malformed(request, SyncContext(context).as_grpc())
-            except Aborted as aborted:
-                await _abort(context, aborted)
+            await _refuse_malformed(request, context)
             return await unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
@@ -317,10 +324,7 @@ def _open(handler: Any) -> Any:
         server_stream = handler.unary_stream
 
         async def unary_stream(request: Any, context: AioContext) -> AsyncIterator[Any]:
-            try:
-                refuse_malformed(request, SyncContext(context).as_grpc())
-            except Aborted as aborted:
-                await _abort(context, aborted)
+            await _refuse_malformed(request, context)
             async for item in server_stream(request, context):
                 yield item
 
@@ -332,10 +336,7 @@ def _open(handler: Any) -> Any:
     ) -> AsyncIterator[Any]:
         async def checked() -> AsyncIterator[Any]:
             async for request in requests:
-                try:
-                    refuse_malformed(request, SyncContext(context).as_grpc())
-                except Aborted as aborted:
-                    await _abort(context, aborted)
+                await _refuse_malformed(request, context)
                 yield request
 
         async for item in bidi(checked(), context):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+import select
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -49,6 +52,8 @@ SERVICE_NAME: Final = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].fu
 log = structlog.get_logger("shardledger.server")
 # How long past the grace a stop may wait for grpcio before it cancels every call.
 STOP_MARGIN_S: Final = 3.0
+# A backstop: the main thread looks for a stop request at least this often.
+WAKE_CHECK_S: Final = 1.0
 # Seconds a call may wait for the polling thread before gRPC's core cancels it (see _start).
 UNREQUESTED_CALL_S: Final = 5
 
@@ -412,12 +417,31 @@ def serve(config: ServerConfig, *, ready: Callable[[int], None] | None = None) -
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if ready is not None:
-        try:
-            ready(running.port)
-        except BaseException:
-            running.stop(0)
-            raise
-    stop.wait()
+    # The kernel hands a process's signal to any thread that does not block it, and
+    # Python runs handlers only on the main thread, between bytecodes: a main thread
+    # asleep on a lock (Event.wait) is not woken when another thread takes the signal,
+    # and a SIGTERM was ignored for good that way (seen in CI, then made at will by
+    # sending it to one of gRPC's threads with tgkill). The C-level handler writes to
+    # the wakeup socket from whichever thread it runs on; the main thread waits on that.
+    waker, woken = socket.socketpair()
+    for end in (waker, woken):
+        end.setblocking(False)
+    previous = signal.set_wakeup_fd(waker.fileno(), warn_on_full_buffer=False)
+    try:
+        if ready is not None:
+            try:
+                ready(running.port)
+            except BaseException:
+                running.stop(0)
+                raise
+        while not stop.is_set():
+            select.select([woken], [], [], WAKE_CHECK_S)
+            with contextlib.suppress(BlockingIOError):
+                while woken.recv(512):
+                    pass
+    finally:
+        signal.set_wakeup_fd(previous)
+        waker.close()
+        woken.close()
     running.stop(config.grace_s)
     return 0

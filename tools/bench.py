@@ -8,6 +8,8 @@
     python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
     python -m tools.bench fleet     1,000 / 5,000 / 10,000 open channels at the SDK's cadence + readers
     python -m tools.bench engines   unary and batched on each engine (aio, aio-executor, threads)
+    python -m tools.bench overload  10,000 channels at 1x then 2x the cadence (tools.bench_overload)
+    python -m tools.bench cli       CPU of `--help`, `status`, `resume` vs `python -c pass` (tools.bench_cli)
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
     python -m tools.bench all       everything but report; JSON lands in bench-results/ingest.json
@@ -42,6 +44,7 @@ from ledger_server.config import ENGINES, ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from tools.bench_cli import bench_cli
 from tools.bench_coalesce import bench_coalesce
 from tools.bench_fleet import bench_fleet
 from tools.bench_peers import bench_peers
@@ -618,6 +621,18 @@ def bench_engines(seconds: float = 5.0, rounds: int = 2) -> dict[str, Any]:
     }
 
 
+def bench_overload_both(seconds: float = 30.0) -> dict[str, Any]:
+    """10,000 channels at 1x then 2x the SDK's cadence against one server (tools/bench_overload.py)."""
+    from ledger_server.server import raise_fd_limit
+    from tools.bench_overload import measure
+
+    raise_fd_limit()
+    result: dict[str, Any] = measure(
+        ".", [], connections=10_000, seconds=seconds, speedups=[1.0, 2.0], pin=True
+    )
+    return result
+
+
 BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "unary": bench_unary,
     "batched": bench_batched,
@@ -626,6 +641,8 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "coalesce": bench_coalesce,
     "fleet": bench_fleet,
     "engines": bench_engines,
+    "overload": bench_overload_both,
+    "cli": bench_cli,
     "peers": bench_peers,
     "report": bench_report,
 }
@@ -636,6 +653,7 @@ DEFAULT_SECONDS = {
     "coalesce": 10.0,
     "fleet": 30.0,
     "engines": 5.0,
+    "overload": 30.0,
     "peers": 5.0,
 }
 
