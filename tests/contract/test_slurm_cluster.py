@@ -112,16 +112,22 @@ def test_plain_scancel_kills_a_job_that_ignores_term(
 ) -> None:
     script = _script(
         tmp_path / "stubborn.sh",
-        "trap '' TERM\necho $$ > running\nwhile :; do date +%s%N > beat; sleep 0.1; done\n",
+        # One line per beat, appended: `> beat` truncated the file before each write, and
+        # under load both reads of a loaded CI run fell in that gap ('' == '').
+        "trap '' TERM\necho $$ > running\nwhile :; do date +%s%N >> beats; sleep 0.1; done\n",
     )
     job_id = _submit(slurm_cluster, tmp_path, script)
     pid = int(_wait_file(tmp_path / "running"))
     slurm_cluster.run("scancel", "--signal=TERM", "--full", str(job_id))
     time.sleep(1.0)
     assert slurm_cluster.job_state(job_id) == "RUNNING"
-    beat = (tmp_path / "beat").read_text()
-    time.sleep(0.3)
-    assert (tmp_path / "beat").read_text() != beat, "the job stopped beating after TERM"
+    beats = tmp_path / "beats"
+    seen = beats.read_bytes().count(b"\n")
+    # Still beating after TERM: a new line comes (within a deadline, not a guessed sleep).
+    deadline = time.monotonic() + 20
+    while beats.read_bytes().count(b"\n") <= seen:
+        assert time.monotonic() < deadline, "the job stopped beating after TERM"
+        time.sleep(0.05)
 
     started = time.monotonic()
     slurm_cluster.run("scancel", str(job_id))
