@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, cast
 import grpc
 from grpc_health.v1 import health_pb2
 
-from ledger_server.framework import LedgerHealth
+from ledger_server.framework import HEALTH_SERVICE_NAME, LedgerHealth
 from ledger_server.interceptor import (
     CURRENT_METHOD,
     CURRENT_PRINCIPAL,
@@ -48,7 +48,6 @@ from shard_client.api.shardledger.v1 import ledger_pb2
 APPEND_METHOD: Final = (
     "/" + ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name + ("/AppendEvents")
 )
-HEALTH_SERVICE: Final = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 AioContext: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 # next() past a stream's end, as a value: StopIteration cannot cross an executor's future.
 _END: Final = object()
@@ -60,13 +59,6 @@ class Aborted(Exception):
     def __init__(self, status: grpc.Status) -> None:
         super().__init__(status.details)
         self.status = status
-
-
-class _Status(grpc.Status):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self.code = code
-        self.details = details
-        self.trailing_metadata = ()
 
 
 class SyncContext:
@@ -92,17 +84,11 @@ class SyncContext:
         self._code = status.code
         raise Aborted(status)
 
-    def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        self.abort_with_status(_Status(code, details))
-
     def code(self) -> grpc.StatusCode | None:
         return self._code or self._context.code()
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self._context.set_code(code)
-
-    def set_details(self, details: str) -> None:
-        self._context.set_details(details)
 
     def is_active(self) -> bool:
         return self.active and not self._context.done() and not self._context.cancelled()
@@ -112,12 +98,6 @@ class SyncContext:
 
     def invocation_metadata(self) -> Any:
         return self._context.invocation_metadata()
-
-    def time_remaining(self) -> float | None:
-        return self._context.time_remaining()
-
-    def auth_context(self) -> Any:
-        return self._context.auth_context()
 
 
 async def _abort(context: AioContext, aborted: Aborted) -> NoReturn:
@@ -371,7 +351,7 @@ def health_handler(health: LedgerHealth) -> grpc.GenericRpcHandler[Any, Any]:
     request = health_pb2.HealthCheckRequest.FromString
     response = health_pb2.HealthCheckResponse.SerializeToString
     return grpc.method_handlers_generic_handler(
-        HEALTH_SERVICE,
+        HEALTH_SERVICE_NAME,
         {
             "Check": grpc.unary_unary_rpc_method_handler(check, request, response),
             "Watch": grpc.unary_stream_rpc_method_handler(watch, request, response),

@@ -13,6 +13,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+HEALTH_SERVICE_NAME: Final = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 V1ALPHA_SERVICE_NAME: Final[str] = reflection.SERVICE_NAME
 V1_SERVICE_NAME: Final = "grpc.reflection.v1.ServerReflection"
 # The path the upstream grpc/reflection/v1/reflection.proto registers under.

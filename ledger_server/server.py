@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ledger_server.admission import Admission, read_reserve
 from ledger_server.aio import AioInterceptor, AioServer, health_handler
 from ledger_server.config import ServerConfig, default_key_path
-from ledger_server.framework import LedgerHealth, enable_reflection
+from ledger_server.framework import HEALTH_SERVICE_NAME, LedgerHealth, enable_reflection
 from ledger_server.interceptor import RequestInterceptor
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
 from ledger_server.rebuild import RunRebuild
@@ -223,7 +223,6 @@ def _start(
     ]
     servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor, metrics=metrics)
     health_servicer = LedgerHealth()
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     server: grpc.Server | AioServer
     pool = None
     if config.engine == "threads":
@@ -236,7 +235,7 @@ def _start(
         ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if config.reflection:
-            enable_reflection((SERVICE_NAME, health_name), server)
+            enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), server)
         port = _bind(server, config.listen, credentials)
         server.start()
     else:
@@ -256,7 +255,7 @@ def _start(
             ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, aio)
             aio.add_generic_rpc_handlers([health_handler(health_servicer)])
             if config.reflection:
-                enable_reflection((SERVICE_NAME, health_name), aio)
+                enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), aio)
             server.server = aio
             bound = _bind(aio, config.listen, credentials)
             return _started(aio, bound)
