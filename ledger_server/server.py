@@ -84,10 +84,7 @@ class RunningServer:
         if not self.server.stop(grace_s).wait(grace_s + STOP_MARGIN_S):
             log.warning("shutdown_forced", grace_s=grace_s, margin_s=STOP_MARGIN_S)
             self.server.stop(0).wait(STOP_MARGIN_S)
-        if isinstance(self.server, AioServer):
-            self.server.close()
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        _release(self.server, self.pool)
         if self.metrics_http is not None:
             stop_metrics_server(self.metrics_http)
         self.ledger.close()
@@ -264,8 +261,7 @@ def _start(
             port = server.run(build)
         except BaseException:
             server.stop(0).wait(STOP_MARGIN_S)
-            server.close()
-            pool.shutdown(wait=False)
+            _release(server, pool)
             raise
     metrics_http, metrics_port = None, None
     if config.metrics_listen:
@@ -274,11 +270,8 @@ def _start(
                 metrics, ledger, config.metrics_listen
             )
         except OSError as exc:
-            server.stop(0).wait()
-            if isinstance(server, AioServer):
-                server.close()
-            if pool is not None:
-                pool.shutdown(wait=False)
+            server.stop(0).wait(STOP_MARGIN_S)
+            _release(server, pool)
             raise StartupError(
                 f"cannot serve metrics on {config.metrics_listen}: {exc.strerror};"
                 " pick another --metrics-listen"
@@ -316,6 +309,14 @@ def _start(
         probe,
         pool,
     )
+
+
+def _release(server: grpc.Server | AioServer, pool: futures.ThreadPoolExecutor | None) -> None:
+    """Ends what serves the calls besides gRPC (after its stop): the loop thread, the read pool."""
+    if isinstance(server, AioServer):
+        server.close()
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _started(server: grpc.aio.Server, port: int) -> int:
