@@ -34,6 +34,11 @@ class LedgerClientError(Exception):
 class LedgerUnavailable(LedgerClientError):
     """The ledger could not be reached (after retries)."""
 
+    # True when no ledger answered at all: the connection was refused or broken, the name
+    # did not resolve (UNAVAILABLE with no ErrorInfo of the ledger's). False for a ledger
+    # that answered UNAVAILABLE itself (its store away) or did not answer in time.
+    unreachable: bool = False
+
 
 class LedgerRejected(LedgerClientError):
     """The ledger refused the request."""
@@ -124,6 +129,7 @@ def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     error: LedgerClientError
     if code in RETRYABLE:
         error = LedgerUnavailable(f"{code.name}: {message}")
+        error.unreachable = code == grpc.StatusCode.UNAVAILABLE and not details
     else:
         cls = _BY_CODE.get(code, LedgerRejected)
         if code == grpc.StatusCode.FAILED_PRECONDITION and reason.startswith("STORE_"):

@@ -37,10 +37,10 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
 from shard_client.classify import describe, failure_tag
 from shard_client.diagnostics import BundleContext
+from shard_client.environment import Fingerprint, gpu_count
+from shard_client.environment import fingerprint as read_fingerprint
 from shard_client.errors import LedgerClientError, LedgerRejected
 from shard_client.failures import IncompleteShard, InputChanged, Preempted
-from shard_client.fingerprint import Fingerprint, gpu_count
-from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
 from shard_client.inputs import observe
