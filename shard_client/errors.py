@@ -20,8 +20,6 @@ from __future__ import annotations
 from typing import Any, Final
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 
 class LedgerClientError(Exception):
@@ -108,6 +106,10 @@ RETRYABLE: Final = frozenset(
 
 def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     """Maps a grpc.RpcError to the SDK's hierarchy (the one place that does)."""
+    # Only a failed call pays for the status protos: a read that succeeds never imports them.
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     message = exc.details() if hasattr(exc, "details") else str(exc)
     reason, metadata, retry_after_s = code.name, dict[str, str](), None

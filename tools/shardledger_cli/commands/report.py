@@ -293,10 +293,12 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
 
     Plain: a "# summary" block of FIELD/VALUE rows first, then one block per table.
     """
-    from rich.console import Console
+    console: Any = None
+    if not plain:  # a pipe gets tab-separated blocks: rich is not even imported
+        from rich.console import Console
 
-    # markup off: shard ids, tags and reasons are data, never rich markup.
-    console = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
+        # markup off: shard ids, tags and reasons are data, never rich markup.
+        console = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
     fields: list[tuple[str, str]] = []
 
     def say(field: str, value: str, *, key: str = "") -> None:
@@ -480,11 +482,8 @@ def run_runs(args: argparse.Namespace) -> int:
         for row in rows:
             sys.stdout.write(json.dumps(row, sort_keys=True) + "\n")
         return EXIT_OK
-    from rich.console import Console
-
     # The head is shortened to 16 hex digits (`audit` shows it whole); nothing else is cut.
     cells = [[str(row[k])[: 16 if k == "head_hash" else None] for k in keys] for row in rows]
-    console = Console(file=sys.stdout, markup=False, highlight=False)
     heads = ("run", "namespace", "events", "created", "updated", "head")
-    print_table(None, heads, cells, plain=fmt == "plain", console=console)
+    print_table(None, heads, cells, plain=fmt == "plain")
     return EXIT_OK
