@@ -4,8 +4,8 @@ A clone in a home directory or in `mktemp -d` sits under a directory only its ow
 enter. The tests of permission errors start a child that file modes bind
 (tests.builders.without_root_bypass); as root it must still read the checkout and its
 virtual environment. Here the sources are copied into such a directory, with a virtual
-environment of their own beside them (the copy as its editable install, this one's
-site-packages for the dependencies), and those tests run there in a pytest of their own.
+environment of their own beside them (the copy as its editable install, this
+interpreter's path for the dependencies), and those tests run there in a pytest of their own.
 A child of another uid (nobody, what they used before) cannot enter the directory: it
 failed with "No module named shardledger_cli".
 """
@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Final
@@ -84,8 +83,9 @@ def _venv(where: Path, checkout: Path) -> str:
     """Makes a virtual environment that imports the checkout; returns its python.
 
     A path file puts the checkout first, as the editable install's finder does, then
-    this environment's site-packages for the dependencies (a path, so its own path
-    files, and with them the finder that points at this checkout, are not read).
+    the entries of this interpreter's path that are not this checkout, for the
+    dependencies: as paths, so their own path files, and with them the finder that
+    points at this checkout, are not read.
     """
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
     python = where / "bin" / "python"
@@ -95,6 +95,8 @@ def _venv(where: Path, checkout: Path) -> str:
         text=True,
         check=True,
     ).stdout.strip()
-    paths = [checkout, checkout / "tools", sysconfig.get_path("purelib")]
+    ours = {REPO, REPO / "tools"}
+    deps = [p for p in sys.path if p and Path(p).resolve() not in ours]
+    paths = [str(checkout), str(checkout / "tools"), *deps]
     (Path(purelib) / "shardledger-checkout.pth").write_text("".join(f"{p}\n" for p in paths))
     return str(python)
