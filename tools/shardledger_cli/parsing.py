@@ -1,6 +1,6 @@
 """The conventions every command follows, in one place: parsing, help, --db, --json, --format.
 
-A command module uses them like this (see commands/report.py)::
+A command module uses them like this (see commands/reads.py)::
 
     p = sub.add_parser("shards", parents=[common], help=..., description=...,
                        epilog=examples(
