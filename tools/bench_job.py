@@ -205,7 +205,7 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 4)
 
 
-def bench_job(repeat: int = 5) -> dict[str, Any]:
+def bench_job(repeat: int = 5, beat_seconds: float = 6.0) -> dict[str, Any]:
     """Measures every job with and without the SDK against a ledger started here."""
     from ledger_server.config import ServerConfig
     from ledger_server.server import create_server
@@ -263,9 +263,9 @@ def bench_job(repeat: int = 5) -> dict[str, Any]:
         for _ in range(repeat):
             many["bare"].append(_measured(job("plain_bare", count=100), env))
             many["sdk"].append(_measured(job("plain_sdk", count=100), env))
-        # The same shard twice, 6 s each with 50 commits: beating every 20 ms, and not.
-        beats = _measured([*job("beats"), "0.02", "6", "50"], env)
-        quiet = _measured([*job("beats"), "1000", "6", "50"], env)
+        # The same shard twice, beat_seconds each with 50 commits: beating every 20 ms, and not.
+        beats = _measured([*job("beats"), "0.02", str(beat_seconds), "50"], env)
+        quiet = _measured([*job("beats"), "1000", str(beat_seconds), "50"], env)
         beat_figures = json.loads(beats[2])
         client = LedgerClient(target)
         counted = {json.loads(run[2])["attempt"]: 0 for run in (beats, quiet)}
@@ -299,17 +299,26 @@ def bench_job(repeat: int = 5) -> dict[str, Any]:
     }
     # A 60 s shard at the default cadence: heartbeat_timeout 60 s -> a beat every 15 s.
     shard_share = (4 * beat_s + commit_extra_s) / 60
-    plain_budget = floor["wall_s"] - base["wall_s"] + 0.100
+    # The budget is the SDK's floor (import grpc + stubs, over an empty interpreter) + 100 ms,
+    # in wall time as the issue states it and in CPU, which another process's load on
+    # the machine moves far less (each process is mostly CPU-bound, so on an idle
+    # machine the two agree).
+    budget = {k: floor[k] - base[k] + 0.100 for k in ("wall_s", "cpu_s")}
     targets = {
-        "word count: SDK adds <= import grpc + stubs + 100 ms wall": {
+        "word count: SDK adds <= import grpc + stubs + 100 ms": {
             "added_wall_s": plain_added["wall_s"],
-            "budget_s": round(plain_budget, 4),
-            "met": plain_added["wall_s"] <= plain_budget,
+            "budget_wall_s": round(budget["wall_s"], 4),
+            "added_cpu_s": plain_added["cpu_s"],
+            "budget_cpu_s": round(budget["cpu_s"], 4),
+            "met": plain_added["wall_s"] <= budget["wall_s"],
+            "met_cpu": plain_added["cpu_s"] <= budget["cpu_s"],
         },
-        "torch job: SDK adds <= 100 ms wall": {
+        "torch job: SDK adds <= 100 ms over the job's own imports": {
             "added_wall_s": torch_added["wall_s"],
+            "added_cpu_s": torch_added["cpu_s"],
             "budget_s": 0.1,
             "met": torch_added["wall_s"] <= 0.1,
+            "met_cpu": torch_added["cpu_s"] <= 0.1,
         },
         "heartbeats + commit <= 0.5 % of a 60 s shard's CPU": {
             "share_pct": round(100 * shard_share, 4),
@@ -383,15 +392,20 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--repeat", type=int, default=5, help="runs of each job (5)")
+    parser.add_argument(
+        "--beat-seconds", type=float, default=6.0, help="how long each heartbeat shard runs (6)"
+    )
     parser.add_argument("-o", "--output", default="bench-results/job.json", help="JSON file")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.beat_seconds <= 0:
+        parser.error("--beat-seconds must be positive")
     from ledger_server.server import configure_logging
     from tools.bench_projections import save_result
 
     configure_logging("warning")
-    result = bench_job(args.repeat)
+    result = bench_job(args.repeat, args.beat_seconds)
     report(result)
     save_result(args.output, result)
     return 0
