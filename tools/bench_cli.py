@@ -31,6 +31,11 @@ TARGET_CPU_S: Final = 0.150
 # A read's CPU over `python -c "import grpc"` in the same run (issue 46).
 TARGET_OVER_GRPC_S: Final = 0.060
 READS: Final = ("status", "resume", "shards", "events")
+BARE_CALL: Final = (
+    "import grpc; from shard_client.api.shardledger.v1 import ledger_pb2 as pb, ledger_pb2_grpc"
+    " as g; g.LedgerServiceStub(grpc.insecure_channel('{}')).GetRunSummary("
+    "pb.GetRunSummaryRequest(run_id='bench-cli'), timeout=30)"
+)
 
 
 def _cpu_of(argv: list[str], env: dict[str, str]) -> float:
@@ -95,6 +100,9 @@ def bench_cli(repeat: int = 15) -> dict[str, Any]:
         calls = {
             "python -c pass": [sys.executable, "-c", "pass"],
             "python -c 'import grpc'": [sys.executable, "-c", "import grpc"],
+            # The floor of any read with our stubs: the protobuf runtime, the descriptors
+            # and gRPC's channel code, one call, nothing of the CLI or the SDK.
+            "one bare GetRunSummary call": [sys.executable, "-c", BARE_CALL.format(target)],
             "shardledger --help": [*cli, "--help"],
             **{
                 f"shardledger {read} RUN": [*cli, read, "bench-cli", "--server", target]
@@ -110,7 +118,7 @@ def bench_cli(repeat: int = 15) -> dict[str, Any]:
         rows = {}
         for name, values in samples.items():
             cpu = statistics.median(values)
-            baseline = name.startswith("python")
+            baseline = name.startswith(("python", "one bare"))
             is_read = name.split()[1:2] and name.split()[1] in READS
             rows[name] = {
                 "cpu_ms_median": round(cpu * 1000, 1),
