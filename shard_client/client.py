@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,6 +62,64 @@ def channel_target(target: str | Sequence[str]) -> str:
         raise ValueError("no ledger address given")
     scheme = "ipv6:" if all(t.startswith("[") for t in targets) else "ipv4:"
     return scheme + ",".join(targets)
+
+
+def target_addresses(target: str) -> list[tuple[int, Any]] | None:
+    """Returns the socket addresses a gRPC target dials, or None for a form not probed here.
+
+    ``host:port``, ``[v6]:port``, ``ipv4:``/``ipv6:`` lists, ``dns:///host:port`` and
+    ``unix:path``; a name resolves as gRPC would (every address it has). A name that
+    does not resolve gives no address.
+    """
+    if target.startswith(("unix:", "unix-abstract:")):
+        path = target.split(":", 1)[1].removeprefix("//")
+        return [(socket.AF_UNIX, path)] if not target.startswith("unix-abstract:") else None
+    body = target
+    for prefix in ("ipv4:", "ipv6:", "dns:///", "dns:"):
+        if body.startswith(prefix):
+            body = body[len(prefix) :]
+            break
+    found: list[tuple[int, Any]] = []
+    for part in body.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not port.isdigit() or "/" in host:
+            return None
+        host = host.removeprefix("[").removesuffix("]") or "localhost"
+        try:
+            # Bytes for an ASCII name: a str would load the IDNA codec first.
+            infos = socket.getaddrinfo(
+                host.encode("ascii") if host.isascii() else host,
+                int(port),
+                type=socket.SOCK_STREAM,
+            )
+        except (socket.gaierror, UnicodeError):
+            continue
+        found += [(family, address) for family, _, _, _, address in infos]
+    return found
+
+
+def nothing_listens(target: str, *, timeout_s: float = 1.0) -> bool:
+    """Returns True only when no address of the target accepts a connection right now.
+
+    A refused connection or a name that does not resolve is "nothing listens"; an
+    address that accepts, or does not answer within ``timeout_s`` (maybe slow), or a
+    target form this cannot probe, is not. gRPC alone cannot tell: for a while after
+    the ledger comes back, a channel in its reconnect backoff still fails calls at once.
+    """
+    addresses = target_addresses(target)
+    if addresses is None:
+        return False
+    for family, address in addresses:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.settimeout(timeout_s)
+            try:
+                probe.connect(address)
+            except (ConnectionRefusedError, FileNotFoundError):
+                continue
+            except OSError:
+                return False  # unreachable network, a timeout: not known to be absent
+            return False  # something accepted
+    return True
 
 
 def default_target() -> str:

@@ -54,7 +54,7 @@ import grpc
 from shard_client import backoff
 from shard_client.ack import Ack, resolve
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.client import LedgerClient
+from shard_client.client import LedgerClient, nothing_listens
 from shard_client.delivery import MAX_BATCH_BYTES, MAX_BATCH_EVENTS, deliver
 from shard_client.errors import LedgerClientError, LedgerRejected, LedgerUnavailable
 from shard_client.orphans import OrphanDrainer
@@ -323,25 +323,13 @@ class Sender:
                 return
             self._closing = self._urgent = True
             self._retry_at = 0.0
-            # One more try: what an earlier call found says nothing of the ledger now.
-            self._unreachable = False
             self._exit_deadline = time.monotonic() + wait_s
             self._wakeup.notify()
             thread = self._thread
         if self.orphans is not None:
             self.orphans.stop()  # no new attempts; a drain under way may use the exit wait
         if thread is not None:
-            with self._cond:
-                self._cond.wait_for(
-                    lambda: not thread.is_alive() or self._durable_and_unreachable_locked(),
-                    wait_s,
-                )
-                if thread.is_alive() and self._durable_and_unreachable_locked():
-                    # Nothing listens: waiting out the exit wait would only idle the job.
-                    # The thread stops at its next step; the spool keeps every event.
-                    self._exit_deadline = time.monotonic()
-                    self._retry_at = float("inf")
-                    self._wakeup.notify()
+            self._wait_or_leave(thread, wait_s)
         if self.orphans is not None:
             # A short job must not cut off the drain of the spools an earlier job left.
             self.orphans.join(max(self._exit_deadline - time.monotonic(), 0.0))
@@ -377,6 +365,36 @@ class Sender:
                 )
             else:
                 remove_finished_spool(self.spool_dir)
+
+    def _wait_or_leave(self, thread: threading.Thread, wait_s: float) -> None:
+        """Waits for the thread's end within wait_s, unless every event is durable and nothing listens.
+
+        A failed call only suggests the ledger is gone (a channel still in its reconnect
+        backoff fails at once after the ledger came back); a connect that is refused
+        says so, and then waiting out the exit wait would only idle the job.
+        """
+        deadline = time.monotonic() + wait_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.0)
+
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not thread.is_alive() or self._durable_and_unreachable_locked(), left()
+            )
+            if not thread.is_alive() or not self._durable_and_unreachable_locked():
+                return  # the thread ended, or the exit wait did
+        # Every event is acknowledged or spooled, and the latest call found no ledger.
+        if nothing_listens(self.client.target):
+            with self._cond:
+                # The thread stops at its next step; the spool keeps every event.
+                self._exit_deadline = time.monotonic()
+                self._retry_at = float("inf")
+                self._wakeup.notify()
+            return
+        # It is back, or was never gone: the exit wait applies.
+        with self._cond:
+            self._cond.wait_for(lambda: not thread.is_alive(), left())
 
     def _durable_and_unreachable_locked(self) -> bool:
         """Returns whether every event is acknowledged or spooled and no ledger answers."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from shard_client import Ledger, LedgerClient, Sender, drain_spool_dirs
+from shard_client.client import nothing_listens
 from shard_client.orphans import OrphanDrainer
 from shard_client.sender import exit_wait_from_env
 from shard_client.spool import Spool
@@ -244,3 +246,43 @@ def test_a_malformed_exit_wait_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("SHARDLEDGER_EXIT_WAIT", text)
     with pytest.raises(ValueError, match=re.escape("$SHARDLEDGER_EXIT_WAIT must be a number")):
         Ledger("127.0.0.1:1")
+
+
+def test_close_delivers_what_an_outage_spooled_once_the_ledger_is_back_before_it(
+    servers: Servers, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan(servers.target, "w")
+    servers.stop()
+    sender = Sender(
+        LedgerClient(servers.target), spool_root=str(tmp_path / "spool"), exit_wait_s=60
+    )
+    acks = [sender.emit(started("w", "att"))] + [sender.emit(beat("w", "att", i)) for i in range(3)]
+    assert all(a.wait(30) and a.spooled for a in acks)
+    assert sender._unreachable
+    servers.start()
+    # The channel may still be in its reconnect backoff, failing calls at once as if
+    # nothing listened; the connect probe tells the ledger is back, so close() waits.
+    with caplog.at_level(logging.WARNING, logger="shard_client"):
+        sender.close()
+    assert all(a.acknowledged for a in acks)
+    assert "events_spooled" not in caplog.text
+
+
+def test_nothing_listens_only_when_every_address_refuses(tmp_path: Path) -> None:
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(1)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: a connect is refused
+    try:
+        up, down = listening.getsockname()[1], closed.getsockname()[1]
+        assert not nothing_listens(f"127.0.0.1:{up}")
+        assert nothing_listens(f"127.0.0.1:{down}")
+        assert not nothing_listens(f"ipv4:127.0.0.1:{down},127.0.0.1:{up}")
+        assert nothing_listens(f"dns:///127.0.0.1:{down}")
+        assert nothing_listens(f"unix:{tmp_path / 'no.sock'}")
+        assert nothing_listens("no-such-host.invalid:50551")  # does not resolve
+        assert not nothing_listens("a target form not probed")
+    finally:
+        listening.close()
+        closed.close()
