@@ -7,11 +7,13 @@ run), the number `--after` takes; `--json` carries the global `sequence` too.
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
 import json
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Final
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -85,11 +87,13 @@ def resolve_shard(
     """
     prefix = given.rstrip("…").removesuffix("...")
     matches: list[str] = []
+    ids: list[str] = []
     for view in client.shards(run_id, namespace=namespace):
         if view.shard_id == prefix:
             return prefix
         if view.shard_id.startswith(prefix):
             matches.append(view.shard_id)
+        ids.append(view.shard_id)
     if len(matches) == 1:
         return matches[0]
     if matches:
@@ -102,10 +106,20 @@ def resolve_shard(
             EXIT_USAGE,
         )
     raise CommandError(
-        f"run {run_id} has no shard {given} (neither an id nor the start of one; `shardledger"
-        f" shards {run_id}` lists them)",
+        f"run {run_id} has no shard {given} (neither an id nor the start of one"
+        f"{_shard_hint(prefix, ids)}; `shardledger shards {run_id}` lists them)",
         EXIT_REJECTED,
     )
+
+
+def _shard_hint(prefix: str, ids: Sequence[str]) -> str:
+    """Returns "; did you mean ID?" for the ids whose start is closest to a mistyped prefix."""
+    starts: dict[str, list[str]] = {}
+    for shard_id in ids:
+        starts.setdefault(shard_id[: len(prefix)], []).append(shard_id)
+    close = difflib.get_close_matches(prefix, list(starts), n=3, cutoff=0.75)
+    named = [i for start in close for i in starts[start]][:3]
+    return f"; did you mean {' or '.join(named)}?" if named else ""
 
 
 def _event_text(event: Any, fmt: str) -> str:
