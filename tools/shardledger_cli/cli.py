@@ -190,7 +190,8 @@ def common_parent() -> argparse.ArgumentParser:
         "--server",
         metavar="HOST:PORT",
         default=None,
-        help="ledger address (default: $SHARDLEDGER_SERVER or 127.0.0.1:50551)",
+        help="ledger address: HOST:PORT, [IPV6]:PORT, unix:PATH or dns:///HOST:PORT"
+        " (default: $SHARDLEDGER_SERVER or 127.0.0.1:50551)",
     )
     group.add_argument("--namespace", default="", help="tenant namespace (default: 'default')")
     group.add_argument(
