@@ -198,10 +198,9 @@ def test_status_tables_say_whether_they_count_shards_or_attempts(cli: Any) -> No
         ["TAG", "ATTEMPTS"],
         ["oom", "1"],
     ]
-    assert plain_block(plain, "verification failures (verify_failed shards)")[0] == [
-        "REASON",
-        "SHARDS",
-    ]
+    assert plain_block(
+        plain, "verification failures (shards, by reason: first pass and now)"
+    )[0] == ["REASON", "FIRST PASS", "NOW"]
     assert "incl. verify_failed" not in plain
 
 

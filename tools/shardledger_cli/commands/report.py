@@ -23,6 +23,7 @@ from shardledger_cli.output import (
     print_json,
     print_table,
     ts_us,
+    verify_failure_rows,
 )
 from shardledger_cli.parsing import add_format_option, examples, json_help, output_format
 
@@ -42,7 +43,7 @@ fingerprint groups (every name is defined in docs/concepts.md). --json prints th
 its "lifecycle" object says whether the run is settled and since when.
 
 --costs adds what the failures cost in GPU time and the checkpoint interval
-the run's numbers advise (report 1, §4.3 and §3.2; docs/metrics.md), under the
+the run's numbers advise (docs/metrics.md defines each), under the
 keys "costs" and "checkpoint_advice", as the server keeps them (GetRunReport).
 
 
@@ -358,7 +359,7 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
         f"({s['silent_errors']} reported success but failed verification or were incomplete)",
     )
     dups = ", ".join(f"{k} {n}" for k, n in sorted(s["duplicates"].items()))
-    say("duplicates", f"{s['duplicate_shards']} shards: {dups}")
+    say("duplicates", f"{count_shards(s['duplicate_shards'])}: {dups}")
     say(
         "repairs",
         f"{count_shards(s.get('repairs', 0))}  "
@@ -383,13 +384,22 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
     for title, key, head, unit in (
         ("failure tags (failed shards, by their latest attempt)", "failure_tags", "tag", "shards"),
         ("failure tags (every failed attempt)", "attempt_failure_tags", "tag", "attempts"),
-        ("verification failures (verify_failed shards)", "verify_failures", "reason", "shards"),
         ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint", "shards"),
     ):
         tallies: dict[str, int] = s.get(key) or {}
         ordered = sorted(tallies.items(), key=lambda kv: (-kv[1], kv[0]))
         if ordered:
             tables.append((title, (head, unit), [(k, str(n)) for k, n in ordered]))
+    verify_rows = verify_failure_rows(s)
+    if verify_rows:
+        tables.insert(
+            len(tables) - bool(s.get("fingerprint_groups")),
+            (
+                "verification failures (shards, by reason: first pass and now)",
+                ("reason", "first pass", "now"),
+                verify_rows,
+            ),
+        )
     if plain:
         print_table("summary", ("field", "value"), fields, plain=True)
     for title, heads, cells in tables:

@@ -632,7 +632,14 @@ class RunWaitingOn(_message.Message):
     def __init__(self, running: _Optional[int] = ..., stale: _Optional[int] = ..., unverified: _Optional[int] = ..., unplanned: _Optional[int] = ...) -> None: ...
 
 class FirstPassSummary(_message.Message):
-    __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric")
+    __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric", "verify_failures")
+    class VerifyFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_AT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +650,7 @@ class FirstPassSummary(_message.Message):
     RECONCILIATION_RATE_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     closed: bool
     closed_at_sequence: int
     verified: int
@@ -653,7 +661,8 @@ class FirstPassSummary(_message.Message):
     reconciliation_rate: float
     missing: int
     numeric: int
-    def __init__(self, closed: _Optional[bool] = ..., closed_at_sequence: _Optional[int] = ..., verified: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., numeric: _Optional[int] = ...) -> None: ...
+    verify_failures: _containers.ScalarMap[str, int]
+    def __init__(self, closed: _Optional[bool] = ..., closed_at_sequence: _Optional[int] = ..., verified: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., numeric: _Optional[int] = ..., verify_failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "state", "page_size", "page_token")
