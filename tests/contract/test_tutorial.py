@@ -157,7 +157,7 @@ def reader_env(tmp_path: Path, server: RunningServer) -> dict[str, str]:
     assert (bin_dir / "shardledger").exists(), f"no shardledger next to {sys.executable}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLEDGER_")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    env["SHARDLEDGER_SERVER"] = f"127.0.0.1:{server.port}"  # what §0 tells the reader to set
+    env["SHARDLEDGER_SERVER"] = f"127.0.0.1:{server.port}"  # what step 0 tells the reader to set
     env["SHARDLEDGER_SPOOL_DIR"] = str(tmp_path / "spool")  # keeps the test's spool its own
     env.pop("PYTHONPATH", None)
     return env

@@ -1,4 +1,4 @@
-"""`shardledger accept`: report 2's five-step platform acceptance (§5.2), with its thresholds.
+"""`shardledger accept`: the five-step platform acceptance (docs/metrics.md), with its thresholds.
 
 1. a ruler sample run over at least 3 rounds (the same shards each round);
 2. the four metrics of every round: verified completion, silent errors,
@@ -9,7 +9,7 @@
 5. a multi-GPU run: every result set holds exactly its input ids, all verified.
 
 Reject when verified completion < 99 %, silent errors > 1 % or consistency < 95 %
-in any round (the report's thresholds, each configurable), or when a step given
+in any round (common thresholds, each configurable), or when a step given
 fails. A step not given (no --interruption, --reference or --multi-gpu run) is
 listed as skipped.
 """
@@ -67,7 +67,7 @@ def register(
         "accept",
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="report 2's five-step platform acceptance: pass or fail, with the evidence",
+        help="five-step platform acceptance: pass or fail, with the evidence",
         description=(__doc__ or "").split("\n", 1)[1] + EXAMPLES,
     )
     p.add_argument(

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-# The failure forms of the field report, in the order the report tells them.
+# The failure forms of a batch night (docs/concepts.md), one injected fault each.
 SILENT_MISSING: Final = "silent_missing"
 TRUNCATION: Final = "truncation"
 EMPTY_OUTPUT: Final = "empty_output"

@@ -159,7 +159,7 @@ def render(report: Mapping[str, Any], *, plain: bool | None = None) -> None:
     say = _Say(console, plain=plain)
     cfg = report["config"]
     say.line(
-        f"Project X: {cfg['shards']} shards, {cfg['workers']} workers, {cfg['steps']} steps, "
+        f"demo night: {cfg['shards']} shards, {cfg['workers']} workers, {cfg['steps']} steps, "
         f"seed {cfg['seed']}; run {report['run_id']} on {report['server']['target']}",
         style="bold",
     )
