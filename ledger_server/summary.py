@@ -22,6 +22,7 @@ from ledger_server.projections import (
     base_state,
     deadline_us,
     is_complete,
+    is_late,
     live_state,
     required_outputs,
     verdicts_of,
@@ -244,7 +245,7 @@ def contributions(record: ShardRecord) -> Counter[str]:
         out["recomputed"] = 1
     if latest is not None and latest.numeric_step >= 0:
         out["numeric"] = 1
-    late = sum(1 for a in attempts if a.late)
+    late = sum(1 for a in attempts if is_late(a))
     if late:
         out["late_attempts"] = late
     total = Counter(out)

@@ -61,9 +61,11 @@ HOST and JOB are the latest attempt's. --attempts lists every attempt instead, o
 row each (a rerun shard's first-pass job too): ATTEMPT (1 for the shard's first),
 ATTEMPT ID, OUTCOME (what that attempt came to: verified, unverified,
 verify_failed, failed, running, stale, or superseded when a newer attempt started
-before it ended), DETAIL, HOST, JOB, STARTED and ENDED; --state and --limit still
-choose shards, and a shard never started has no row. --attempts --json prints one
-object per attempt.
+before it ended), DETAIL, HOST, JOB, STARTED and ENDED (on the job's own clock
+where both ends carry it, as its span and GPU time are read; else the ledger's),
+RECEIVED (when the ledger had its start) and LATE ("late" when its events waited in a
+spool, and which end waited how long); --state and --limit still choose shards, and
+a shard never started has no row. --attempts --json prints one object per attempt.
 
 states: {", ".join(QUERY_STATES)}
   (old names accepted for one release: {", ".join(f"{k} = {v}" for k, v in QUERY_ALIASES.items())})
@@ -376,8 +378,9 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
     if s.get("late_attempts"):
         say(
             "late events",
-            f"{s['late_attempts']} attempts' events arrived late from a"
-            " spool: the figures above were wrong until they did",
+            f"{s['late_attempts']} attempt(s) whose events reached the ledger late (from a"
+            " spool): the figures above were behind until they did; `shardledger shards"
+            f" {s['run_id']} --attempts` shows each one's own clock beside the ledger's",
         )
     # The last column says what each table counts: shards, or attempts (a shard rerun
     # three times is three attempts).

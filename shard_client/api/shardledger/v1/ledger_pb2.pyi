@@ -765,7 +765,7 @@ class ShardDetails(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ..., input: _Optional[str] = ..., plan: _Optional[_Union[ShardPlanView, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[AttemptView, _Mapping]]] = ...) -> None: ...
 
 class AttemptView(_message.Message):
-    __slots__ = ("attempt_id", "outcome", "detail", "host", "pid", "scheduler", "started_us", "ended_us", "last_seen_us", "fingerprint", "clock_skew_us", "late")
+    __slots__ = ("attempt_id", "outcome", "detail", "host", "pid", "scheduler", "started_us", "ended_us", "last_seen_us", "fingerprint", "clock_skew_us", "late", "client_started_us", "client_ended_us", "span_clock", "delivery_gap_us")
     class SchedulerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -785,6 +785,10 @@ class AttemptView(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEW_US_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STARTED_US_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ENDED_US_FIELD_NUMBER: _ClassVar[int]
+    SPAN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_GAP_US_FIELD_NUMBER: _ClassVar[int]
     attempt_id: str
     outcome: str
     detail: str
@@ -797,7 +801,11 @@ class AttemptView(_message.Message):
     fingerprint: str
     clock_skew_us: int
     late: bool
-    def __init__(self, attempt_id: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., started_us: _Optional[int] = ..., ended_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., fingerprint: _Optional[str] = ..., clock_skew_us: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
+    client_started_us: int
+    client_ended_us: int
+    span_clock: str
+    delivery_gap_us: int
+    def __init__(self, attempt_id: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., started_us: _Optional[int] = ..., ended_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., fingerprint: _Optional[str] = ..., clock_skew_us: _Optional[int] = ..., late: _Optional[bool] = ..., client_started_us: _Optional[int] = ..., client_ended_us: _Optional[int] = ..., span_clock: _Optional[str] = ..., delivery_gap_us: _Optional[int] = ...) -> None: ...
 
 class ShardPlanView(_message.Message):
     __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "labels")
