@@ -89,8 +89,9 @@ def _hint(text: str) -> str:
         return f"a port alone is not an address: write 127.0.0.1:{text}"
     if text.startswith(":") and _port(text[1:]) is not None:
         return f"the host is missing: write 127.0.0.1{text}"
-    if _HOSTNAME.fullmatch(text):
-        return f"the port is missing: write {text}:{_DEFAULT_PORT}"
+    host = text.removesuffix(":")
+    if _HOSTNAME.fullmatch(host):
+        return f"the port is missing: write {host}:{_DEFAULT_PORT}"
     if text.count(":") > 1 and not text.startswith("["):
         return "an IPv6 address goes in brackets: [::1]:50551"
     return ""

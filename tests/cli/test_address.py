@@ -40,6 +40,7 @@ def cli(*argv: str, server: str) -> subprocess.CompletedProcess[str]:
         ("50551", "a port alone is not an address: write 127.0.0.1:50551"),
         (":50551", "the host is missing: write 127.0.0.1:50551"),
         ("ledger.example.com", "the port is missing: write ledger.example.com:50551"),
+        ("127.0.0.1:", "the port is missing: write 127.0.0.1:50551"),
         ("::1:50551", "an IPv6 address goes in brackets"),
         ("127.0.0.1:99999", ""),
         ("not an address!", ""),

@@ -31,7 +31,7 @@ from shardledger_cli.cli import (
 )
 from shardledger_cli.commands.trend import ShardArtifacts, consistency_of, shard_artifacts
 from shardledger_cli.local_ledger import serve_db_option
-from shardledger_cli.output import print_json, print_table
+from shardledger_cli.output import count_shards, print_json, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["register", "run_accept"]
@@ -176,9 +176,9 @@ def _interruption(run: _Run | None) -> Step:
     duplicates, gaps = s["duplicates"]["wasted"], s["submitted"] - s["verified"]
     step.details = {"run_id": run.run_id, "duplicates": duplicates, "gaps": gaps}
     if duplicates:
-        step.fail(f"{duplicates} shards have a second result (duplicated work)")
+        step.fail(f"{count_shards(duplicates)} with a second result (duplicated work)")
     if gaps:
-        step.fail(f"{gaps} shards have no verified result after the resume (gaps)")
+        step.fail(f"{count_shards(gaps)} with no verified result after the resume (gaps)")
     return step
 
 
@@ -214,7 +214,7 @@ def _multi_gpu(run: _Run | None) -> Step:
     if mismatched:
         step.fail(f"{mismatched} result sets do not hold exactly their input ids")
     if s["submitted"] != s["verified"]:
-        step.fail(f"{s['submitted'] - s['verified']} shards are not verified")
+        step.fail(f"{count_shards(s['submitted'] - s['verified'])} not verified")
     return step
 
 
