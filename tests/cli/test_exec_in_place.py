@@ -43,7 +43,7 @@ def readme_exec_line() -> str:
     """Returns the exec command the README's table prints, without its backquotes."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     (line,) = re.findall(r"`(shardledger exec RUN SHARD [^`]+)`", text)
-    return line
+    return str(line)
 
 
 def plan_one_shard(capsys: pytest.CaptureFixture[str], target: str, tmp_path: Path) -> str:

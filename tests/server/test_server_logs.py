@@ -102,7 +102,8 @@ def test_the_access_log_option_logs_every_call_with_its_code(tmp_path: Path) -> 
     code, logs = serve(tmp_path, "--access-log")
     assert code == 0
     handled = [
-        e for e in (json.loads(x) for x in logs.splitlines() if x.startswith("{"))
+        e
+        for e in (json.loads(x) for x in logs.splitlines() if x.startswith("{"))
         if e["event"] == HANDLED
     ]
     methods = {(e["method"].rsplit("/", 1)[1], e["code"], e["level"]) for e in handled}

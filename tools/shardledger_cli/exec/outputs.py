@@ -184,7 +184,9 @@ def _check_one(output: DeclaredOutput) -> OutputProblem | None:
     if verdict.passed:
         return None
     return OutputProblem(
-        output.name, verdict.reason, f"{verdict.detail}, in {path}: fix the job, then rerun the shard"
+        output.name,
+        verdict.reason,
+        f"{verdict.detail}, in {path}: fix the job, then rerun the shard",
     )
 
 
