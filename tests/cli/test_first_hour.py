@@ -114,3 +114,21 @@ def test_shards_attempts_shows_the_jobs_start_the_receive_time_and_late(
     assert re.fullmatch(r"late \(its start waited 2[5-9] s\)", cells["LATE"]), cells["LATE"]
     code, out, err = run_cli(capsys, "status", "night", "--server", target, "--format", "plain")
     assert "late events\t1 attempt(s) whose events reached the ledger late" in out
+
+
+def test_events_show_the_jobs_clock_beside_the_receive_time(
+    capsys: pytest.CaptureFixture[str], client: LedgerClient, target: str
+) -> None:
+    from tests.server.test_late_events import made_ago
+
+    client.append([planned("night", "s0")])
+    client.append([made_ago(started("night", "s0", "a0"), 27)])
+    code, out, err = run_cli(capsys, "events", "night", "--server", target)
+    assert code == 0, err
+    header, _, start = (
+        dict(zip(out.splitlines()[0].split("\t"), r.split("\t"), strict=True))
+        for r in out.splitlines()
+    )
+    assert start["JOB TIME"] < start["TIME"]  # made 27 s before the ledger had it
+    code, out, err = run_cli(capsys, "events", "night", "--server", target, "--format", "table")
+    assert f"{start['TIME']} (job clock {start['JOB TIME']}) s0 a0 started" in out

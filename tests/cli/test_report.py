@@ -497,7 +497,7 @@ def test_events_number_each_run_from_1_and_json_has_both_sequences(cli: Any) -> 
     code, out, _ = cli("events", "all-good")
     header, *rows = [line.split("\t") for line in out.splitlines()]
     assert code == 0
-    assert header == ["SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL"]
+    assert header == ["SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL", "JOB TIME"]
     assert [(r[0], r[4]) for r in rows] == [
         ("1", "planned"),
         ("2", "started"),

@@ -23,8 +23,10 @@ from shardledger_cli.commands.shards import scheduler_label
 from shardledger_cli.output import iso_us, ts_us, tsv_cell
 from shardledger_cli.parsing import output_format
 
-# The plain form's header: SEQ is the event's sequence in its run (run_sequence).
-COLUMNS: Final = ("SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL")
+# The plain form's header: SEQ is the event's sequence in its run (run_sequence); TIME
+# the ledger's receive time, JOB TIME the job's own clock when it made the event (an
+# event drained from a spool arrives long after it was made).
+COLUMNS: Final = ("SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL", "JOB TIME")
 
 
 def run_events(args: argparse.Namespace) -> int:
@@ -147,13 +149,19 @@ def event_cells(event: Any) -> list[str]:
         event.attempt_id or "-",
         kind,
         short_payload(event, kind) or "-",
+        iso_us(ts_us(event.client_time)) if event.HasField("client_time") else "-",
     ]
 
 
 def event_line(event: Any) -> str:
-    """Returns the one-line text form of a ShardEvent (the table form: a person reads it)."""
-    seq, when, shard, attempt, kind, payload = event_cells(event)
-    return f"{seq:>8} {when} {shard} {attempt} {kind} {payload.removeprefix('-')}".rstrip()
+    """Returns the one-line text form of a ShardEvent (the table form: a person reads it).
+
+    The job's clock is shown beside the receive time where the two differ by a second
+    or more: a spool's drain, or a job host whose clock is off.
+    """
+    seq, when, shard, attempt, kind, payload, made = event_cells(event)
+    job = f" (job clock {made})" if made not in ("-", when) else ""
+    return f"{seq:>8} {when}{job} {shard} {attempt} {kind} {payload.removeprefix('-')}".rstrip()
 
 
 def short_payload(event: Any, kind: str) -> str:

@@ -92,7 +92,9 @@ failure of the script.""",
 
 Print one line per event: its sequence in the run (SEQ: 1 for the run's first
 event, the number --after takes), receive time, shard, attempt, kind and a short
-payload; piped (--format plain), tab-separated under a header line. --json
+payload, with the job's own clock beside the receive time where they differ by a
+second or more (an event drained from a spool arrives long after it was made);
+piped (--format plain), tab-separated under a header line, JOB TIME last. --json
 prints JSON lines (the protobuf JSON mapping), with both the run's "run_sequence"
 and the ledger-wide "sequence". --follow keeps streaming new events until Ctrl-C,
 which exits 0.""",
