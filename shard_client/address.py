@@ -138,9 +138,13 @@ def resolve_within(host: str, port: int, timeout_s: float = RESOLVE_TIMEOUT_S) -
     answer: list[list[str]] = []
     failure: list[OSError] = []
 
+    # An ASCII name goes to getaddrinfo as bytes: a str would load the IDNA codec first
+    # (encodings.idna, stringprep, unicodedata), a tenth of a CLI read's start-up.
+    name = host.encode("ascii") if host.isascii() else host
+
     def lookup() -> None:
         try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
             answer.append([str(info[4][0]) for info in infos])
         except OSError as exc:
             failure.append(exc)

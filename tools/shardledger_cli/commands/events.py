@@ -7,7 +7,6 @@ run), the number `--after` takes; `--json` carries the global `sequence` too.
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import json
 import signal
@@ -116,6 +115,8 @@ def resolve_shard(
 
 def _shard_hint(prefix: str, ids: Sequence[str]) -> str:
     """Returns "; did you mean ID?" for the ids whose start is closest to a mistyped prefix."""
+    import difflib  # only a mistake pays for it
+
     starts: dict[str, list[str]] = {}
     for shard_id in ids:
         starts.setdefault(shard_id[: len(prefix)], []).append(shard_id)
