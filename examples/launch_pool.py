@@ -95,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # close+join, not terminate: each worker then runs its finalizer and closes its Ledger.
         pool.close()
         pool.join()
-    print(f"{len(lines)} shards: {len(lines) - failed} ok, {failed} failed", file=sys.stderr)
+    shards = f"{len(lines)} shard" + ("" if len(lines) == 1 else "s")
+    print(f"{shards}: {len(lines) - failed} ok, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
 
 

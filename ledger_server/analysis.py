@@ -30,11 +30,11 @@ from shard_client.labels import WELL_KNOWN_LABELS
 __all__ = ["RunTables", "fold_run"]
 
 # Verdict reasons that mean "the job said it succeeded and left nothing usable"
-# (report 1, §1.2 silent missing / empty output) and "the file is cut short" (§1.2 silent
-# truncation). shard_client.checks names them.
+# (a silent missing or empty output) and "the file is cut short" (a silent truncation).
+# shard_client.checks names them.
 EMPTY_REASONS: Final = frozenset({"empty", "missing"})
 TRUNCATED_REASONS: Final = frozenset({"truncated", "size_mismatch"})
-# Failure tags of an attempt the platform took away (report 1, §2.2 "instance reclaimed").
+# Failure tags of an attempt the platform took away (an instance reclaimed).
 RECLAIM_TAGS: Final = frozenset({"preempted", "killed"})
 HANG_TAG: Final = "timeout"
 

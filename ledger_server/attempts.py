@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ledger_server import ranks
-from ledger_server.projections import clock_skew_us, is_complete, is_intact, verdicts_of
+from ledger_server.field import attempt_span
+from ledger_server.projections import (
+    clock_skew_us,
+    delivery_gap_us,
+    is_complete,
+    is_intact,
+    is_late,
+    verdicts_of,
+)
 from ledger_server.record import Attempt, ShardRecord
 from ledger_server.states import QueryState, ShardState
 from shard_client.vocabulary import FailureTag
@@ -78,10 +86,16 @@ def attempt_history(record: ShardRecord, now_us: int) -> list[dict[str, Any]]:
                 "scheduler": dict(attempt.scheduler),
                 "started_us": attempt.started_us or None,
                 "ended_us": attempt.ended_us or None,
+                # The job's own clock at its start and end; the span is read on it where
+                # both ends carry it (span_clock "job"), else on the ledger's.
+                "client_started_us": attempt.client_started_us or None,
+                "client_ended_us": attempt.client_ended_us or None,
+                "span_clock": attempt_span(attempt)[1],
+                "delivery_gap_us": delivery_gap_us(attempt),
                 "last_seen_us": attempt.last_seen_us,
                 "fingerprint": attempt.fingerprint_digest,
                 "clock_skew_us": clock_skew_us(attempt),
-                "late": attempt.late,
+                "late": is_late(attempt),
             }
         )
     return rows

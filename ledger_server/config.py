@@ -57,6 +57,8 @@ class ServerConfig:
     # Seconds between background probes of the store while it takes writes (health follows
     # them); while it fails the probe runs every 0.25 s (store.base.PROBE_RETRY_S).
     store_probe_interval_s: float = 1.0
+    # One info line per handled call (request_handled); otherwise they are debug lines.
+    access_log: bool = False
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

@@ -1,8 +1,8 @@
 # Over 400 lines on purpose: every field figure beside the attempt rules they share (span, GPUs, bucket), each defined once in docs/metrics.md.
 """The field figures: GPU time and what failures cost, first pass by label, checkpoint advice.
 
-Report 1 prices failures in GPU time (§4.3), compares providers with seven figures
-(§2.2) and sizes checkpoints by p·t/2 + (T/t)·w (§3.2). Each figure is defined
+Failures are priced in GPU time, providers compared with seven first-pass figures,
+and checkpoints sized by p·t/2 + (T/t)·w. Each figure is defined
 once in docs/metrics.md, in the words used here. They are pure functions of shard
 records (and so of events), in two parts:
 
@@ -66,7 +66,7 @@ COST_BUCKETS: Final = (
     "duplicates",
     "reruns",
 )
-# The forms a silent error takes (report 1, §1.2), from the verdict's reason.
+# The forms a silent error takes, from the verdict's reason (docs/metrics.md).
 SILENT_FORMS: Final = ("empty", "truncated", "nan", "digest", "other")
 _FORM_OF_REASON: Final[dict[str, str]] = {
     "empty": "empty",
@@ -338,7 +338,7 @@ def _first_pass_attempt(
 
 
 def _advice_inputs(out: Counter[str], record: ShardRecord, attempt: Attempt, span_us: int) -> None:
-    """Counts the checkpoint advice's inputs an ended attempt gives (report 1, §3.2)."""
+    """Counts the checkpoint advice's inputs an ended attempt gives (docs/metrics.md)."""
     if attempt.failed_tag or attempt.artifacts:  # p: of the attempts that failed or committed
         out[_k("adv", "ended")] += 1
         out[_k("adv", "reclaimed")] += attempt.failed_tag in RECLAIM_TAGS
@@ -526,7 +526,7 @@ class Group:
 def compare(
     runs: Iterable[tuple[str, Mapping[str, int], Iterable[OpenPart]]], label: str
 ) -> list[dict[str, Any]]:
-    """Returns report 1's platform table (§2.2) by one label's values, over several runs.
+    """Returns the platform table (docs/metrics.md) by one label's values, over several runs.
 
     Each run is (run_id, its summed counters, its open parts at the moment asked).
     Shards without the label are in the group "(none)".

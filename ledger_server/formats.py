@@ -17,7 +17,7 @@ POSTGRESQL_SCHEMA: Final = 4
 # The chained row's format ("v" in each event's stored JSON; events.py, chain.py).
 ROW_FORMAT: Final = 2
 # The shard projection records' format (record.py); older ones are rebuilt from events.
-RECORD_FORMAT: Final = 6
+RECORD_FORMAT: Final = 7
 
 
 def check_schema(store: str, migrations: list[tuple[int, str, list[str]]], declared: int) -> None:

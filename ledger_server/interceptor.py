@@ -78,8 +78,12 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         tokens: TokenSource | None,
         clock: Callable[[], int],
         on_rejected: Callable[[str], None] | None = None,
+        access_log: bool = False,
     ) -> None:
         self.tokens = tokens
+        # request_handled is a debug line unless the operator asks for an access log:
+        # one line per call would bury the lifecycle and problems a terminal should show.
+        self.handled_level = logging.INFO if access_log else logging.DEBUG
         self.clock = clock
         self.on_rejected = on_rejected
         self.rejections: Counter[str] = Counter()
@@ -153,8 +157,8 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         failed: bool,
         principal: Principal | None,
     ) -> None:
-        """Logs one handled request: method, code, duration, peer and token id."""
-        if not log.is_enabled_for(logging.INFO):
+        """Logs one handled request (debug, or info as the access log): method, code, duration, peer."""
+        if not log.is_enabled_for(self.handled_level):
             return  # context.peer() and the rest cost more than a filtered-out line
         code = context.code() if failed else None  # type: ignore[attr-defined]
         if code:
@@ -163,7 +167,8 @@ class RequestInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             name = "CANCELLED"  # the client went away: e.g. a tail it cancelled
         else:
             name = "UNKNOWN" if failed else "OK"
-        log.info(
+        log.log(
+            self.handled_level,
             "request_handled",
             method=method,
             code=name,

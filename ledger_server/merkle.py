@@ -2,7 +2,7 @@
 
 The tree shape and the proofs follow RFC 6962 §2.1 exactly (MTH, PATH, PROOF
 and SUBPROOF, splitting at the largest power of two below ``n``); the checks
-are the RFC 9162 §2.1.3.2 and §2.1.4.2 algorithms, which walk a proof in
+are the RFC 9162 §2.1.3.2 and RFC 9162 §2.1.4.2 algorithms, which walk a proof in
 O(log n) hashes. The ledger hashes with blake3; tests swap in sha256 to meet
 the Certificate Transparency reference vectors.
 

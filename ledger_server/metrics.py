@@ -33,6 +33,7 @@ from ledger_server.service import LedgerService
 from ledger_server.store.base import StoreError
 
 __all__ = [
+    "CALL_REJECT_REASONS",
     "REJECT_REASONS",
     "STORE_FAULTS",
     "LedgerMetrics",
@@ -63,6 +64,14 @@ REJECT_REASONS: Final = (
     # A response that cannot hold a recorded value (servicer.built).
     "RESPONSE_FIELD_OUT_OF_RANGE",
     # Authentication and authorization refusals (auth.py), counted per call.
+    *("TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_INVALID", "TOKEN_REVOKED", "TOKEN_EXPIRED"),
+    *("ROLE_FORBIDDEN", "NAMESPACE_FORBIDDEN", "RUN_PREFIX_FORBIDDEN"),
+    *("UNAUTHENTICATED", "PERMISSION_DENIED", "OTHER"),
+)
+# The reasons shardledger_calls_rejected carries: only the interceptor's refusals of a
+# call (auth.py). Exporting every append reason there too read as auth failures that
+# could happen, and were never counted.
+CALL_REJECT_REASONS: Final = (
     *("TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_INVALID", "TOKEN_REVOKED", "TOKEN_EXPIRED"),
     *("ROLE_FORBIDDEN", "NAMESPACE_FORBIDDEN", "RUN_PREFIX_FORBIDDEN"),
     *("UNAUTHENTICATED", "PERMISSION_DENIED", "OTHER"),
@@ -104,7 +113,8 @@ class LedgerMetrics:
         )
         self.calls_rejected = Counter(
             "shardledger_calls_rejected",
-            "Calls refused by authentication or authorization, by reason.",
+            "Calls refused by authentication (TOKEN_*) or authorization (*_FORBIDDEN), by"
+            " reason; appends refused for their content are shardledger_events_rejected.",
             ["reason"],
             registry=r,
         )
@@ -162,6 +172,7 @@ class LedgerMetrics:
         # Every reason is exported from the start, so rate() sees 0 and not an absent series.
         for reason in REJECT_REASONS:
             self.events_rejected.labels(reason)
+        for reason in CALL_REJECT_REASONS:
             self.calls_rejected.labels(reason)
         for kind in STORE_FAULTS:
             self.store_write_errors.labels(kind)
@@ -226,10 +237,9 @@ class LedgerMetrics:
 
     def observe_rejected_call(self, reason: str, *, events: int = 0) -> None:
         """Records a call refused by authentication or authorization (the interceptor's hook)."""
-        label = reason_label(reason)
-        self.calls_rejected.labels(label).inc()
+        self.calls_rejected.labels(reason if reason in CALL_REJECT_REASONS else "OTHER").inc()
         if events:
-            self.events_rejected.labels(label).inc(events)
+            self.events_rejected.labels(reason_label(reason)).inc(events)
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -385,6 +385,40 @@ def clock_skew_us(attempt: Attempt) -> int | None:
     return -min(transits) if transits else None
 
 
+# A start and an end of one process whose transits differ by this much did not both
+# travel at once: one of them waited (the SDK spools after 5 s of an unreachable ledger).
+LATE_GAP_US: Final = 5_000_000
+
+
+def delivery_gap_us(attempt: Attempt) -> int | None:
+    """Returns how much longer the attempt's start took to reach the ledger than its end.
+
+    Positive: the start waited (a spool drained it after the job had moved on);
+    negative: the end did. Both transits mix the job's clock and the ledger's, and the
+    difference cancels them, as in arrived_late. None: either end carries no client
+    time, or the attempt has several processes (their clocks need not agree).
+    """
+    if attempt.client_started_us <= 0 or attempt.client_ended_us <= 0 or attempt.ended_us <= 0:
+        return None
+    if attempt.world_size > 1:
+        return None
+    start = attempt.started_us - attempt.client_started_us
+    return start - (attempt.ended_us - attempt.client_ended_us)
+
+
+def is_late(attempt: Attempt) -> bool:
+    """Returns whether some of the attempt's events reached the ledger late (from a spool).
+
+    Late: an event waited longer than its start by more than the heartbeat timeout
+    (arrived_late: the ledger showed the attempt wrong meanwhile), or its start and
+    its end, which both carry the job's clock, arrived LATE_GAP_US or more apart
+    relative to when they were made (the ledger's receive time of the start is then
+    not when the job started: `shards --attempts` shows both).
+    """
+    gap = delivery_gap_us(attempt)
+    return attempt.late or (gap is not None and abs(gap) >= LATE_GAP_US)
+
+
 def marks_late(record: ShardRecord | None, event: Event, now_us: int) -> bool:
     """Returns whether folding the event turns its attempt late (so the counters move)."""
     attempt = record.attempts.get(event.attempt_id) if record is not None else None

@@ -33,6 +33,8 @@ from shard_client.canonical import legacy_json
 # longer to arrive than its started event did (or the start longer than it) by more than
 # its heartbeat timeout: the job's clock cancels out (was: arrived a minute after its
 # client time, which a skewed job clock made or hid).
+# 7: the run counters gain first_verify_failed:REASON, the first pass's verification
+# failures by reason (the records are as in 6; the rebuild recomputes the counters).
 RECORD_VERSION: Final = formats.RECORD_FORMAT
 
 

@@ -203,6 +203,7 @@ def _start(
         tokens=ledger.store if require_tokens else None,
         clock=ledger.clock,
         on_rejected=metrics.observe_rejected_call,
+        access_log=config.access_log,
     )
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -375,15 +376,32 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, chain)])
 
 
-def configure_logging(level: str = "info") -> None:
-    """Sets up one-line JSON logs on stderr (the server owns logging; the SDK never does)."""
+LOG_FORMATS: Final = ("auto", "console", "json")
+
+
+def configure_logging(level: str = "info", log_format: str = "json") -> None:
+    """Sets up the server's logs on stderr (the server owns logging; the SDK never does).
+
+    ``json``: one JSON object a line, for a collector; ``console``: structlog's
+    human-readable lines; ``auto``: console on a terminal, JSON when stderr is a pipe
+    or a file.
+    """
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
+    if log_format == "auto":
+        log_format = "console" if sys.stderr.isatty() else "json"
+    renderer: structlog.typing.Processor = (
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if log_format == "console"
+        else structlog.processors.JSONRenderer()
+    )
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),

@@ -180,7 +180,7 @@ class LedgerService:
     def compare(
         self, namespace: str, run_ids: Sequence[str], label: str, *, now: int | None = None
     ) -> list[dict[str, Any]]:
-        """Returns report 1's platform table over the runs by one label's values, at now."""
+        """Returns the platform table over the runs by one label's values, at now."""
         check_label_key(label)
         at = self.clock() if now is None else now
         runs = [self.run(namespace, run_id) for run_id in run_ids]  # every name checked first

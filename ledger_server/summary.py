@@ -23,6 +23,7 @@ from ledger_server.projections import (
     base_state,
     deadline_us,
     is_complete,
+    is_late,
     live_state,
     required_outputs,
     verdicts_of,
@@ -231,6 +232,11 @@ def contributions(record: ShardRecord) -> Counter[str]:
     else:
         outcome = "other"
     out[f"first:{outcome}"] = 1
+    if first_silent is not None:
+        # History no rerun rewrites: why the first pass's result failed verification.
+        reasons = [v[1] for v in verdicts_of(record, first_silent) if v and v[0] == "failed"]
+        if reasons and _seen_in_first_pass(record, first_silent):
+            out[f"first_verify_failed:{reasons[0]}"] = 1
     first_attempt_verified = bool(attempts and attempts[0].first_pass and verified[0])
     if first_attempt_verified:
         out["first:attempt_verified"] = 1
@@ -240,7 +246,7 @@ def contributions(record: ShardRecord) -> Counter[str]:
         out["recomputed"] = 1
     if latest is not None and latest.numeric_step >= 0:
         out["numeric"] = 1
-    late = sum(1 for a in attempts if a.late)
+    late = sum(1 for a in attempts if is_late(a))
     if late:
         out["late_attempts"] = late
     total = Counter(out)
@@ -492,6 +498,9 @@ def run_summary(
             "reconciliation_rate": _rate(first_attempt, submitted),
             "missing": counters.get("first:missing", 0),
             "numeric": counters.get("first:numeric", 0),
+            # Shards whose first-pass result failed verification, by the reason (the
+            # summary's verify_failures counts the shards that still do).
+            "verify_failures": prefixed("first_verify_failed:"),
         },
         "lifecycle": lifecycle(
             counters,

@@ -1,6 +1,6 @@
 """Checkpoint interval advice from measured data: the t that minimises p·t/2 + (T/t)·w.
 
-Report 1 (§3.2) sets the checkpoint interval by arithmetic: with T the shard's
+The checkpoint interval follows from arithmetic: with T the shard's
 duration, w one checkpoint's write time and p the chance that an attempt is
 reclaimed, the expected waste of an interval t is about ``p·t/2 + (T/t)·w`` (half
 an interval lost per reclaim, plus T/t writes), which is smallest at

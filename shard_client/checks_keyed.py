@@ -1,7 +1,7 @@
 """Result sets keyed by id, not by order: exactly the shard's input ids, no missing, extra or twice.
 
-Report 2 (§4.4): a multi-GPU job that gathers its ranks' results "whoever
-finishes first appends first" returns the right number of rows in the wrong
+A multi-GPU job that gathers its ranks' results in the order they finish
+(whoever finishes first appends first) returns the right number of rows in the wrong
 order, and a result matched to its input by line number is another sample's.
 Results must carry their input's id, and the set of result ids must equal the
 set of input ids. `compare_id_sets` is that check on any two collections of

@@ -37,7 +37,7 @@ _COLLECTIVE_ERRORS: Final = ("DistError", "DistBackendError", "DistNetworkError"
 def _is_collective(exc: BaseException) -> bool:
     # A collective that failed: NCCL's errors, Gloo's (CPU ranks; its messages name the
     # gloo sources, e.g. "gloo/transport/tcp/pair.cc: Connection closed by peer"), or
-    # torch.distributed's error types. All of them are tagged nccl, the field reports' tag.
+    # torch.distributed's error types. All of them are tagged nccl: a collective's failure.
     text = str(exc)
     if "NCCL" in text or "nccl" in type(exc).__name__.lower() or "gloo" in text.lower():
         return True

@@ -390,7 +390,7 @@ class LedgerClient:
     def compare_runs(
         self, run_ids: list[str], label: str, *, namespace: str = ""
     ) -> pb.CompareRunsResponse:
-        """Returns report 1's platform table: the runs' shards grouped by one label's values."""
+        """Returns the platform table: the runs' shards grouped by one label's values (docs/metrics.md)."""
         request = pb.CompareRunsRequest(namespace=namespace, run_ids=run_ids, label=label)
         response: pb.CompareRunsResponse = self.call(
             lambda t: self.stub.CompareRuns(request, timeout=t)

@@ -2,7 +2,7 @@
 
 Ranks finish in any order and each holds a slice of the shard's inputs, so
 results concatenated in completion order end up misaligned with their inputs
-(the field reports' misalignment). Each rank writes its results keyed by input
+(results gathered in finishing order, matched to the wrong inputs). Each rank writes its results keyed by input
 id (one JSON object a line, the id under ``key``); `assemble` reads every
 rank's file, checks that together they hold exactly the shard's input ids (none
 missing, none extra, none twice, within a file or across two) and writes one

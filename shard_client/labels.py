@@ -23,7 +23,7 @@ __all__ = [
     "parse_label",
 ]
 
-# The labels report 1 (§2.2) compares platforms by; any other key is allowed too.
+# The labels the platform table (docs/metrics.md) compares platforms by; any other key is allowed too.
 WELL_KNOWN_LABELS: Final = ("provider", "pool", "region", "image")
 LABEL_ENV_PREFIX: Final = "SHARDLEDGER_LABEL_"
 MAX_LABELS: Final = 32

@@ -14,7 +14,7 @@ __all__ = ["FAILURE_TAGS", "SCHEDULER_FIELDS", "VERIFIER_REASONS", "FailureTag"]
 
 
 class FailureTag(StrEnum):
-    """Why an attempt failed, as the field reports' one-line logs tag it."""
+    """Why an attempt failed: one tag per failed attempt, in every log line and summary."""
 
     OOM = "oom"
     TIMEOUT = "timeout"

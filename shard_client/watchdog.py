@@ -1,8 +1,9 @@
 """The in-job hang watchdog: a job alive but making no progress is diagnosed, recorded and stopped.
 
 Why the default threshold is ``10 × the median step time + hang_grace (5 min)``:
-the field reports (§3.4) size a hang as "单步耗时的 10 倍加上固定宽限" — ten
-times the time one step takes plus a fixed grace of five minutes. Ten steps'
+ten times the time one step takes plus a fixed grace of five minutes, the rule
+operators of long GPU batches size a hang by (docs/metrics.md, "Where the method
+comes from"). Ten steps'
 worth absorbs the ordinary jitter of a training loop (a slow batch, a GC
 pause, a data-loader refill), the grace absorbs what no step time predicts (a
 first CUDA compile, an eval pass, a slow filesystem), and the median of the

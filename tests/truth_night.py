@@ -669,7 +669,7 @@ class Truth:
         return sum(m.job.kind == "preempted" for m in ended), len(ended)
 
     def by_provider(self, stage: str) -> dict[str, dict[str, Any]]:
-        """Returns report 1's first-pass counts per provider over both runs (exact)."""
+        """Returns the platform table's first-pass counts per provider over both runs (exact)."""
         out: dict[str, dict[str, Any]] = {}
 
         def group(p: str) -> dict[str, Any]:

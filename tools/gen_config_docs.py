@@ -28,7 +28,9 @@ VARIABLE: Final = re.compile(r"\bSHARDLEDGER_[A-Z0-9_]*[A-Z0-9]\b")
 ENVIRONMENT: Final[dict[str, tuple[str, str]]] = {
     "SHARDLEDGER_SERVER": (
         "SDK, client commands",
-        "the ledger's HOST:PORT (default 127.0.0.1:50551); `--server` wins",
+        "the ledger's address (default 127.0.0.1:50551): HOST:PORT, [IPV6]:PORT, unix:PATH,"
+        " dns:///HOST:PORT or several HOST:PORT separated by commas; anything else (a URL,"
+        " a bare port) is refused before dialing; `--server` wins",
     ),
     "SHARDLEDGER_TOKEN": (
         "SDK, client commands",

@@ -181,6 +181,27 @@ def test_text_report_explains_how_each_failure_form_was_caught(
     assert "completion rate 100.0 %" in out
 
 
+def test_the_report_tells_one_recomputed_figure_and_checks_in_the_equations_terms(
+    demo: tuple[int, dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, report, _ = demo
+    render(report)
+    out = capsys.readouterr().out
+    before, after = report["summary_before"], report["summary_after"]
+    reran = report["resume"]["recomputed"]
+    # The night's own retries, the resume, and the two together: named apart, adding up.
+    assert after["recomputed"] == before["recomputed"] + reran
+    assert f"resume reran {reran} of 40 shards" in out
+    row = next(line for line in out.splitlines() if line.startswith("recomputed (ran more"))
+    assert row.split("\t")[1:] == [
+        f"{before['recomputed']} ({100 * before['recomputed_rate']:.1f} %)",
+        f"{after['recomputed']} ({100 * after['recomputed_rate']:.1f} %)",
+    ]
+    check = next(line for line in out.splitlines() if line.startswith("reconciliation and"))
+    failed = before["by_state"]["failed"]
+    assert f"+ failed {failed} + verify_failed {before['verify_failed']} of 40" in check
+
+
 def test_piped_report_is_plain_blocks_and_on_a_terminal_draws_tables(
     demo: tuple[int, dict[str, Any], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

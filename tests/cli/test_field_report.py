@@ -1,4 +1,4 @@
-"""`shardledger report`: labels from flags, env and the SDK; report 1's table by label; costs; advice."""
+"""`shardledger report`: labels from flags, env and the SDK; the platform table by label; costs; advice."""
 
 from __future__ import annotations
 

@@ -198,10 +198,9 @@ def test_status_tables_say_whether_they_count_shards_or_attempts(cli: Any) -> No
         ["TAG", "ATTEMPTS"],
         ["oom", "1"],
     ]
-    assert plain_block(plain, "verification failures (verify_failed shards)")[0] == [
-        "REASON",
-        "SHARDS",
-    ]
+    assert plain_block(plain, "verification failures (shards, by reason: first pass and now)")[
+        0
+    ] == ["REASON", "FIRST PASS", "NOW"]
     assert "incl. verify_failed" not in plain
 
 
@@ -311,12 +310,15 @@ def test_shards_attempts_lists_every_attempt_with_its_own_job(
         "JOB",
         "STARTED",
         "ENDED",
+        "RECEIVED",
+        "LATE",
     ]
     assert [r[:8] for r in rows] == [
         ["0", "r0", "1", "a0", "failed", "preempted", "gpu-1", "slurm:100_0@gpu-1"],
         ["0", "r0", "2", "a1", "verified", "-", "gpu-2", "slurm:200_0@gpu-2"],
     ]  # r1 never started: no attempt, no row
-    assert all(ISO_SECOND.fullmatch(c) for r in rows for c in r[8:])
+    assert all(ISO_SECOND.fullmatch(c) for r in rows for c in r[8:11])
+    assert [r[11] for r in rows] == ["-", "-"]
     _, lines, _ = cli("shards", "rerun-night", "--attempts", "--json")
     objects = json_lines(lines)
     assert [(o["attempt"], o["attempt_id"], o["latest"]) for o in objects] == [
@@ -495,7 +497,7 @@ def test_events_number_each_run_from_1_and_json_has_both_sequences(cli: Any) -> 
     code, out, _ = cli("events", "all-good")
     header, *rows = [line.split("\t") for line in out.splitlines()]
     assert code == 0
-    assert header == ["SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL"]
+    assert header == ["SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL", "JOB TIME"]
     assert [(r[0], r[4]) for r in rows] == [
         ("1", "planned"),
         ("2", "started"),

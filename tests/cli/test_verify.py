@@ -185,7 +185,7 @@ def test_verify_exits_0_when_every_artifact_passes(
 def test_a_commit_another_attempt_overwrote_is_superseded_not_a_digest_mismatch(
     running: RunningServer, client: LedgerClient, root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The field reports' retry race: a zombie and its retry rename onto one path.
+    # A retry race: a zombie and its retry rename onto one path.
     first, second = b"zombie's bytes\n", b"retry's bytes\n"
     commit_shard(client, "race", "s0", "out.bin", first)
     started = pb.AttemptStarted(host="h", pid=2, heartbeat_timeout=Duration(seconds=600))

@@ -29,7 +29,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLEDGER_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("PYTHONPATH", None)
-    # What §0 tells the reader to set, in temporary places.
+    # What step 0 tells the reader to set, in temporary places.
     env["LEDGER_DIR"] = str(tmp_path / "etc")
     env["LEDGER_DB"] = str(tmp_path / "lib" / "ledger.db")
     env["LEDGER_HOST"] = "ledger.example.org"
@@ -85,7 +85,7 @@ def test_the_cluster_guide_makes_certificates_and_tokens_that_a_tls_ledger_accep
             if block.not_run is not None:
                 if "shardledger serve" in block.body:
                     server, port = _serve(block.body, env, tmp_path)
-                    env["SHARDLEDGER_SERVER"] = f"localhost:{port}"  # what §3 sets
+                    env["SHARDLEDGER_SERVER"] = f"localhost:{port}"  # what step 3 sets
                 continue
             path = tmp_path / f"block-{block.line}.sh"
             path.write_text(script(block, state))

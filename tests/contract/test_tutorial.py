@@ -5,6 +5,9 @@ Rules the docs follow, so that this file can run them:
 * ``<!-- include: PATH -->`` before a code block and ``<!-- end include -->``
   after it: the block is PATH's text, byte for byte (``python -m tools.sync_docs``).
 * ``<!-- not run: WHY -->`` on the line before a block: the test skips it.
+* ``<!-- on a terminal -->`` on the line before a block: it runs with its output on a
+  pseudo-terminal, 100 columns wide, as a reader's shell has it (tables drawn, colours
+  stripped before matching); its ``text`` block is what the reader sees there.
 * Every other ``bash`` block of docs/tutorial.md, README.md and examples/README.md runs, in order, in one temp
   directory that holds a copy of ``examples/``, against a fresh ledger whose
   address is in ``$SHARDLEDGER_SERVER``; exports carry from block to block as
@@ -17,12 +20,16 @@ Rules the docs follow, so that this file can run them:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +49,9 @@ README: Final = REPO / "README.md"
 EXAMPLES_README: Final = REPO / "examples" / "README.md"
 SHELLS: Final = ("bash", "sh", "shell", "console")
 NOT_RUN: Final = re.compile(r"<!-- not run: (?P<why>.+?) -->")
+TERMINAL: Final = "<!-- on a terminal -->"
+ANSI: Final = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+TERMINAL_COLUMNS: Final = 100
 INCLUDE: Final = re.compile(r"<!-- include: (?P<path>[^ ]+) -->")
 EXIT: Final = re.compile(r"\s#\s*exit (?P<code>\d+)\b")
 
@@ -57,6 +67,7 @@ class Block:
     not_run: str | None  # the reason given, when marked
     include: str | None  # the included path, when it is an include region
     expected: str | None  # the text block that follows it, if any
+    terminal: bool = False  # its output goes to a pseudo-terminal
 
     def where(self) -> str:
         """Returns DOC:LINE for messages."""
@@ -99,6 +110,7 @@ def blocks(path: Path) -> list[Block]:
                 not_run=not_run["why"] if not_run else None,
                 include=include["path"] if include else None,
                 expected=expected,
+                terminal=before.strip() == TERMINAL,
             )
         )
     return result
@@ -157,7 +169,7 @@ def reader_env(tmp_path: Path, server: RunningServer) -> dict[str, str]:
     assert (bin_dir / "shardledger").exists(), f"no shardledger next to {sys.executable}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLEDGER_")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    env["SHARDLEDGER_SERVER"] = f"127.0.0.1:{server.port}"  # what §0 tells the reader to set
+    env["SHARDLEDGER_SERVER"] = f"127.0.0.1:{server.port}"  # what step 0 tells the reader to set
     env["SHARDLEDGER_SPOOL_DIR"] = str(tmp_path / "spool")  # keeps the test's spool its own
     env.pop("PYTHONPATH", None)
     return env
@@ -191,6 +203,25 @@ def test_every_code_block_a_reader_would_run_is_run_or_says_why_not() -> None:
     assert len(reasons) <= 10, "\n".join(reasons)
     assert len(runnable(TUTORIAL)) >= 6
     assert len(runnable(README)) >= 1
+
+
+def test_every_status_example_shows_what_a_reader_sees() -> None:
+    """A status example quotes what the reader sees: on a terminal, from its first line.
+
+    Piped, status prints FIELD/VALUE rows (`equation<TAB>submitted 2 = ...`): a quote of
+    bare lines checked against that matched lines the reader never sees as such.
+    """
+    shown = [
+        b
+        for doc in (TUTORIAL, README, EXAMPLES_README)
+        for b in runnable(doc)
+        if b.expected is not None and "shardledger status" in b.body
+    ]
+    assert shown
+    for block in shown:
+        assert block.terminal, f"{block.where()}: mark it <!-- on a terminal -->"
+        if block.body.strip().count("\n") == 0:  # a block of status alone
+            assert (block.expected or "").startswith("run "), f"{block.where()}: quote line 1"
 
 
 def test_the_tutorial_runs_through_a_hang_a_damaged_file_and_a_rerun_to_100_percent(
@@ -249,6 +280,34 @@ def left_unignored(work: Path) -> list[str]:
     return sorted(set(written) - set(proc.stdout.splitlines()))
 
 
+def on_a_terminal(command: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Runs a command with stdout and stderr on a pseudo-terminal; returns (exit code, text).
+
+    The text is what the reader's terminal shows, colours and carriage returns stripped.
+    """
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, TERMINAL_COLUMNS, 0, 0))
+    wide = {**env, "COLUMNS": str(TERMINAL_COLUMNS), "TERM": "xterm"}
+    proc = subprocess.Popen(command, cwd=cwd, env=wide, stdout=child, stderr=child)
+    os.close(child)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(parent, 65536)
+            except OSError:  # EIO: every holder of the terminal's other side is gone
+                break
+            if not data:
+                break
+            chunks.append(data)
+        code = proc.wait(timeout=150)
+    finally:
+        os.close(parent)
+        if proc.poll() is None:
+            proc.kill()
+    return code, ANSI.sub("", b"".join(chunks).decode(errors="replace"))
+
+
 def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
     """Runs a document's shell blocks in order, as a reader's shell would; checks their output.
 
@@ -259,17 +318,16 @@ def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
     for block in runnable(doc):
         path = tmp_path / f"block-{block.line}.sh"
         path.write_text(script(block, state))
-        proc = subprocess.run(
-            ["bash", "--noprofile", "--norc", "-o", "pipefail", str(path)],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
-        output = proc.stdout + proc.stderr
+        command = ["bash", "--noprofile", "--norc", "-o", "pipefail", str(path)]
+        if block.terminal:
+            code, output = on_a_terminal(command, cwd=cwd, env=env)
+        else:
+            proc = subprocess.run(
+                command, cwd=cwd, env=env, capture_output=True, text=True, timeout=150
+            )
+            code, output = proc.returncode, proc.stdout + proc.stderr
         transcript.append(f"$ {block.where()}\n{block.body}{output}")
-        assert proc.returncode == 0, "\n".join(transcript)
+        assert code == 0, "\n".join(transcript)
         if block.expected is not None:
             missing = missing_lines(block.expected, output)
             assert not missing, f"{block.where()} did not print {missing}:\n{output}"

@@ -631,6 +631,7 @@ def test_serve_command_drains_and_exits_cleanly_on_sigterm(
             str(port_file),
             "--engine",
             engine,
+            "--access-log",
         ],
         stderr=subprocess.PIPE,
         text=True,

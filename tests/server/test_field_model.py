@@ -4,7 +4,7 @@ The model below is written from the definitions (ledger_server.field's docstring
 the issue), not from field.py: it keeps each attempt's plain facts (when it started,
 what it last sent, how it ended, on both clocks; what it committed and what verdicts
 said) and recomputes GPU time by cost bucket, the checkpoint advice's inputs and
-report 1's first-pass table by label from scratch, on random histories appended to a
+the platform table (first pass by label) from scratch, on random histories appended to a
 real LedgerService (SQLite, fixed clock). The same histories check that the counters
 the writer keeps in the append's transaction are those a replay of the events sums
 (the `f.` counters; test_projections_replay compares only what the run summary reads of
@@ -353,7 +353,7 @@ class Model:
         ).as_json()
 
     def table(self, now: int) -> dict[str, dict[str, Any]]:
-        """Report 1's table by LABEL: shards by their first attempt's labels, the rest by each's."""
+        """The platform table by LABEL: shards by their first attempt's labels, the rest by each's."""
         groups: dict[str, dict[str, Any]] = {}
 
         def g(labels: dict[str, str]) -> dict[str, Any]:

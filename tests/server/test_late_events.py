@@ -162,3 +162,34 @@ def test_each_attempt_shows_its_host_clock_skew_and_whether_it_was_late(
         rows["a0"]["clock_skew_us"],
         rows["a1"]["clock_skew_us"],
     ]
+
+
+def test_a_start_drained_from_a_spool_after_the_job_moved_on_is_late_and_both_clocks_shown(
+    client: LedgerClient,
+) -> None:
+    client.append([planned("night", "s0", 0)])
+    # The job started 27 s ago while the ledger was away; its start waited in the spool
+    # and arrives with its commit, made just now: less than the heartbeat timeout apart.
+    client.append([made_ago(started("night", "s0", "a0"), 27)])
+    client.append([made_ago(committed("night", "s0", "a0"), 0)])
+    assert json.loads(client.summary("night"))["late_attempts"] == 1
+    (view,) = client.shards("night")
+    (row,) = json.loads(view.view_json)["attempt_history"]
+    assert row["late"] is True and row["span_clock"] == "job"
+    # 27 s, give or take each call's own time in transit.
+    assert abs(row["delivery_gap_us"] - 27_000_000) < 3_000_000
+    assert abs(row["started_us"] - row["client_started_us"] - 27_000_000) < 3_000_000
+    (typed,) = view.view.attempt_history
+    assert (typed.client_started_us, typed.delivery_gap_us) == (
+        row["client_started_us"],
+        row["delivery_gap_us"],
+    )
+
+
+def test_a_start_and_end_that_travelled_alike_are_not_late_whatever_the_skew(
+    client: LedgerClient,
+) -> None:
+    client.append([planned("night", "s0", 0)])
+    client.append([made_ago(started("night", "s0", "a0"), 600)])  # a clock 10 min behind
+    client.append([made_ago(committed("night", "s0", "a0"), 600)])
+    assert json.loads(client.summary("night"))["late_attempts"] == 0

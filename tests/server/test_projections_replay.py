@@ -165,6 +165,14 @@ class MShard:
             return "verified"
         return "silent" if any(self.silent(a) for a in attempts) else "other"
 
+    def first_verify_failure(self) -> str | None:
+        # Why the first pass's silent result failed verification: its first failed verdict.
+        if self.first_pass() != "silent":
+            return None
+        a = next(a for a in self.attempts.values() if a.first_pass and self.silent(a))
+        reasons = [v[1] for v in self.output_verdicts(a) if v and v[0] == "failed"]
+        return reasons[0] if reasons and self.seen_first(a) else None
+
     def repaired(self) -> bool:
         results = [i for i, a in enumerate(self.attempts.values()) if self.sound(a)]
         return bool(results) and results[0] > 0
@@ -489,6 +497,9 @@ class Model:
                     1
                     for s in self.shards.values()
                     if any(a.first_pass and a.numeric for a in s.attempts.values())
+                ),
+                "verify_failures": _sorted_counts(
+                    r for s in self.shards.values() if (r := s.first_verify_failure())
                 ),
             },
             "lifecycle": self.lifecycle(states, now),

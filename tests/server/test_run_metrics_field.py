@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("spool_in_tmp")
 
 ROOT = Path(__file__).resolve().parents[2]
 NIGHT = "night-b"
-# Provider B's night: one shard of each outcome, with what report 1's table says of it.
+# Provider B's night: one shard of each outcome, with what the platform table says of it.
 OUTCOMES = ("ok", "empty", "truncated", "preempted", "hang", "missing")
 NIGHT_TRUTH = {
     "shards": 6,

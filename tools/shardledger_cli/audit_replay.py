@@ -26,7 +26,7 @@ from ledger_server.states import shown_state
 from ledger_server.summary import matches, run_summary, shard_view
 from shardledger_cli.audit_checks import open_database
 from shardledger_cli.cli import EXIT_OK, EXIT_REJECTED, CommandError, client_from
-from shardledger_cli.output import equation, iso_us, print_json
+from shardledger_cli.output import count_shards, equation, iso_us, print_json
 from shardledger_cli.parsing import add_db_option, examples, json_help
 
 # The lists `audit replay` prints, each a shard query as `shards --state` means it.
@@ -297,5 +297,5 @@ def run_diff(args: argparse.Namespace) -> int:
 
     for c in changed:
         print(f"{c['shard_id']:<32} {label(c['from']):<24} -> {label(c['to'])}")
-    print(f"{len(changed)} shards changed state", file=sys.stderr)
+    print(f"{count_shards(len(changed))} changed state", file=sys.stderr)
     return EXIT_OK

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from shardledger_cli.parsing import JSON_RULE, Parser
 
@@ -63,7 +63,7 @@ COMMANDS: Final = (
     (
         "demo",
         "shardledger_cli.demo.command",
-        "run 'Project X' end to end: inject every failure form, find each in the ledger, resume",
+        "run a night end to end: inject every failure form, find each in the ledger, resume",
     ),
     ("token", _C + "token", "create, list and revoke access tokens"),
     ("export", _C + "export", "write a run as a self-verifying JSONL file"),
@@ -76,12 +76,12 @@ COMMANDS: Final = (
     (
         "report",
         _C + "field_report",
-        "a run's report (costs, checkpoint advice), report 1's table by label, HTML",
+        "a run's report (costs, checkpoint advice), the platform table by label, HTML",
     ),
     (
         "accept",
         _C + "accept",
-        "report 2's five-step platform acceptance: pass or fail, with the evidence",
+        "five-step platform acceptance: pass or fail, with the evidence",
     ),
     (
         "sample",
@@ -191,7 +191,8 @@ def common_parent() -> argparse.ArgumentParser:
         "--server",
         metavar="HOST:PORT",
         default=None,
-        help="ledger address (default: $SHARDLEDGER_SERVER or 127.0.0.1:50551)",
+        help="ledger address: HOST:PORT, [IPV6]:PORT, unix:PATH or dns:///HOST:PORT"
+        " (default: $SHARDLEDGER_SERVER or 127.0.0.1:50551)",
     )
     group.add_argument("--namespace", default="", help="tenant namespace (default: 'default')")
     group.add_argument(
@@ -250,10 +251,11 @@ def client_from(args: argparse.Namespace, *, probe: bool = True) -> Any:
             raise CommandError(
                 f"cannot read token file {args.token_file}: {exc.strerror}"
             ) from None
+    address = checked_address(args)
     _check_client_tls(args)
     try:
         client = LedgerClient(
-            args.server,
+            address,
             timeout_s=args.timeout,
             retry_deadline_s=max(args.timeout, 5.0),
             token=token,
@@ -268,6 +270,23 @@ def client_from(args: argparse.Namespace, *, probe: bool = True) -> Any:
     return client
 
 
+def checked_address(args: argparse.Namespace) -> str:
+    """Returns the ledger address the options name (--server, $SHARDLEDGER_SERVER, the default).
+
+    A malformed one (a URL, a bare port) is a usage error at once, naming the accepted
+    forms (shard_client.address): gRPC would wait out the call's deadline before saying so.
+    """
+    from shard_client.address import AddressError, check_address
+    from shard_client.client import ENV_TARGET, default_target
+
+    given = getattr(args, "server", None)
+    source = "--server" if given else f"${ENV_TARGET}" if os.environ.get(ENV_TARGET) else "address"
+    try:
+        return check_address(given or default_target(), source=source)
+    except AddressError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+
+
 # How long the connect probe waits: a refused or unresolvable address answers at
 # once; a host that does not answer in this time may be slow, so gRPC gets --timeout.
 PROBE_TIMEOUT_S: Final = 1.0
@@ -278,31 +297,61 @@ def refuse_fast(target: str) -> None:
 
     gRPC retries a refused connection with backoff until the call's deadline, and
     the CLI retries UNAVAILABLE for 5 s more: an absent server took 10 s to report.
-    One TCP connect tells "nobody there" apart from "slow" without waiting for either.
-    Other target forms (unix:, ipv4:a,b, dns:///) are left to gRPC.
+    One TCP connect tells "nobody there" apart from "slow" without waiting for either,
+    and a name that does not resolve within RESOLVE_TIMEOUT_S fails naming the name.
+    Other target forms (unix:, a list of replicas) are left to gRPC.
     """
     import socket
 
+    from shard_client.address import endpoint_of, resolve_within
     from shard_client.errors import LedgerUnavailable
 
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or "/" in host or "," in host or host in ("unix", ""):
+    endpoint = endpoint_of(target)
+    if endpoint is None:
         return
-    host = host.removeprefix("[").removesuffix("]")
-    # An ASCII name goes to getaddrinfo as bytes: a str would load the IDNA codec first
-    # (encodings.idna, stringprep, unicodedata), a tenth of a read's start-up.
-    name = host.encode("ascii") if host.isascii() else host
     try:
-        # getaddrinfo takes bytes as well; typeshed names str only.
-        address = (cast(str, name), int(port))
-        with socket.create_connection(address, timeout=PROBE_TIMEOUT_S):
-            return
-    except TimeoutError:
-        return  # maybe slow, not absent: the call's own deadline decides
-    except socket.gaierror as exc:
-        raise LedgerUnavailable(f"cannot resolve {host}: {exc.strerror}") from None
+        addresses = resolve_within(endpoint.host, endpoint.port)
     except OSError as exc:
-        raise LedgerUnavailable(f"{exc.strerror or exc} (nothing listens on port {port})") from None
+        raise LedgerUnavailable(str(exc)) from None
+    refused: OSError | None = None
+    for address in dict.fromkeys(addresses):  # localhost: ::1 may refuse, 127.0.0.1 listen
+        try:
+            with socket.create_connection((address, endpoint.port), timeout=PROBE_TIMEOUT_S):
+                return
+        except TimeoutError:
+            return  # maybe slow, not absent: the call's own deadline decides
+        except OSError as exc:
+            refused = exc
+    reason = (refused.strerror or str(refused)) if refused else "no address"
+    raise LedgerUnavailable(f"{reason} (nothing listens on port {endpoint.port})")
+
+
+def _run_hint(exc: Any, args: argparse.Namespace) -> str:
+    """Returns "; did you mean RUN?" for an unknown run id, from the runs of its namespace.
+
+    The same list `shardledger runs` shows, asked of the same ledger; when it cannot
+    be asked (the ledger went away, a --db ledger already closed) the refusal stands alone.
+    """
+    import difflib
+
+    from shard_client.errors import LedgerClientError
+
+    run_id = exc.metadata.get("run_id", "")
+    if not run_id or getattr(args, "channel_credentials", None) is not None:
+        return ""
+    try:
+        client = client_from(args, probe=False)
+        try:
+            runs = [r.run_id for r in client.list_runs(namespace=args.namespace, page_size=1000)]
+        finally:
+            client.close()
+    except (LedgerClientError, CommandError):
+        return ""  # a hint, not the answer: the refusal above is what the user must see
+    close = difflib.get_close_matches(run_id, runs, n=3, cutoff=0.6)
+    listed = "`shardledger runs` lists them"
+    if not close:
+        return f" ({listed})"
+    return f"; did you mean {' or '.join(close)}? ({listed})"
 
 
 def _check_client_tls(args: argparse.Namespace) -> None:
@@ -558,6 +607,7 @@ def _ledger_error_exit(exc: Exception, args: argparse.Namespace) -> int | None:
         )
         return EXIT_UNAVAILABLE
     if isinstance(exc, errors.LedgerRejected):
-        print(f"shardledger: refused ({exc.reason}): {exc}", file=sys.stderr)
+        hint = _run_hint(exc, args) if exc.reason == "RUN_NOT_FOUND" else ""
+        print(f"shardledger: refused ({exc.reason}): {exc}{hint}", file=sys.stderr)
         return EXIT_REJECTED
     return None

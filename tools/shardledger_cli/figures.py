@@ -57,6 +57,6 @@ def run_report(client: Any, run_id: str, *, namespace: str = "") -> dict[str, An
 def compare_runs(
     client: Any, run_ids: list[str], label: str, *, namespace: str = ""
 ) -> list[dict[str, Any]]:
-    """Returns report 1's table by label over the runs: one JSON object per label value."""
+    """Returns the platform table by label over the runs: one JSON object per label value."""
     response = client.compare_runs(run_ids, label, namespace=namespace)
     return [message_json(g) for g in response.groups]

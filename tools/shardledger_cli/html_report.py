@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any, Final
 
-from shardledger_cli.output import by_state, equation
+from shardledger_cli.output import by_state, equation, verify_failure_rows
 
 __all__ = ["render_html"]
 
@@ -170,6 +170,21 @@ def _counts(title: str, counts: dict[str, int], ident: str) -> str:
     return f'<h3>{escape(title)}</h3><div id="{ident}">{_bars(rows, title)}</div>'
 
 
+def _verify_failures(s: dict[str, Any]) -> str:
+    """Returns the verification failures by reason, the first pass beside now, as a table."""
+    rows = verify_failure_rows(s)
+    title = "verification failures: shards by reason, first pass and now"
+    if not rows:
+        return f'<h3>{escape(title)}</h3><div id="verify-failures"><p>none</p></div>'
+    cells = "".join(
+        f"<tr><td>{escape(r)}</td><td>{first}</td><td>{now}</td></tr>" for r, first, now in rows
+    )
+    return (
+        f'<h3>{escape(title)}</h3><div id="verify-failures"><table>'
+        f"<tr><th>reason</th><th>first pass</th><th>now</th></tr>{cells}</table></div>"
+    )
+
+
 def render_html(
     report: dict[str, Any],
     views: Sequence[dict[str, Any]],
@@ -271,25 +286,22 @@ def render_html(
                 s.get("attempt_failure_tags") or {},
                 "attempt-tags",
             ),
-            _counts(
-                "verification failures: verify_failed shards by reason",
-                s.get("verify_failures") or {},
-                "verify-failures",
-            ),
+            _verify_failures(s),
             "<h2>Fingerprint groups</h2>",
-            "<p>numbers compare strictly only inside one group (report 1, §2.1)</p>",
+            "<p>numbers compare strictly only inside one group: another driver, library or GPU may"
+            " change the last bits (docs/metrics.md)</p>",
             _counts(
                 "shards by the fingerprint of their latest attempt",
                 {k[:16]: n for k, n in fingerprints.items()},
                 "fingerprints",
             ),
-            "<h2>Recomputed work (report 1, §4.3)</h2>",
+            "<h2>Recomputed work: GPU time that did not count</h2>",
             f"<p>GPU time {_fig('gpu-s', gpu_text)}, did not count"
             f" {_fig('recomputed-gpu-s', recomputed_text)}, a share of"
             f" {_fig('not-counted-share', _pct(costs['not_counted_share']))}; hangs"
             f" {_fig('hangs', str(costs['hangs']))} ({costs['hang_lost_s']:.1f} s lost)</p>",
             recomputed,
-            "<h2>Checkpoint interval (report 1, §3.2)</h2>",
+            "<h2>Checkpoint interval: t* = sqrt(2·T·w/p)</h2>",
             f"<p>{_fig('checkpoint-advice', advice_text)}; {escape(inputs)}</p>",
             "<h2>Trend over recent runs</h2>",
             f'<div id="trend">{_trend(trend_points)}</div>',

@@ -265,3 +265,15 @@ def print_table(
     if need > console.width:
         console.width = need
     console.print(table)
+
+
+def verify_failure_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Returns (reason, first pass, now) for every verification failure either moment saw.
+
+    A rerun that repaired a corrupt output empties "now" but never "first pass": the
+    night's history stays in view, as the loud failures' does (every failed attempt).
+    """
+    now: dict[str, int] = s.get("verify_failures") or {}
+    first: dict[str, int] = (s.get("first_pass") or {}).get("verify_failures") or {}
+    reasons = sorted(set(now) | set(first), key=lambda r: (-first.get(r, 0), -now.get(r, 0), r))
+    return [(r, str(first.get(r, 0)), str(now.get(r, 0))) for r in reasons]

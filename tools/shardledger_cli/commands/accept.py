@@ -1,4 +1,4 @@
-"""`shardledger accept`: report 2's five-step platform acceptance (§5.2), with its thresholds.
+"""`shardledger accept`: the five-step platform acceptance (docs/metrics.md), with its thresholds.
 
 1. a ruler sample run over at least 3 rounds (the same shards each round);
 2. the four metrics of every round: verified completion, silent errors,
@@ -9,7 +9,7 @@
 5. a multi-GPU run: every result set holds exactly its input ids, all verified.
 
 Reject when verified completion < 99 %, silent errors > 1 % or consistency < 95 %
-in any round (the report's thresholds, each configurable), or when a step given
+in any round (common thresholds, each configurable), or when a step given
 fails. A step not given (no --interruption, --reference or --multi-gpu run) is
 listed as skipped.
 """
@@ -31,7 +31,7 @@ from shardledger_cli.cli import (
 )
 from shardledger_cli.commands.trend import ShardArtifacts, consistency_of, shard_artifacts
 from shardledger_cli.local_ledger import serve_db_option
-from shardledger_cli.output import print_json, print_table
+from shardledger_cli.output import count_shards, print_json, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["register", "run_accept"]
@@ -67,7 +67,7 @@ def register(
         "accept",
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="report 2's five-step platform acceptance: pass or fail, with the evidence",
+        help="five-step platform acceptance: pass or fail, with the evidence",
         description=(__doc__ or "").split("\n", 1)[1] + EXAMPLES,
     )
     p.add_argument(
@@ -176,9 +176,9 @@ def _interruption(run: _Run | None) -> Step:
     duplicates, gaps = s["duplicates"]["wasted"], s["submitted"] - s["verified"]
     step.details = {"run_id": run.run_id, "duplicates": duplicates, "gaps": gaps}
     if duplicates:
-        step.fail(f"{duplicates} shards have a second result (duplicated work)")
+        step.fail(f"{count_shards(duplicates)} with a second result (duplicated work)")
     if gaps:
-        step.fail(f"{gaps} shards have no verified result after the resume (gaps)")
+        step.fail(f"{count_shards(gaps)} with no verified result after the resume (gaps)")
     return step
 
 
@@ -214,7 +214,7 @@ def _multi_gpu(run: _Run | None) -> Step:
     if mismatched:
         step.fail(f"{mismatched} result sets do not hold exactly their input ids")
     if s["submitted"] != s["verified"]:
-        step.fail(f"{s['submitted'] - s['verified']} shards are not verified")
+        step.fail(f"{count_shards(s['submitted'] - s['verified'])} not verified")
     return step
 
 

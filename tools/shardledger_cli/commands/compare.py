@@ -1,15 +1,15 @@
 """`shardledger compare RUN RUN-ref`: output by output against a reference run; the silent error rate.
 
-Report 2 (§2.2): re-compute a sample in a reference environment and compare.
+Re-compute a sample in a reference environment and compare (docs/metrics.md).
 Each output of a shard verified in both runs is compared:
 
   same fingerprint group   strictly: the same digest, or, for an output given a
                            --tolerance, the numbers within it
   different groups         structure only (both verified): numbers need not match
-                           across environments (report 1, §2.1)
+                           across environments (docs/metrics.md)
 
 The estimated silent error rate is disagreements / strictly compared outputs,
-with a Wilson score interval; above --threshold (default 0.5 %, report 2's own
+with a Wilson score interval; above --threshold (default 0.5 %, a common
 line) the command exits 1.
 
 Tolerances (--tolerance NAME=SPEC, repeatable), on .npy, .npz (every array) and

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Final
 
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
@@ -21,8 +22,10 @@ from shardledger_cli.commands.shards import scheduler_label
 from shardledger_cli.output import iso_us, ts_us, tsv_cell
 from shardledger_cli.parsing import output_format
 
-# The plain form's header: SEQ is the event's sequence in its run (run_sequence).
-COLUMNS: Final = ("SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL")
+# The plain form's header: SEQ is the event's sequence in its run (run_sequence); TIME
+# the ledger's receive time, JOB TIME the job's own clock when it made the event (an
+# event drained from a spool arrives long after it was made).
+COLUMNS: Final = ("SEQ", "TIME", "SHARD", "ATTEMPT", "KIND", "DETAIL", "JOB TIME")
 
 
 def run_events(args: argparse.Namespace) -> int:
@@ -85,11 +88,13 @@ def resolve_shard(
     """
     prefix = given.rstrip("…").removesuffix("...")
     matches: list[str] = []
+    ids: list[str] = []
     for view in client.shards(run_id, namespace=namespace):
         if view.shard_id == prefix:
             return prefix
         if view.shard_id.startswith(prefix):
             matches.append(view.shard_id)
+        ids.append(view.shard_id)
     if len(matches) == 1:
         return matches[0]
     if matches:
@@ -102,10 +107,22 @@ def resolve_shard(
             EXIT_USAGE,
         )
     raise CommandError(
-        f"run {run_id} has no shard {given} (neither an id nor the start of one; `shardledger"
-        f" shards {run_id}` lists them)",
+        f"run {run_id} has no shard {given} (neither an id nor the start of one"
+        f"{_shard_hint(prefix, ids)}; `shardledger shards {run_id}` lists them)",
         EXIT_REJECTED,
     )
+
+
+def _shard_hint(prefix: str, ids: Sequence[str]) -> str:
+    """Returns "; did you mean ID?" for the ids whose start is closest to a mistyped prefix."""
+    import difflib  # only a mistake pays for it
+
+    starts: dict[str, list[str]] = {}
+    for shard_id in ids:
+        starts.setdefault(shard_id[: len(prefix)], []).append(shard_id)
+    close = difflib.get_close_matches(prefix, list(starts), n=3, cutoff=0.75)
+    named = [i for start in close for i in starts[start]][:3]
+    return f"; did you mean {' or '.join(named)}?" if named else ""
 
 
 def _event_text(event: Any, fmt: str) -> str:
@@ -133,13 +150,19 @@ def event_cells(event: Any) -> list[str]:
         event.attempt_id or "-",
         kind,
         short_payload(event, kind) or "-",
+        iso_us(ts_us(event.client_time)) if event.HasField("client_time") else "-",
     ]
 
 
 def event_line(event: Any) -> str:
-    """Returns the one-line text form of a ShardEvent (the table form: a person reads it)."""
-    seq, when, shard, attempt, kind, payload = event_cells(event)
-    return f"{seq:>8} {when} {shard} {attempt} {kind} {payload.removeprefix('-')}".rstrip()
+    """Returns the one-line text form of a ShardEvent (the table form: a person reads it).
+
+    The job's clock is shown beside the receive time where the two differ by a second
+    or more: a spool's drain, or a job host whose clock is off.
+    """
+    seq, when, shard, attempt, kind, payload, made = event_cells(event)
+    job = f" (job clock {made})" if made not in ("-", when) else ""
+    return f"{seq:>8} {when}{job} {shard} {attempt} {kind} {payload.removeprefix('-')}".rstrip()
 
 
 def short_payload(event: Any, kind: str) -> str:

@@ -43,7 +43,7 @@ from shardledger_cli.cli import (
     open_ledger,
 )
 from shardledger_cli.local_ledger import require_signing_key, serve_db_option
-from shardledger_cli.output import atomic_output, print_json
+from shardledger_cli.output import atomic_output, count_shards, print_json
 from shardledger_cli.parsing import add_db_option, add_json_option, examples, json_help
 
 EXPORT_FORMAT: Final = "shardledger-export-v1"
@@ -361,7 +361,7 @@ def run_import(args: argparse.Namespace) -> int:
         print_json(summary)
     else:
         print(
-            f"imported {result.events} events ({result.shards} shards) of"
+            f"imported {result.events} events ({count_shards(result.shards)}) of"
             f" {reader.namespace}/{reader.run_id} into {redact_url(args.db)}"
         )
     return EXIT_OK

@@ -25,7 +25,7 @@ from shardledger_cli.parsing import add_format_option, json_help, output_format
 __all__ = ["print_costs", "register", "run_report", "run_report_json"]
 
 DEFAULT_LAST: Final = 20
-# (key, label as report 1's table names it), in its row order; then the rest we add.
+# (key, label as the platform table names it), in its row order; then the rest we add.
 FIELD_METRICS: Final = (
     ("missing_rate", "shard missing rate"),
     ("silent_empty_share", "silent empty-output share"),
@@ -41,11 +41,11 @@ FIELD_METRICS: Final = (
 DESCRIPTION: Final = """\
 One run's report: the ledger equation, first pass against now, what the
 failures cost in GPU time (reruns, duplicates, results that failed verification,
-hangs) and the checkpoint interval the run's own numbers advise (report 1, §3.2
-and §4.3; definitions in docs/metrics.md).
+hangs) and the checkpoint interval the run's own numbers advise (definitions
+in docs/metrics.md).
 
 --by LABEL compares groups instead, over the RUNs given (default: the --last N
-most recently updated runs): report 1's table (§2.2) with one column per value
+most recently updated runs): the platform table with one column per value
 of the label (provider, pool, region, image, or any label a run or attempt
 carries): shard missing rate, silent empty-output share, truncations,
 preemptions / reclaims, hangs needing intervention, fingerprint drift and the
@@ -57,7 +57,7 @@ fetched at view time) for RUN, with a trend over the --last N runs.
 Examples:
   shardledger report night-01                      # equation, costs, checkpoint advice
   shardledger report night-01 --json               # the same as one JSON object
-  shardledger report --by provider --last 30       # report 1's platform table
+  shardledger report --by provider --last 30       # the platform table
   shardledger report night-01 night-02 --by pool --json   # one JSON line per pool
   shardledger report night-01 --html night-01.html # a page to send round
   shardledger report --by provider --db copy/ledger.db   # a ledger file, no server
@@ -75,7 +75,7 @@ def register(
         "report",
         parents=[common],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="a run's report (costs, checkpoint advice), report 1's table by label, HTML",
+        help="a run's report (costs, checkpoint advice), the platform table by label, HTML",
         description=DESCRIPTION,
     )
     p.add_argument("runs", nargs="*", metavar="RUN", help="run ids")
@@ -128,7 +128,8 @@ def run_report(args: argparse.Namespace) -> int:
         page = render_html(report, views, history=history)
         with atomic_output(args.html) as out:
             out.write(page)
-        print(f"wrote {args.html} ({len(page)} bytes, no external resources)")
+        size = len(page.encode("utf-8"))  # bytes on disk: len(page) counts characters
+        print(f"wrote {args.html} ({size} bytes, no external resources)")
         return EXIT_OK
     fmt = output_format(args)
     if fmt == "json":
@@ -192,9 +193,9 @@ def print_costs(c: dict[str, Any], a: dict[str, Any], *, plain: bool = False) ->
         print_table("costs", ("field", "value"), costs, plain=True)
         print_table("checkpoint interval", ("field", "value"), advice, plain=True)
         return
-    print("what failures cost (report 1, §4.3)")
+    print("what failures cost (GPU time; docs/metrics.md)")
     print("".join(f"  {k:<17}{v}\n" for k, v in costs), end="")
-    print("checkpoint interval (report 1, §3.2: minimise p·t/2 + (T/t)·w)")
+    print("checkpoint interval (minimises p·t/2 + (T/t)·w; docs/metrics.md)")
     print("".join(f"  {k:<17}{v}\n" for k, v in advice), end="")
 
 
@@ -274,7 +275,7 @@ def _print_by(groups: Sequence[dict[str, Any]], runs: int, label: str, *, fmt: s
     table = Table(
         heads[0],
         *(Column(h, justify="right") for h in heads[1:]),
-        title=f"{runs} runs (report 1, §2.2; docs/metrics.md)",
+        title=f"{runs} runs (docs/metrics.md defines each row)",
     )
     for row in rows:
         table.add_row(*row)

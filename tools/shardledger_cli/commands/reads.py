@@ -29,7 +29,7 @@ fingerprint groups (every name is defined in docs/concepts.md). --json prints th
 its "lifecycle" object says whether the run is settled and since when.
 
 --costs adds what the failures cost in GPU time and the checkpoint interval
-the run's numbers advise (report 1, §4.3 and §3.2; docs/metrics.md), under the
+the run's numbers advise (docs/metrics.md defines each), under the
 keys "costs" and "checkpoint_advice", as the server keeps them (GetRunReport).
 
 
@@ -47,9 +47,11 @@ HOST and JOB are the latest attempt's. --attempts lists every attempt instead, o
 row each (a rerun shard's first-pass job too): ATTEMPT (1 for the shard's first),
 ATTEMPT ID, OUTCOME (what that attempt came to: verified, unverified,
 verify_failed, failed, running, stale, or superseded when a newer attempt started
-before it ended), DETAIL, HOST, JOB, STARTED and ENDED; --state and --limit still
-choose shards, and a shard never started has no row. --attempts --json prints one
-object per attempt.
+before it ended), DETAIL, HOST, JOB, STARTED and ENDED (on the job's own clock
+where both ends carry it, as its span and GPU time are read; else the ledger's),
+RECEIVED (when the ledger had its start) and LATE ("late" when its events waited in a
+spool, and which end waited how long); --state and --limit still choose shards, and
+a shard never started has no row. --attempts --json prints one object per attempt.
 
 states: {", ".join(QUERY_STATES)}
   (old names accepted for one release: {", ".join(f"{k} = {v}" for k, v in QUERY_ALIASES.items())})
@@ -76,7 +78,9 @@ failure of the script.""",
 
 Print one line per event: its sequence in the run (SEQ: 1 for the run's first
 event, the number --after takes), receive time, shard, attempt, kind and a short
-payload; piped (--format plain), tab-separated under a header line. --json
+payload, with the job's own clock beside the receive time where they differ by a
+second or more (an event drained from a spool arrives long after it was made);
+piped (--format plain), tab-separated under a header line, JOB TIME last. --json
 prints JSON lines (the protobuf JSON mapping), with both the run's "run_sequence"
 and the ledger-wide "sequence". --follow keeps streaming new events until Ctrl-C,
 which exits 0.""",

@@ -15,7 +15,7 @@ from ledger_server.store.base import RunRow, Store, StoreError, WriterBusy
 from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import check_namespace
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, CommandError
-from shardledger_cli.output import print_json, progress
+from shardledger_cli.output import count_shards, print_json, progress
 from shardledger_cli.parsing import add_db_option, add_json_option, whole_number
 
 DESCRIPTION: Final = """\
@@ -177,7 +177,7 @@ def _report(
             )
             action = " -> rewritten" if r.written else ""
             print(
-                f"{r.namespace}/{r.run_id}: {r.events} events, {r.shards} shards"
+                f"{r.namespace}/{r.run_id}: {r.events} events, {count_shards(r.shards)}"
                 f" ({rate:,.0f} events/s): {verdict}{action}"
             )
         for run, why in refused:

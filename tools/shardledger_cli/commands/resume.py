@@ -34,7 +34,10 @@ def run_resume(args: argparse.Namespace) -> int:
     total = sum(reasons.values())
     detail = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
     where = f" (written to {args.output})" if args.output else ""
-    print(f"{total} shards to re-run{where}" + (f": {detail}" if detail else ""), file=sys.stderr)
+    print(
+        f"{count_shards(total)} to re-run{where}" + (f": {detail}" if detail else ""),
+        file=sys.stderr,
+    )
     if reasons.get("unverified"):
         hint_unverified(client, args, reasons["unverified"])
     return EXIT_PROBLEMS if total and not args.exit_zero else EXIT_OK

@@ -1,6 +1,6 @@
 """`shardledger sample RUN --as RUN-ref`: a seeded, stratified sample of verified shards as a new run.
 
-Report 2 (§2.2): format checks cannot see a result that is well-formed and wrong;
+Format checks cannot see a result that is well-formed and wrong;
 only re-computing a sample in a reference environment can. After a night, pick a
 fixed share of its verified shards (default 5 %, at least 20), stratified by
 fingerprint group (each group in proportion, largest remainders first) and chosen

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ledger_server.config import DEFAULT_DB, DEFAULT_LISTEN, ENGINES, ServerConfig
-from ledger_server.server import configure_logging, serve
+from ledger_server.server import LOG_FORMATS, configure_logging, serve
 from ledger_server.startup import StartupError
 from ledger_server.store import redact_url
 from shardledger_cli.cli import EXIT_LOCAL, EXIT_USAGE, CommandError
@@ -152,7 +152,25 @@ def register(
         help="seconds between background checks that the database takes writes (health"
         " follows them; every 0.25 s while it does not)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="info: start, stop and problems; debug adds one request_handled line per call",
+    )
+    p.add_argument(
+        "--log-format",
+        default="auto",
+        choices=LOG_FORMATS,
+        help="console: readable lines; json: one JSON object a line; auto (default): console"
+        " on a terminal, json when stderr is a pipe or a file",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every handled call (request_handled: method, code, duration, peer, token id)"
+        " at info",
+    )
     p.add_argument(
         "--port-file", default=None, help="write the bound port to this file once serving"
     )
@@ -163,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs the server until SIGTERM."""
     if args.port_file:
         check_port_file(args.port_file)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     database = args.db
     config = ServerConfig(
         database=database,
@@ -183,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         signing_key=args.signing_key,
         metrics_listen=args.metrics_listen,
         store_probe_interval_s=args.store_probe_interval,
+        access_log=args.access_log,
     )
 
     def ready(port: int) -> None:

@@ -39,6 +39,8 @@ ATTEMPT_COLUMNS: Final = (
     "JOB",
     "STARTED",
     "ENDED",
+    "RECEIVED",
+    "LATE",
 )
 
 
@@ -118,9 +120,32 @@ def attempt_cells(row: Mapping[str, Any]) -> list[str]:
         row["detail"] or "-",
         row["host"] or "-",
         row["job"] or "-",
+        *_span_times(row),
         iso_us(row["started_us"]),
-        iso_us(row["ended_us"]),
+        _late(row),
     ]
+
+
+def _span_times(row: Mapping[str, Any]) -> tuple[str, str]:
+    """Returns STARTED and ENDED on the clock the attempt's span is read on.
+
+    The job's own clock where both ends carry it (a spool drain then never shows as the
+    start); RECEIVED beside them is when the ledger had the start.
+    """
+    if row.get("span_clock") == "job" and row.get("client_started_us"):
+        return iso_us(row["client_started_us"]), iso_us(row.get("client_ended_us"))
+    return iso_us(row["started_us"]), iso_us(row["ended_us"])
+
+
+def _late(row: Mapping[str, Any]) -> str:
+    """Returns "late" and which end waited, or "-": whether the ledger had its events late."""
+    if not row.get("late"):
+        return "-"
+    gap = row.get("delivery_gap_us")
+    if gap is not None and abs(gap) >= 1_000_000:
+        # The two transits' difference: the clocks cancel, what is left is the wait.
+        return f"late (its {'start' if gap > 0 else 'end'} waited {abs(gap) / 1e6:.0f} s)"
+    return "late"
 
 
 def row_cells(v: Mapping[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Final
 from shard_client.client import LedgerClient
 from shard_client.spooldir import (
     ENV_SPOOL_DIR,
+    REJECTED_FILE,
     SpoolStatus,
     drain_spool_dirs,
     find_spool_dirs,
@@ -102,6 +103,7 @@ def run_status(args: argparse.Namespace) -> int:
         heads = [f.name.replace("_", " ") for f in dataclasses.fields(SpoolStatus)]
         cells = [[str(v) for v in dataclasses.astuple(r)] for r in rows]
         print_table(None, heads, cells, plain=True)
+        _rejected_notes(rows, plain=True)
         return EXIT_PROBLEMS if any(r.error for r in rows) else EXIT_OK
     if not rows:
         return EXIT_OK
@@ -115,9 +117,31 @@ def run_status(args: argparse.Namespace) -> int:
         rejected = f"  rejected {r.rejected}" if r.rejected else ""
         print(
             f"{r.directory}: {pending} pending, {r.size_bytes} bytes"
-            f"{oldest}{rejected}  -> {r.target or '?'}{owner}"
+            f"{oldest}{rejected}  -> {r.target or '(no ledger recorded)'}{owner}"
         )
+    _rejected_notes(rows, plain=False)
     return EXIT_PROBLEMS if any(r.error for r in rows) else EXIT_OK
+
+
+def _rejected_notes(rows: list[SpoolStatus], *, plain: bool) -> None:
+    """Says where each spool's refused events are, and how the spool is cleared.
+
+    No drain resends a refused event (the ledger would refuse it again), so a spool
+    holding only those stays listed until someone reads why and removes it.
+    """
+    for r in rows:
+        if not r.rejected or r.error:
+            continue
+        where = os.path.join(r.directory, REJECTED_FILE)
+        if r.pending == 0 and not r.owner_pid:
+            then = f"nothing is pending: once read, `rm -r {r.directory}` clears it"
+        else:
+            then = "`shardledger spool drain` sends what is pending; the refused stay"
+        print_note(
+            f"{r.directory}: {r.rejected} event(s) the ledger refused are in {where}, each"
+            f" with its reason; no drain resends them; {then}",
+            plain=plain,
+        )
 
 
 def run_drain(args: argparse.Namespace) -> int:

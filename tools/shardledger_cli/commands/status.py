@@ -9,7 +9,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, client_from
-from shardledger_cli.output import by_state, count_shards, equation, iso_us, print_json, print_table
+from shardledger_cli.output import (
+    by_state,
+    count_shards,
+    equation,
+    iso_us,
+    print_json,
+    print_table,
+    verify_failure_rows,
+)
 from shardledger_cli.parsing import output_format
 
 if TYPE_CHECKING:
@@ -145,7 +153,7 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
         f"({s['silent_errors']} reported success but failed verification or were incomplete)",
     )
     dups = ", ".join(f"{k} {n}" for k, n in sorted(s["duplicates"].items()))
-    say("duplicates", f"{s['duplicate_shards']} shards: {dups}")
+    say("duplicates", f"{count_shards(s['duplicate_shards'])}: {dups}")
     say(
         "repairs",
         f"{count_shards(s.get('repairs', 0))}  "
@@ -162,21 +170,31 @@ def render_summary(s: dict[str, Any], *, plain: bool = False) -> None:
     if s.get("late_attempts"):
         say(
             "late events",
-            f"{s['late_attempts']} attempts' events arrived late from a"
-            " spool: the figures above were wrong until they did",
+            f"{s['late_attempts']} attempt(s) whose events reached the ledger late (from a"
+            " spool): the figures above were behind until they did; `shardledger shards"
+            f" {s['run_id']} --attempts` shows each one's own clock beside the ledger's",
         )
     # The last column says what each table counts: shards, or attempts (a shard rerun
     # three times is three attempts).
     for title, key, head, unit in (
         ("failure tags (failed shards, by their latest attempt)", "failure_tags", "tag", "shards"),
         ("failure tags (every failed attempt)", "attempt_failure_tags", "tag", "attempts"),
-        ("verification failures (verify_failed shards)", "verify_failures", "reason", "shards"),
         ("fingerprint groups (latest attempt)", "fingerprint_groups", "fingerprint", "shards"),
     ):
         tallies: dict[str, int] = s.get(key) or {}
         ordered = sorted(tallies.items(), key=lambda kv: (-kv[1], kv[0]))
         if ordered:
             tables.append((title, (head, unit), [(k, str(n)) for k, n in ordered]))
+    verify_rows = verify_failure_rows(s)
+    if verify_rows:
+        tables.insert(
+            len(tables) - bool(s.get("fingerprint_groups")),
+            (
+                "verification failures (shards, by reason: first pass and now)",
+                ("reason", "first pass", "now"),
+                verify_rows,
+            ),
+        )
     if plain:
         print_table("summary", ("field", "value"), fields, plain=True)
     for title, heads, cells in tables:

@@ -70,10 +70,10 @@ def register(
         "  across groups the digest changed with the fingerprint (expected)\n"
         "  unattributed  the digest changed and a fingerprint is unknown\n"
         "Shards present in only one of the two are listed as an ID-set difference.\n\n"
-        "Consistency (report 2, §2.3): each run against the latest earlier run that\n"
+        "Consistency: each run against the latest earlier run that\n"
         "shares shards with it: of the outputs of verified shards in the same\n"
         "fingerprint group on both sides, the share with the same digest. Each ruler\n"
-        "run also gets one digest over all its outputs (report 2, §5.3: a changed\n"
+        "run also gets one digest over all its outputs (a ruler run: a changed\n"
         "ruler digest is drift, look now).\n\n"
         "Columns of the runs table (--columns A,B,...; a terminal shows "
         f"{','.join(DEFAULT_COLUMNS)},\nplain output every column):\n"
@@ -186,7 +186,7 @@ def consistency_of(
     """Returns how many outputs of the same input in the same fingerprint group kept their digest.
 
     Only verified shards on both sides, and only outputs whose attempts recorded the
-    same fingerprint: across groups numbers are not expected to match (report 1, §2.1).
+    same fingerprint: across groups numbers are not expected to match (docs/metrics.md).
     """
     compared = consistent = 0
     for shard_id in previous.keys() & current.keys():

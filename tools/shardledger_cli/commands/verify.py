@@ -72,7 +72,7 @@ version_mismatch: the version id differs from the one committed). Each distinct
 file is read once; objects are streamed, at most --workers at a time.
 An output the plan's params declare keyed ({"keyed_outputs": {"out": "id"},
 "input_ids": [...]} or "input_ids_file") must hold exactly the shard's input
-ids, each once (report 2, §4.4; docs/metrics.md, "Keyed result sets").
+ids, each once (docs/metrics.md, "Keyed result sets").
 
 A verdict belongs to one commit. A new commit (a rerun, even of byte-identical
 bytes at the same path) is unverified until verify reads it; a commit that

@@ -1,6 +1,6 @@
 """Keyed result sets in `verify`: outputs a plan declares keyed must hold exactly its input ids.
 
-A plan declares them in its params (report 2, §4.4):
+A plan declares them in its params (docs/metrics.md, "Keyed result sets"):
 
     {"keyed_outputs": {"out": "id"}, "input_ids": ["a", "b", ...]}
     {"keyed_outputs": {"out": "id"}, "input_ids_file": "ids/shard-7.tsv"}

@@ -133,7 +133,8 @@ def print_report(report: dict[str, Any], *, fmt: str) -> None:
             "commit",
             "detail",
         )
-        print_table(None, heads, rows, plain=True)
+        if rows:  # a header over no rows reads as a table that lost its rows
+            print_table(None, heads, rows, plain=True)
         print_note(summary_line(report), plain=True)
         return
     for f in report["failures"]:

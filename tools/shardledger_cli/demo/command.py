@@ -1,4 +1,4 @@
-"""`shardledger demo`: the field report's "Project X", end to end, with every failure form injected."""
+"""`shardledger demo`: a night of batch shards, end to end, with every failure form injected."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # demo.run needs numpy; the CLI must load without the [torch]
 DEMO_BUCKET: Final = "project-x"
 
 DESCRIPTION: Final = """\
-Run "Project X" from the field report on this machine, end to end:
+Run a night of batch shards on this machine, end to end:
 
   1. start a ledger server (a subprocess on a temp SQLite file; or use --server)
   2. make N seeded synthetic inputs and plan them (outputs: weights, metrics)
@@ -80,7 +80,7 @@ def register(
             "shardledger demo --json > report.json",
         ),
         parents=[common],
-        help="run 'Project X' end to end: inject every failure form, find each in the ledger, resume",
+        help="run a night end to end: inject every failure form, find each in the ledger, resume",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-# The failure forms of the field report, in the order the report tells them.
+from shardledger_cli.output import count_shards
+
+# The failure forms of a batch night (docs/concepts.md), one injected fault each.
 SILENT_MISSING: Final = "silent_missing"
 TRUNCATION: Final = "truncation"
 EMPTY_OUTPUT: Final = "empty_output"
@@ -122,7 +124,7 @@ def check_resume_list(expected: Mapping[str, str], found: Mapping[str, str]) -> 
             problems.append(f"{shard_id}: injected ({want}) but missing from the resume list")
         elif want != got:
             problems.append(f"{shard_id}: expected {want}, the ledger says {got}")
-    detail = f"{len(found)} shards listed, {len(expected)} injected failures"
+    detail = f"{count_shards(len(found))} listed, {len(expected)} injected failures"
     return Check("resume list = injected failures", not problems, detail, problems)
 
 
@@ -181,5 +183,10 @@ def check_summary(summary: Mapping[str, Any], *, shards: int, plan: FaultPlan) -
         "silent_errors": silent,
     }
     problems = [f"{k} = {summary[k]}, expected {v}" for k, v in want.items() if summary[k] != v]
-    detail = f"verified {summary['verified']} + failed {summary['failed']} of {shards}"
+    # In the equation's own terms: the summary's "failed" counts verify_failed too.
+    verify_failed = summary["verify_failed"]
+    detail = (
+        f"verified {summary['verified']} + failed {summary['failed'] - verify_failed}"
+        f" + verify_failed {verify_failed} of {shards}"
+    )
     return Check("reconciliation and silent errors", not problems, detail, problems)

@@ -21,7 +21,7 @@ from shardledger_cli.demo.faults import (
     TORN_UPLOAD,
     TRUNCATION,
 )
-from shardledger_cli.output import equation, print_note, print_table
+from shardledger_cli.output import count_shards, equation, print_note, print_table
 
 LABELS: Final = {
     SILENT_MISSING: "silent missing",
@@ -159,7 +159,7 @@ def render(report: Mapping[str, Any], *, plain: bool | None = None) -> None:
     say = _Say(console, plain=plain)
     cfg = report["config"]
     say.line(
-        f"Project X: {cfg['shards']} shards, {cfg['workers']} workers, {cfg['steps']} steps, "
+        f"demo night: {cfg['shards']} shards, {cfg['workers']} workers, {cfg['steps']} steps, "
         f"seed {cfg['seed']}; run {report['run_id']} on {report['server']['target']}",
         style="bold",
     )
@@ -264,7 +264,7 @@ def _checks(say: _Say, report: Mapping[str, Any]) -> None:
     r = report["resume"]
     where = r["path"] if report["kept"] else "resume.jsonl in the work dir (--keep DIR keeps it)"
     say.line(
-        f"resume list: {r['shards']} shards -> {where} "
+        f"resume list: {count_shards(r['shards'])} -> {where} "
         f"({', '.join(f'{k} {n}' for k, n in sorted(r['reasons'].items()))})"
     )
     rows = [
@@ -285,21 +285,26 @@ def _rerun(say: _Say, report: Mapping[str, Any]) -> None:
     r, after = report["resume"], report["summary_after"]
     say.rule("resume: exactly the listed shards, from their plan lines, no faults")
     say.line(
-        f"recomputed {r['recomputed']} of {r['total']} shards ({100 * r['share']:.1f} %) in "
+        f"resume reran {r['recomputed']} of {r['total']} shards ({100 * r['share']:.1f} %) in "
         f"{r['seconds']:.1f} s; {r['resumed_from_checkpoint']} resumed from a checkpoint, "
         f"skipping {r['steps_skipped']} of {r['steps_total']} steps"
     )
     say.line(equation(after))
     say.line(
         f"completion rate {100 * after['completion_rate']:.1f} %  "
-        f"(verified / submitted); resume list now {report['after']['resume_list']} shards",
+        f"(verified / submitted); resume list now {count_shards(report['after']['resume_list'])}",
         style="bold",
     )
-    _first_pass_table(say, after)
+    _first_pass_table(say, after, report["summary_before"])
 
 
-def _first_pass_table(say: _Say, after: Mapping[str, Any]) -> None:
-    """Shows the night's first pass beside the final figures: history the rerun did not rewrite."""
+def _first_pass_table(say: _Say, after: Mapping[str, Any], before: Mapping[str, Any]) -> None:
+    """Shows the night's first pass beside the final figures: history the rerun did not rewrite.
+
+    "recomputed" is one figure, the summary's (shards that ran more than once or after
+    the first pass), as the night left it and after the resume: the rerun line above is
+    their difference.
+    """
     fp = after["first_pass"]
 
     def pct(x: float) -> str:
@@ -313,7 +318,11 @@ def _first_pass_table(say: _Say, after: Mapping[str, Any]) -> None:
         ),
         ("silent error rate", pct(fp["silent_error_rate"]), pct(after["silent_error_rate"])),
         ("reconciled on the first attempt", pct(fp["reconciliation_rate"]), ""),
-        ("recomputed shards", "", f"{after['recomputed']} ({pct(after['recomputed_rate'])})"),
+        (
+            "recomputed (ran more than once)",
+            f"{before['recomputed']} ({pct(before['recomputed_rate'])})",
+            f"{after['recomputed']} ({pct(after['recomputed_rate'])})",
+        ),
         ("repairs (not duplicates)", "", str(after["repairs"])),
     ]
     title = "first pass (the night as launched) vs after the rerun"

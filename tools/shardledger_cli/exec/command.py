@@ -425,9 +425,10 @@ def _print(report: Report, as_json: bool) -> None:
 
 def run_exec(args: argparse.Namespace) -> int:
     """Runs the command as one attempt; returns its exit code (see DESCRIPTION)."""
+    client = client_from(args, probe=False)  # a malformed address: usage, before any output
     spec = _spec(args)
     with Ledger(
-        client=client_from(args, probe=False),  # an absent ledger: spool, as the SDK does
+        client=client,  # an absent ledger: spool, as the SDK does
         namespace=args.namespace,
         spool_dir=args.spool_dir,
         unavailable_after_s=args.unavailable_after,

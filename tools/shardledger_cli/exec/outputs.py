@@ -1,12 +1,19 @@
-"""The declared outputs of an exec'd child: their temp paths, their checks and their atomic commit.
+"""The declared outputs of an exec'd child: their temp paths, their checks and their commit.
 
-The child never writes a final path. Each declared output gets a temp path beside
-its final one (same directory, so the rename is atomic; named with the SDK's
-``TEMP_PREFIX`` so `atomic.cleanup_orphans` reclaims it after a crash), and only
-after a clean exit, and only when every output is present and passes the same
-content checks `verify` runs, is each one fsynced, renamed over its final path,
-its directory fsynced and the commit recorded. Until then the final paths hold
-whatever they held before (nothing, or a previous run's file).
+Each declared output gets a temp path beside its final one (same directory, so the
+rename is atomic; named with the SDK's ``TEMP_PREFIX`` so `atomic.cleanup_orphans`
+reclaims it after a crash). A child that can take that path (``{tmp:NAME}``,
+``$SHARDLEDGER_OUTPUT_<NAME>``) writes it, and after a clean exit the file is fsynced and
+renamed over its final path: the final path never holds a half-written file.
+
+A program that cannot be told another path (the README's promise: no code changes)
+writes its final path directly. That file counts as written by the child when the path
+did not exist before the child started or now names another file, size or time
+(`FileStamp`); after a clean exit it is fsynced where it lies. A file left there
+unchanged (a previous run's) is no output of this attempt.
+
+Either way the commit is recorded only after a clean exit, and only when every output
+is present and passes the same content checks `verify` runs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from shard_client.ids import check_id
 __all__ = [
     "ORPHAN_AGE_S",
     "DeclaredOutput",
+    "FileStamp",
     "OutputProblem",
     "check_outputs",
     "commit_outputs",
@@ -34,11 +42,26 @@ __all__ = [
     "env_name",
     "parse_output",
     "prepare_outputs",
+    "stamp",
+    "written_path",
 ]
 
 # A temp file younger than this may belong to a live attempt of the same shard.
 ORPHAN_AGE_S: Final = 300.0
 _ENV_CHARS: Final = re.compile(r"[^A-Z0-9_]")
+
+
+# (device, inode, size, mtime_ns, ctime_ns): any write, truncation or replacement changes one.
+FileStamp = tuple[int, int, int, int, int]
+
+
+def stamp(path: str) -> FileStamp | None:
+    """Returns the identity and times of the file at ``path`` (None: nothing there)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +71,15 @@ class DeclaredOutput:
     name: str
     final: str
     temp: str = ""
+    # The final path as it was before the child started (None: absent).
+    before: FileStamp | None = None
+
+    def fix(self) -> str:
+        """Returns the two ways a command can write this output, for refusal messages."""
+        return (
+            f"the command must write {self.final} itself, or ${env_name(self.name)}"
+            f" ({{tmp:{self.name}}} in its words) for an atomic commit"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +137,22 @@ def prepare_outputs(outputs: Sequence[DeclaredOutput], *, attempt_id: str) -> li
         temp = _temp_path(output.final, attempt_id)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)  # a rerun under the same --attempt-id starts from nothing
-        prepared.append(DeclaredOutput(output.name, output.final, temp))
+        prepared.append(DeclaredOutput(output.name, output.final, temp, stamp(output.final)))
     return prepared
+
+
+def written_path(output: DeclaredOutput) -> str | None:
+    """Returns the path the child wrote the output to: its temp path, else its final path.
+
+    The temp path wins when both were written (the child took the path it was given).
+    None: the child wrote neither (a final file unchanged since before it ran is not its).
+    """
+    if os.path.lexists(output.temp):
+        return output.temp
+    now = stamp(output.final)
+    if now is not None and now != output.before:
+        return output.final
+    return None
 
 
 def check_outputs(outputs: Iterable[DeclaredOutput]) -> list[OutputProblem]:
@@ -120,30 +166,41 @@ def check_outputs(outputs: Iterable[DeclaredOutput]) -> list[OutputProblem]:
 
 
 def _check_one(output: DeclaredOutput) -> OutputProblem | None:
-    try:
-        info = os.lstat(output.temp)
-    except FileNotFoundError:
-        return OutputProblem(output.name, "missing", f"the child never wrote {output.temp}")
-    if not stat.S_ISREG(info.st_mode):
-        return OutputProblem(output.name, "not_a_file", f"{output.temp} is not a regular file")
-    try:
-        verdict = content_verdict(
-            Path(output.temp), size=info.st_size, suffix=Path(output.final).suffix
+    path = written_path(output)
+    if path is None:
+        held = " (it still holds what it held before)" if output.before is not None else ""
+        return OutputProblem(
+            output.name, "missing", f"the command wrote no {output.final}{held}: {output.fix()}"
         )
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        return OutputProblem(
+            output.name, "not_a_file", f"{path} is not a regular file: {output.fix()}"
+        )
+    try:
+        verdict = content_verdict(Path(path), size=info.st_size, suffix=Path(output.final).suffix)
     except OSError as exc:
-        return OutputProblem(output.name, "unreadable", f"cannot read {output.temp}: {exc}")
+        return OutputProblem(output.name, "unreadable", f"cannot read {path}: {exc}")
     if verdict.passed:
         return None
-    return OutputProblem(output.name, verdict.reason, verdict.detail)
+    return OutputProblem(
+        output.name,
+        verdict.reason,
+        f"{verdict.detail}, in {path}: fix the job, then rerun the shard",
+    )
 
 
 def commit_outputs(
     outputs: Iterable[DeclaredOutput], record: Callable[[str, atomic.CommitInfo], None]
 ) -> list[atomic.CommitInfo]:
-    """Fsyncs, renames and records each checked output in turn; returns their commits."""
+    """Fsyncs, renames (a temp file) and records each checked output in turn; returns their commits."""
     done = []
     for output in outputs:
-        info = atomic.atomic_replace(output.temp, output.final)
+        if written_path(output) == output.final:
+            # Written in place: made durable where it lies; there is nothing to rename.
+            info = atomic.commit_file(output.final)
+        else:
+            info = atomic.atomic_replace(output.temp, output.final)
         # Recorded once renamed and durable; a refusal here leaves the file unrecorded.
         record(output.name, info)
         done.append(info)

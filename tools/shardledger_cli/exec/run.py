@@ -36,6 +36,7 @@ from shardledger_cli.exec.outputs import (
     check_outputs,
     commit_outputs,
     discard_temps,
+    written_path,
 )
 from shardledger_cli.exec.supervise import ChildResult, Hang, Liveness, Supervisor
 from shardledger_cli.exec.target import Target, child_env
@@ -203,7 +204,14 @@ def _judge(
         _commit(spec, attempt, result, report)
         return
     verdict = judge_failure(result, spec.command, oom_kills=oom_delta(oom_before))
-    _fail(attempt, report, verdict.tag, verdict.message, result.tail)
+    message = verdict.message
+    left = [o.final for o in spec.outputs if written_path(o) == o.final]
+    if left:
+        # What the child wrote at a final path itself stays there, never recorded.
+        head, newline, rest = message.partition("\n")
+        note = f"; left unrecorded at the final path: {', '.join(left)}"
+        message = head + note + newline + rest
+    _fail(attempt, report, verdict.tag, message, result.tail)
     report.exit_code = result.exit_code
 
 

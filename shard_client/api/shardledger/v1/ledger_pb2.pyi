@@ -632,7 +632,14 @@ class RunWaitingOn(_message.Message):
     def __init__(self, running: _Optional[int] = ..., stale: _Optional[int] = ..., unverified: _Optional[int] = ..., unplanned: _Optional[int] = ...) -> None: ...
 
 class FirstPassSummary(_message.Message):
-    __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric")
+    __slots__ = ("closed", "closed_at_sequence", "verified", "completion_rate", "silent_errors", "silent_error_rate", "first_attempt_verified", "reconciliation_rate", "missing", "numeric", "verify_failures")
+    class VerifyFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_AT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +650,7 @@ class FirstPassSummary(_message.Message):
     RECONCILIATION_RATE_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     NUMERIC_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     closed: bool
     closed_at_sequence: int
     verified: int
@@ -653,7 +661,8 @@ class FirstPassSummary(_message.Message):
     reconciliation_rate: float
     missing: int
     numeric: int
-    def __init__(self, closed: _Optional[bool] = ..., closed_at_sequence: _Optional[int] = ..., verified: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., numeric: _Optional[int] = ...) -> None: ...
+    verify_failures: _containers.ScalarMap[str, int]
+    def __init__(self, closed: _Optional[bool] = ..., closed_at_sequence: _Optional[int] = ..., verified: _Optional[int] = ..., completion_rate: _Optional[float] = ..., silent_errors: _Optional[int] = ..., silent_error_rate: _Optional[float] = ..., first_attempt_verified: _Optional[int] = ..., reconciliation_rate: _Optional[float] = ..., missing: _Optional[int] = ..., numeric: _Optional[int] = ..., verify_failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "state", "page_size", "page_token")
@@ -756,7 +765,7 @@ class ShardDetails(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., plan_index: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., attempts: _Optional[int] = ..., latest_attempt: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., process_start_ticks: _Optional[int] = ..., deadline_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., last_step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., artifacts: _Optional[_Mapping[str, ArtifactView]] = ..., duplicates: _Optional[_Iterable[str]] = ..., repaired: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., numeric: _Optional[_Union[NumericWarning, _Mapping]] = ..., first_pass: _Optional[str] = ..., world_size: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., ranks_alive: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankView, _Mapping]]] = ..., input: _Optional[str] = ..., plan: _Optional[_Union[ShardPlanView, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[AttemptView, _Mapping]]] = ...) -> None: ...
 
 class AttemptView(_message.Message):
-    __slots__ = ("attempt_id", "outcome", "detail", "host", "pid", "scheduler", "started_us", "ended_us", "last_seen_us", "fingerprint", "clock_skew_us", "late")
+    __slots__ = ("attempt_id", "outcome", "detail", "host", "pid", "scheduler", "started_us", "ended_us", "last_seen_us", "fingerprint", "clock_skew_us", "late", "client_started_us", "client_ended_us", "span_clock", "delivery_gap_us")
     class SchedulerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -776,6 +785,10 @@ class AttemptView(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEW_US_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STARTED_US_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ENDED_US_FIELD_NUMBER: _ClassVar[int]
+    SPAN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_GAP_US_FIELD_NUMBER: _ClassVar[int]
     attempt_id: str
     outcome: str
     detail: str
@@ -788,7 +801,11 @@ class AttemptView(_message.Message):
     fingerprint: str
     clock_skew_us: int
     late: bool
-    def __init__(self, attempt_id: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., started_us: _Optional[int] = ..., ended_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., fingerprint: _Optional[str] = ..., clock_skew_us: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
+    client_started_us: int
+    client_ended_us: int
+    span_clock: str
+    delivery_gap_us: int
+    def __init__(self, attempt_id: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., scheduler: _Optional[_Mapping[str, str]] = ..., started_us: _Optional[int] = ..., ended_us: _Optional[int] = ..., last_seen_us: _Optional[int] = ..., fingerprint: _Optional[str] = ..., clock_skew_us: _Optional[int] = ..., late: _Optional[bool] = ..., client_started_us: _Optional[int] = ..., client_ended_us: _Optional[int] = ..., span_clock: _Optional[str] = ..., delivery_gap_us: _Optional[int] = ...) -> None: ...
 
 class ShardPlanView(_message.Message):
     __slots__ = ("input_ref", "input_bytes", "input_blake3", "params_json", "expected_outputs", "labels")

@@ -196,8 +196,9 @@ class LedgerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CompareRuns(self, request, context):
-        """CompareRuns returns report 1's platform table: the first-pass figures and GPU time
-        of the shards of several runs, grouped by the values of one label.
+        """CompareRuns returns the platform table (docs/metrics.md, "report --by"): the
+        first-pass figures and GPU time of the shards of several runs, grouped by the
+        values of one label.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
