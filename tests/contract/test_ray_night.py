@@ -1,0 +1,218 @@
+"""A night on a real Ray cluster: retries, a worker killed mid-commit, the driver killed, resume.
+
+Every task is a real Ray task on a local head (`tests.ray_cluster`), submitted by a
+driver subprocess as a user's would be (tests/helpers/ray_night_driver.py over
+examples/ray/ray_tasks.py), running inside `shard_client.ray.shard_task`. The
+driver's faults are chosen per shard and Ray attempt; each attempt records what it
+did before doing it (the truth). The ledger's sets after the night (verified,
+failed, stale, duplicates, the resume list) and every attempt's row in `shards
+--attempts` (its outcome and its Ray identity) must equal what the truth implies;
+the resume list, handed back to a second driver, ends the run at 100 % verified.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+
+from ledger_server.server import RunningServer
+from shard_client.atomic import TEMP_PREFIX
+from shard_client.client import LedgerClient
+from tests import ray_cluster as cluster_module
+from tests.builders import run_cli
+from tests.ray_cluster import RayCluster
+
+ray_cluster = cluster_module.ray_cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+REPO: Final = Path(__file__).resolve().parents[2]
+DRIVER: Final = REPO / "tests" / "helpers" / "ray_night_driver.py"
+RUN: Final = "night-ray"
+# shard -> what each Ray attempt does (attempt number as Ray counts it, from 0).
+FAULTS: Final = {
+    "t-raise": {"0": "raise"},  # retry_exceptions: attempt 1 commits
+    "t-killed": {"0": "kill_mid_commit"},  # the worker dies mid-commit: attempt 1 commits
+    "t-always": {"0": "raise", "1": "raise"},  # out of retries (max_retries=1): failed
+    "t-gate": {"0": "gate"},  # still running when the driver is killed
+}
+SHARDS: Final = ("t-ok1", "t-ok2", "t-raise", "t-killed", "t-always", "t-gate")
+
+
+def _plan(capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str) -> Path:
+    """Plans the night's shards over small text files; returns the plan lines file."""
+    manifest = tmp_path / "manifest.jsonl"
+    with manifest.open("w") as out:
+        for shard_id in SHARDS:
+            text = tmp_path / "data" / f"{shard_id}.txt"
+            text.parent.mkdir(exist_ok=True)
+            text.write_text(f"{shard_id} says hello hello\n")
+            line = {"shard_id": shard_id, "input": str(text), "expected_outputs": ["counts"]}
+            out.write(json.dumps(line) + "\n")
+    assert run_cli(capsys, "plan", RUN, "--manifest", str(manifest), "--server", target)[0] == 0
+    code, lines, _ = run_cli(capsys, "plan", RUN, "--manifest", str(manifest), "--dry-run")
+    assert code == 0
+    plan_lines = tmp_path / "plan-lines.jsonl"
+    plan_lines.write_text(lines)
+    return plan_lines
+
+
+def _driver(
+    cluster: RayCluster, target: str, lines: Path, out: Path, truth: Path, faults: dict[str, Any]
+) -> subprocess.Popen[str]:
+    env = cluster.driver_env(
+        SHARDLEDGER_SERVER=target, SHARDLEDGER_SPOOL_DIR=str(out.parent / "spool")
+    )
+    argv = [sys.executable, str(DRIVER), RUN, str(lines), "--out", str(out)]
+    argv += ["--truth", str(truth), "--faults", json.dumps(faults)]
+    return subprocess.Popen(
+        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _truth(truth: Path) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """Returns every step an attempt recorded: (shard, Ray attempt, step) -> its facts."""
+    steps = {}
+    for path in truth.glob("*.json"):
+        fact = json.loads(path.read_text())
+        steps[(fact["shard_id"], fact["ray_attempt"], fact["step"])] = fact
+    return steps
+
+
+def _wait(what: str, check: Any, timeout_s: float = 90.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _views(client: LedgerClient) -> dict[str, dict[str, Any]]:
+    return {v.shard_id: json.loads(v.view_json) for v in client.shards(RUN)}
+
+
+def _attempts(capsys: pytest.CaptureFixture[str], target: str) -> list[dict[str, Any]]:
+    code, out, err = run_cli(capsys, "shards", RUN, "--attempts", "--json", "--server", target)
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+@pytest.fixture
+def night(tmp_path: Path) -> Iterator[Path]:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "truth").mkdir()
+    yield tmp_path
+
+
+def test_a_ray_night_with_retries_kills_and_a_killed_driver_resumes_to_100_percent(
+    ray_cluster: RayCluster,
+    server: RunningServer,
+    client: LedgerClient,
+    night: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    target = client.target
+    plan_lines = _plan(capsys, night, target)
+    out, truth = night / "out", night / "truth"
+    first = _driver(ray_cluster, target, plan_lines, out, truth, FAULTS)
+    finished = {"t-ok1", "t-ok2", "t-raise", "t-killed"}
+
+    def first_pass_settled() -> bool:
+        steps = _truth(truth)
+        done = {s for (s, _, step) in steps if step == "committed"}
+        always = ("t-always", 1, "raised") in steps
+        return finished <= done and always and ("t-gate", 0, "waiting") in steps
+
+    _wait("the first pass to settle", first_pass_settled)
+    # Both failed attempts of t-always are on the ledger before the driver dies.
+    _wait(
+        "t-always to fail",
+        lambda: _views(client)["t-always"]["state"] == "failed",
+    )
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    # Ray ends a dead driver's tasks: the gated attempt ends unheard and goes stale.
+    _wait("t-gate to go stale", lambda: _views(client)["t-gate"]["state"] == "stale")
+
+    code, _, err = run_cli(capsys, "verify", RUN, "--root", str(out), "--server", target)
+    assert code == 0, err  # every commit passes; t-always and t-gate committed nothing
+    views = _views(client)
+    states = {s: v["state"] for s, v in views.items()}
+    assert states == {
+        "t-ok1": "verified",
+        "t-ok2": "verified",
+        "t-raise": "verified",
+        "t-killed": "verified",
+        "t-always": "failed",
+        "t-gate": "stale",
+    }
+    code, out_json, _ = run_cli(capsys, "status", RUN, "--server", target, "--json")
+    summary = json.loads(out_json)
+    assert (summary["verified"], summary["failed"], summary["stale"]) == (4, 1, 1)
+    assert summary["duplicates"] == {"wasted": 0, "nondeterministic": 0, "zombie": 0}
+    code, resume, _ = run_cli(capsys, "resume", RUN, "--format", "ids", "--server", target)
+    assert code == 1
+    assert sorted(resume.split()) == ["t-always", "t-gate"]
+
+    # Every attempt the truth saw is one row of `shards --attempts`, with its Ray identity.
+    steps = _truth(truth)
+    rows = {(r["shard_id"], r["attempt_id"]): r for r in _attempts(capsys, target)}
+    started = {k: v for k, v in steps.items() if k[2] == "started"}
+    assert {(f["shard_id"], f["attempt_id"]) for f in started.values()} == set(rows)
+    want_outcome = {
+        ("t-ok1", 0): "verified",
+        ("t-ok2", 0): "verified",
+        ("t-raise", 0): "failed",
+        ("t-raise", 1): "verified",
+        ("t-killed", 0): "superseded",
+        ("t-killed", 1): "verified",
+        ("t-always", 0): "failed",
+        ("t-always", 1): "failed",
+        ("t-gate", 0): "stale",
+    }
+    assert {(s, a) for (s, a, _) in started} == set(want_outcome)
+    for (shard_id, attempt, _), fact in started.items():
+        row = rows[(shard_id, fact["attempt_id"])]
+        assert row["outcome"] == want_outcome[(shard_id, attempt)], row
+        assert row["pid"] == fact["pid"]
+        assert row["scheduler"] == {
+            "kind": "ray",
+            "job_id": fact["job_id"],
+            "task_id": fact["task_id"],
+            "task_attempt": str(attempt),
+            "node": fact["node_id"],
+            "namespace": row["scheduler"]["namespace"],
+        }
+        assert row["job"].startswith(f"ray:{fact['job_id']}/{fact['task_id']}#{attempt}@")
+    # The half-written output of the killed worker was never committed: its temp file is
+    # all that is left of it, and the committed file is the retry's whole output.
+    assert json.loads((out / "t-killed.counts.json").read_text()) == {
+        "t-killed": 1,
+        "says": 1,
+        "hello": 2,
+    }
+    (orphan,) = out.glob(f"{TEMP_PREFIX}t-killed.counts.json.*")
+    assert orphan.read_bytes() == b'{"half": '
+
+    # The morning: the resume list, as plan lines, back to Ray through a new driver.
+    code, rerun_text, _ = run_cli(capsys, "resume", RUN, "--server", target)
+    rerun = night / "rerun.jsonl"
+    rerun.write_text(rerun_text)
+    second = _driver(ray_cluster, target, rerun, out, truth, {})
+    stdout, stderr = second.communicate(timeout=120)
+    assert second.returncode == 0, stderr
+    assert json.loads(stdout.splitlines()[-1]) == {"t-always": "ok", "t-gate": "ok"}
+    assert run_cli(capsys, "verify", RUN, "--root", str(out), "--server", target)[0] == 0
+    summary = json.loads(run_cli(capsys, "status", RUN, "--server", target, "--json")[1])
+    assert (summary["verified"], summary["submitted"]) == (6, 6)
+    assert run_cli(capsys, "resume", RUN, "--server", target)[0] == 0
