@@ -36,7 +36,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 REPO: Final = Path(__file__).resolve().parents[2]
 DRIVER: Final = REPO / "tests" / "helpers" / "ray_night_driver.py"
+DATA_DRIVER: Final = REPO / "tests" / "helpers" / "ray_data_driver.py"
+DATA_EXAMPLE: Final = REPO / "examples" / "ray" / "ray_data.py"
 RUN: Final = "night-ray"
+DATA_RUN: Final = "night-ray-data"
 # shard -> what each Ray attempt does (attempt number as Ray counts it, from 0).
 FAULTS: Final = {
     "t-raise": {"0": "raise"},  # retry_exceptions: attempt 1 commits
@@ -216,3 +219,97 @@ def test_a_ray_night_with_retries_kills_and_a_killed_driver_resumes_to_100_perce
     summary = json.loads(run_cli(capsys, "status", RUN, "--server", target, "--json")[1])
     assert (summary["verified"], summary["submitted"]) == (6, 6)
     assert run_cli(capsys, "resume", RUN, "--server", target)[0] == 0
+
+
+def test_ray_data_batches_are_shards_and_the_resume_list_feeds_the_same_pipeline(
+    ray_cluster: RayCluster,
+    server: RunningServer,
+    client: LedgerClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    target = client.target
+    env = ray_cluster.driver_env(
+        SHARDLEDGER_SERVER=target, SHARDLEDGER_SPOOL_DIR=str(tmp_path / "spool")
+    )
+    items = REPO / "examples" / "data" / "items.jsonl"
+    manifest = tmp_path / "batches.jsonl"
+    with manifest.open("w") as out:
+        subprocess.run(
+            [sys.executable, str(DATA_EXAMPLE), "manifest", str(items), "--batch-size", "4"],
+            stdout=out,
+            check=True,
+            env=env,
+        )
+    assert (
+        run_cli(capsys, "plan", DATA_RUN, "--manifest", str(manifest), "--server", target)[0] == 0
+    )
+    plan_lines = tmp_path / "plan-lines.jsonl"
+    plan_lines.write_text(
+        run_cli(capsys, "plan", DATA_RUN, "--manifest", str(manifest), "--dry-run")[1]
+    )
+    batches = {
+        (line := json.loads(text))["shard_id"]: [r["id"] for r in line["rows"]]
+        for text in plan_lines.read_text().splitlines()
+    }
+    assert sorted(len(ids) for ids in batches.values()) == [2, 4, 4]
+    by_item = {i: shard for shard, ids in batches.items() for i in ids}
+    dropped, raised = by_item["item-05"], by_item["item-08"]
+
+    out = tmp_path / "out"
+    argv = [sys.executable, str(DATA_DRIVER), DATA_RUN, str(plan_lines), "--out", str(out)]
+    first = subprocess.run(
+        [*argv, "--drop", "item-05", "--raise", "item-08"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    # Failed shards are skipped, not fatal: the pipeline returns the good batch's rows only.
+    assert first.returncode == 0, first.stderr
+    assert "4 rows scored" in first.stderr
+    assert run_cli(capsys, "verify", DATA_RUN, "--root", str(out), "--server", target)[0] == 0
+    views = {v.shard_id: json.loads(v.view_json) for v in client.shards(DATA_RUN)}
+    assert {s: (v["state"], v["detail"]) for s, v in views.items()} == {
+        **{s: ("verified", "") for s in batches if s not in (dropped, raised)},
+        dropped: ("failed", "data"),
+        raised: ("failed", "unknown"),
+    }
+    code, rerun_text, _ = run_cli(
+        capsys, "resume", DATA_RUN, "--format", "jsonl", "--server", target
+    )
+    assert code == 1
+    rerun = tmp_path / "rerun.jsonl"
+    rerun.write_text(rerun_text)
+    # The resume list is the failed batches' plan lines, rows and all.
+    assert {
+        json.loads(t)["shard_id"]: [r["id"] for r in json.loads(t)["rows"]]
+        for t in rerun_text.splitlines()
+    } == {dropped: batches[dropped], raised: batches[raised]}
+
+    # The morning: the example's own pipeline, unchanged, reads the resume list.
+    morning = subprocess.run(
+        [sys.executable, str(DATA_EXAMPLE), "run", DATA_RUN, str(rerun), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert morning.returncode == 0, morning.stderr
+    assert "6 rows scored" in morning.stderr
+    assert run_cli(capsys, "verify", DATA_RUN, "--root", str(out), "--server", target)[0] == 0
+    summary = json.loads(run_cli(capsys, "status", DATA_RUN, "--server", target, "--json")[1])
+    assert (summary["verified"], summary["submitted"]) == (3, 3)
+    # Only the resume list ran again; every attempt ran in a Ray Data actor.
+    rows = [
+        json.loads(line)
+        for line in run_cli(capsys, "shards", DATA_RUN, "--attempts", "--json", "--server", target)[
+            1
+        ].splitlines()
+    ]
+    assert sorted(r["shard_id"] for r in rows) == sorted([*batches, dropped, raised])
+    assert all(r["scheduler"]["kind"] == "ray" and r["scheduler"]["actor_id"] for r in rows)
+    # Each committed file holds exactly its batch's ids, in the batch's order.
+    for shard_id, ids in batches.items():
+        lines = (out / f"{shard_id}.jsonl").read_text().splitlines()
+        assert [json.loads(t)["id"] for t in lines] == ids
