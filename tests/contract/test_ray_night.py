@@ -13,6 +13,7 @@ the resume list, handed back to a second driver, ends the run at 100 % verified.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from shard_client.atomic import TEMP_PREFIX
 from shard_client.client import LedgerClient
 from tests import ray_cluster as cluster_module
 from tests.builders import run_cli
-from tests.ray_cluster import RayCluster
+from tests.contract.test_tutorial import blocks, reader_env, run_doc
+from tests.ray_cluster import MARKER, RayCluster
 
 ray_cluster = cluster_module.ray_cluster
 
@@ -40,6 +42,7 @@ DATA_DRIVER: Final = REPO / "tests" / "helpers" / "ray_data_driver.py"
 DATA_EXAMPLE: Final = REPO / "examples" / "ray" / "ray_data.py"
 RUN: Final = "night-ray"
 DATA_RUN: Final = "night-ray-data"
+DOC: Final = REPO / "docs" / "ray.md"
 # shard -> what each Ray attempt does (attempt number as Ray counts it, from 0).
 FAULTS: Final = {
     "t-raise": {"0": "raise"},  # retry_exceptions: attempt 1 commits
@@ -234,10 +237,10 @@ def test_ray_data_batches_are_shards_and_the_resume_list_feeds_the_same_pipeline
     )
     items = REPO / "examples" / "data" / "items.jsonl"
     manifest = tmp_path / "batches.jsonl"
-    with manifest.open("w") as out:
+    with manifest.open("w") as written:
         subprocess.run(
             [sys.executable, str(DATA_EXAMPLE), "manifest", str(items), "--batch-size", "4"],
-            stdout=out,
+            stdout=written,
             check=True,
             env=env,
         )
@@ -313,3 +316,23 @@ def test_ray_data_batches_are_shards_and_the_resume_list_feeds_the_same_pipeline
     for shard_id, ids in batches.items():
         lines = (out / f"{shard_id}.jsonl").read_text().splitlines()
         assert [json.loads(t)["id"] for t in lines] == ids
+
+
+def test_docs_ray_runs_as_written_on_a_ray_cluster(
+    ray_cluster: RayCluster, server: RunningServer, tmp_path: Path, quiet_logs: None
+) -> None:
+    for block in blocks(DOC):
+        if block.lang == "python":
+            assert block.not_run, f"{block.where()}: a python block must say <!-- not run: why -->"
+    work = tmp_path / "work"
+    shutil.copytree(REPO / "examples", work / "examples")
+    env = reader_env(tmp_path, server)
+    env.update(RAY_ADDRESS=ray_cluster.address, **{MARKER: str(ray_cluster.base)})
+    run_doc(DOC, work, env, tmp_path)
+    client = LedgerClient(f"127.0.0.1:{server.port}")
+    try:
+        for run_id, shards in (("night-ray", 4), ("night-data", 3)):
+            states = [json.loads(v.view_json)["state"] for v in client.shards(run_id)]
+            assert states == ["verified"] * shards, run_id
+    finally:
+        client.close()

@@ -37,7 +37,7 @@ from ray_tasks import count_words, init, submit
 from shard_client import Shard
 
 # Workers cannot import the example by name: its functions travel by value.
-ray.cloudpickle.register_pickle_by_value(ray_tasks)
+ray.cloudpickle.register_pickle_by_value(ray_tasks)  # type: ignore[no-untyped-call]
 
 
 def faulty(
@@ -81,7 +81,7 @@ def faulty(
         record("waiting")
         while not (Path(truth) / "open-gate").exists():
             time.sleep(0.1)
-    result = count_words(shard, line, out_dir)
+    result = str(count_words(shard, line, out_dir))
     record("committed")
     return result
 
