@@ -36,7 +36,12 @@ import ray
 from shard_client.ray import ShardBatches, batch_manifest
 
 # See ray_tasks.py: the job's workers get the ledger settings through its runtime_env.
-FORWARDED = ("SHARDLEDGER_SERVER", "SHARDLEDGER_SPOOL_DIR", "SHARDLEDGER_TOKEN_FILE")
+FORWARDED = (
+    "SHARDLEDGER_SERVER",
+    "SHARDLEDGER_SPOOL_DIR",
+    "SHARDLEDGER_TOKEN_FILE",
+    "SHARDLEDGER_DIAG_DIR",
+)
 
 
 class Model:

@@ -36,7 +36,12 @@ from shard_client.ray import shard_task
 
 # The ledger settings a job's workers need: Ray starts them from the raylet's environment,
 # not the driver's, so the driver hands these over in the job's runtime_env.
-FORWARDED = ("SHARDLEDGER_SERVER", "SHARDLEDGER_SPOOL_DIR", "SHARDLEDGER_TOKEN_FILE")
+FORWARDED = (
+    "SHARDLEDGER_SERVER",
+    "SHARDLEDGER_SPOOL_DIR",
+    "SHARDLEDGER_TOKEN_FILE",
+    "SHARDLEDGER_DIAG_DIR",
+)
 
 
 def count_words(shard: Shard, line: dict[str, Any], out_dir: str) -> str:

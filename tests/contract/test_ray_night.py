@@ -13,6 +13,7 @@ the resume list, handed back to a second driver, ends the run at 100 % verified.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -53,18 +54,24 @@ FAULTS: Final = {
 SHARDS: Final = ("t-ok1", "t-ok2", "t-raise", "t-killed", "t-always", "t-gate")
 
 
-def _plan(capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str) -> Path:
-    """Plans the night's shards over small text files; returns the plan lines file."""
+def _plan(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    target: str,
+    shards: tuple[str, ...] = SHARDS,
+    run_id: str = RUN,
+) -> Path:
+    """Plans shards over small text files; returns the plan lines file."""
     manifest = tmp_path / "manifest.jsonl"
     with manifest.open("w") as out:
-        for shard_id in SHARDS:
+        for shard_id in shards:
             text = tmp_path / "data" / f"{shard_id}.txt"
             text.parent.mkdir(exist_ok=True)
             text.write_text(f"{shard_id} says hello hello\n")
             line = {"shard_id": shard_id, "input": str(text), "expected_outputs": ["counts"]}
             out.write(json.dumps(line) + "\n")
-    assert run_cli(capsys, "plan", RUN, "--manifest", str(manifest), "--server", target)[0] == 0
-    code, lines, _ = run_cli(capsys, "plan", RUN, "--manifest", str(manifest), "--dry-run")
+    assert run_cli(capsys, "plan", run_id, "--manifest", str(manifest), "--server", target)[0] == 0
+    code, lines, _ = run_cli(capsys, "plan", run_id, "--manifest", str(manifest), "--dry-run")
     assert code == 0
     plan_lines = tmp_path / "plan-lines.jsonl"
     plan_lines.write_text(lines)
@@ -72,13 +79,22 @@ def _plan(capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str) -> Pa
 
 
 def _driver(
-    cluster: RayCluster, target: str, lines: Path, out: Path, truth: Path, faults: dict[str, Any]
+    cluster: RayCluster,
+    target: str,
+    lines: Path,
+    out: Path,
+    truth: Path,
+    faults: dict[str, Any],
+    *extra: str,
+    run_id: str = RUN,
 ) -> subprocess.Popen[str]:
     env = cluster.driver_env(
-        SHARDLEDGER_SERVER=target, SHARDLEDGER_SPOOL_DIR=str(out.parent / "spool")
+        SHARDLEDGER_SERVER=target,
+        SHARDLEDGER_SPOOL_DIR=str(out.parent / "spool"),
+        SHARDLEDGER_DIAG_DIR=str(out.parent / "diag"),
     )
-    argv = [sys.executable, str(DRIVER), RUN, str(lines), "--out", str(out)]
-    argv += ["--truth", str(truth), "--faults", json.dumps(faults)]
+    argv = [sys.executable, str(DRIVER), run_id, str(lines), "--out", str(out)]
+    argv += ["--truth", str(truth), "--faults", json.dumps(faults), *extra]
     return subprocess.Popen(
         argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -336,3 +352,55 @@ def test_docs_ray_runs_as_written_on_a_ray_cluster(
             assert states == ["verified"] * shards, run_id
     finally:
         client.close()
+
+
+def test_watch_kill_stale_stops_a_hung_ray_task_through_ray_and_ray_retries_it(
+    ray_cluster: RayCluster,
+    server: RunningServer,
+    client: LedgerClient,
+    night: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target, run_id = client.target, "night-ray-hang"
+    lines = _plan(capsys, night, target, ("t-hang",), run_id)
+    out, truth = night / "out", night / "truth"
+    faults = {"t-hang": {"0": "hang"}}
+    driver = _driver(
+        ray_cluster, target, lines, out, truth, faults, "--progress-timeout", "1", run_id=run_id
+    )
+
+    def state() -> str:
+        return str(json.loads(next(iter(client.shards(run_id))).view_json)["state"])
+
+    _wait("t-hang to go stale", lambda: state() == "stale")
+    hung = _truth(truth)[("t-hang", 0, "hung")]
+    # The watchdog joins the cluster through $RAY_ADDRESS, as a platform's would.
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    argv = ["watch", run_id, "--kill-stale", "--once", "--grace", "1", "--json"]
+    code, text, err = run_cli(capsys, *argv, "--diag-dir", str(night / "diag"), "--server", target)
+    assert code == 0, err
+    (action,) = map(json.loads, text.splitlines())
+    assert action["method"] == "ray"
+    # The worker runs on this host: the SDK dumped the deadlocked stack for the watchdog.
+    assert re.search(r"\bin faulty\b", Path(action["diagnostics"]).read_text())
+    assert action["recorded_failed_timeout"] is True
+    pid, node = hung["pid"], hung["node_id"][:12]
+    assert f"ray: stop worker pid {pid}" in action["steps"]
+    assert f"on Ray node {node}: kill -TERM {pid}" in action["steps"]
+    assert action["steps"][-1] in (
+        f"on Ray node {node}: process ended",
+        f"on Ray node {node}: kill -KILL {pid}",
+    )
+    # Ray saw its worker die and ran the task again: attempt 1 commits.
+    stdout, stderr = driver.communicate(timeout=120)
+    assert driver.returncode == 0, stderr
+    assert json.loads(stdout.splitlines()[-1]) == {"t-hang": "ok"}
+    assert run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)[0] == 0
+    code, text, _ = run_cli(capsys, "shards", run_id, "--attempts", "--json", "--server", target)
+    rows = [json.loads(t) for t in text.splitlines()]
+    assert [(r["outcome"], r["detail"], r["scheduler"]["task_attempt"]) for r in rows] == [
+        ("failed", "timeout", "0"),
+        ("verified", "", "1"),
+    ]
+    assert rows[0]["attempt_id"] == hung["attempt_id"]

@@ -10,6 +10,8 @@ attempt number (``{"t2": {"0": "raise"}}``; unnamed: "ok"):
   then SIGKILL this worker (retried: max_retries);
 - ``gate``: wait until the file ``<truth>/open-gate`` exists (a task still running
   when the test kills this driver);
+- ``hang``: deadlock on a lock it holds, the process alive (with ``--progress-timeout``
+  its heartbeats stop: only a watchdog outside can end it);
 - ``ok``: count the words and commit.
 
 Every step is first written to ``<truth>/<shard>.<attempt>.<step>.json`` (the shard
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,11 @@ def faulty(
         record("waiting")
         while not (Path(truth) / "open-gate").exists():
             time.sleep(0.1)
+    if action == "hang":
+        record("hung")
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # never returns
     result = str(count_words(shard, line, out_dir))
     record("committed")
     return result
@@ -95,6 +103,7 @@ def main() -> int:
     parser.add_argument("--truth", required=True)
     parser.add_argument("--faults", default="{}")
     parser.add_argument("--max-retries", type=int, default=1)
+    parser.add_argument("--progress-timeout", type=float, default=None)
     args = parser.parse_args()
     lines = [line for line in Path(args.lines).read_text().splitlines() if line.strip()]
     init(None)
@@ -106,6 +115,7 @@ def main() -> int:
         out_dir=args.out,
         max_retries=args.max_retries,
         heartbeat_timeout=2.0,
+        progress_timeout=args.progress_timeout,
     )
     print(json.dumps(outcome, sort_keys=True), flush=True)
     return 0
