@@ -22,7 +22,7 @@ import ray_data  # after the path above
 from ray_data import Model, run
 
 # Workers cannot import the example by name: its classes travel by value.
-ray.cloudpickle.register_pickle_by_value(ray_data)  # type: ignore[no-untyped-call]
+ray.cloudpickle.register_pickle_by_value(ray_data)  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def erring_model(drop: str, fail: str) -> type:

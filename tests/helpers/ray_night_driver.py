@@ -40,7 +40,7 @@ from ray_tasks import count_words, init, submit
 from shard_client import Shard
 
 # Workers cannot import the example by name: its functions travel by value.
-ray.cloudpickle.register_pickle_by_value(ray_tasks)  # type: ignore[no-untyped-call]
+ray.cloudpickle.register_pickle_by_value(ray_tasks)  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def faulty(

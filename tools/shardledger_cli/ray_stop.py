@@ -37,7 +37,7 @@ def stop_pid(pid: int, start_ticks: int, grace_s: float) -> list[str]:
         return ["process already gone"]
     if start_ticks and process_start_ticks(pid) != start_ticks:
         return [f"pid {pid} is now another process (its start time differs): not signalled"]
-    steps = []
+    steps: list[str] = []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.kill(pid, sig)
@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     try:
-        if args.node not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
+        nodes = ray.nodes()  # type: ignore[no-untyped-call, unused-ignore]
+        if args.node not in {n["NodeID"] for n in nodes if n.get("Alive")}:
             print(f"Ray node {args.node} is not alive in this cluster", file=sys.stderr)
             return 1
         remote = ray.remote(num_cpus=0, max_retries=0)(stop_pid).options(
