@@ -12,7 +12,11 @@ What running it here taught us:
   `RayCluster.stop` signals only the processes whose environment carries this cluster's
   marker (``SHARDLEDGER_TEST_RAY=<its temp dir>``, inherited by the raylet's workers).
 - Ray's default ports are fixed (GCS 6379, the dashboard agent's 52365, ...): each one
-  gets a free port, and workers take theirs from the OS.
+  gets a free port, and workers take theirs from the OS. ``--include-dashboard=false``
+  still starts the dashboard's head process (8265) and the Ray client server (10001):
+  both get free ports too.
+- A head starts in 8 s on an idle machine, 20–45 s at a load of 12 on two cores; every
+  new driver (a Ray job) starts worker processes of its own, a few seconds each.
 - Ray writes Unix sockets under its temp dir, whose paths must stay under 108 bytes: the
   dir is a short ``mkdtemp`` under /tmp, not pytest's deep ``tmp_path``.
 """
@@ -41,6 +45,7 @@ MARKER: Final = "SHARDLEDGER_TEST_RAY"
 # The head's CPUs: two task slots, on a machine whose two cores the suite shares.
 NUM_CPUS: Final = 2
 START_TIMEOUT_S: Final = 120.0
+OBJECT_STORE_BYTES: Final = 100 * 1024 * 1024
 
 
 class RayClusterError(RuntimeError):
@@ -61,7 +66,8 @@ class RayCluster:
 
     def start(self, **system: str) -> None:
         """Starts the head; ``system`` are RAY_<name> settings of its processes."""
-        gcs, manager, objects, agent_http, agent_grpc, env_agent, metrics = free_ports(7)
+        ports = free_ports(9)
+        gcs, manager, objects, agent_http, agent_grpc, env_agent, metrics, dash, client = ports
         for name, value in system.items():
             self.env[f"RAY_{name}"] = value
         argv = [
@@ -76,6 +82,10 @@ class RayCluster:
             f"--dashboard-agent-grpc-port={agent_grpc}",
             f"--runtime-env-agent-port={env_agent}",
             f"--metrics-export-port={metrics}",
+            f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}",
+            # Ray's floor; the tests' objects are a few rows (the default takes 30 % of RAM).
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
             f"--num-cpus={NUM_CPUS}",
             "--num-gpus=0",
             "--include-dashboard=false",
