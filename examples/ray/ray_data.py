@@ -64,15 +64,29 @@ def write_manifest(items: str, batch_size: int) -> int:
     return 0
 
 
-def run(run_id: str, lines: str, out_dir: str, address: str | None, model: type = Model) -> int:
-    """Maps the model over every shard of the plan lines; prints how many rows came back."""
+def run(
+    run_id: str,
+    lines: str,
+    out_dir: str,
+    address: str | None,
+    model: type = Model,
+    **shard_options: Any,
+) -> int:
+    """Maps the model over every shard of the plan lines; prints how many rows came back.
+
+    ``shard_options`` go to each shard's context (``hang_timeout=``, ``heartbeat_timeout=``).
+    """
     env = {name: os.environ[name] for name in FORWARDED if os.environ.get(name)}
     ray.init(address=address, include_dashboard=False, runtime_env={"env_vars": env})
     ds = ray.data.read_json(os.path.abspath(lines))
     results = ds.map_batches(
         ShardBatches,
         fn_constructor_args=(model,),
-        fn_constructor_kwargs={"run_id": run_id, "output_dir": os.path.abspath(out_dir)},
+        fn_constructor_kwargs={
+            "run_id": run_id,
+            "output_dir": os.path.abspath(out_dir),
+            **shard_options,
+        },
         batch_size=1,  # one plan line, one shard, per call
         compute=ray.data.ActorPoolStrategy(size=1),  # actors: each loads the model once
     )
