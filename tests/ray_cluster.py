@@ -44,7 +44,7 @@ from tests.slurm import free_ports
 MARKER: Final = "SHARDLEDGER_TEST_RAY"
 # The head's CPUs: two task slots, on a machine whose two cores the suite shares.
 NUM_CPUS: Final = 2
-START_TIMEOUT_S: Final = 120.0
+START_TIMEOUT_S: Final = 300.0
 OBJECT_STORE_BYTES: Final = 100 * 1024 * 1024
 
 
@@ -59,6 +59,9 @@ class RayCluster:
     base: Path
     env: dict[str, str]
     address: str = ""
+    # How long `ray start` took: what the tests' waits scale with (a loaded machine is slow
+    # at everything Ray does: workers, drivers, actors).
+    start_s: float = 0.0
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,13 +95,19 @@ class RayCluster:
             "--disable-usage-stats",
             f"--temp-dir={self.base / 'ray'}",
         ]
+        began = time.monotonic()
         with self.log.open("w") as out:
             done = subprocess.run(
                 argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S
             )
+        self.start_s = time.monotonic() - began
         if done.returncode != 0:
             raise RayClusterError(f"ray start exited {done.returncode}:\n{self.log.read_text()}")
         self.address = f"127.0.0.1:{gcs}"
+
+    def allowance_s(self) -> float:
+        """Returns how long a test may wait for Ray to do one thing: a minute, or 6 head starts."""
+        return max(60.0, 6 * self.start_s)
 
     def driver_env(self, **extra: str) -> dict[str, str]:
         """Returns the environment of a driver subprocess: RAY_ADDRESS, the marker, ``extra``."""

@@ -249,7 +249,9 @@ def left_unignored(work: Path) -> list[str]:
     return sorted(set(written) - set(proc.stdout.splitlines()))
 
 
-def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
+def run_doc(
+    doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path, *, timeout_s: float = 150
+) -> None:
     """Runs a document's shell blocks in order, as a reader's shell would; checks their output.
 
     Afterwards nothing the reader's commands wrote may show up as untracked in a checkout.
@@ -265,7 +267,7 @@ def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
             env=env,
             capture_output=True,
             text=True,
-            timeout=150,
+            timeout=timeout_s,
         )
         output = proc.stdout + proc.stderr
         transcript.append(f"$ {block.where()}\n{block.body}{output}")
