@@ -53,4 +53,7 @@ SCHEDULER_FIELDS: Final = (
     "cluster",
     "node",
     "namespace",
+    "task_id",
+    "task_attempt",
+    "actor_id",
 )

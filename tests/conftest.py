@@ -30,6 +30,7 @@ MARKERS_BY_FIXTURE = {
     "pg_url": "postgres",
     "s3_endpoint": "s3",
     "go_client": "go",
+    "ray_cluster": "ray",
 }
 
 

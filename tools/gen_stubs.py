@@ -40,7 +40,9 @@ def generate(out_root: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = []
-    for path in sorted(out_root.rglob("*.py*")):
+    # .py and .pyi only: an interpreter's __pycache__/*.pyc may lie beside them.
+    generated = [*out_root.rglob("*.py"), *out_root.rglob("*.pyi")]
+    for path in sorted(generated):
         text = _IMPORT_RE.sub(_PACKAGE_IMPORT, path.read_text())
         path.write_text(text)
         written.append(path)

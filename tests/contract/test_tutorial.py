@@ -280,7 +280,9 @@ def left_unignored(work: Path) -> list[str]:
     return sorted(set(written) - set(proc.stdout.splitlines()))
 
 
-def on_a_terminal(command: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+def on_a_terminal(
+    command: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float = 150
+) -> tuple[int, str]:
     """Runs a command with stdout and stderr on a pseudo-terminal; returns (exit code, text).
 
     The text is what the reader's terminal shows, colours and carriage returns stripped.
@@ -300,7 +302,7 @@ def on_a_terminal(command: list[str], *, cwd: Path, env: dict[str, str]) -> tupl
             if not data:
                 break
             chunks.append(data)
-        code = proc.wait(timeout=150)
+        code = proc.wait(timeout=timeout_s)
     finally:
         os.close(parent)
         if proc.poll() is None:
@@ -308,7 +310,9 @@ def on_a_terminal(command: list[str], *, cwd: Path, env: dict[str, str]) -> tupl
     return code, ANSI.sub("", b"".join(chunks).decode(errors="replace"))
 
 
-def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
+def run_doc(
+    doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path, *, timeout_s: float = 150
+) -> None:
     """Runs a document's shell blocks in order, as a reader's shell would; checks their output.
 
     Afterwards nothing the reader's commands wrote may show up as untracked in a checkout.
@@ -320,10 +324,10 @@ def run_doc(doc: Path, cwd: Path, env: dict[str, str], tmp_path: Path) -> None:
         path.write_text(script(block, state))
         command = ["bash", "--noprofile", "--norc", "-o", "pipefail", str(path)]
         if block.terminal:
-            code, output = on_a_terminal(command, cwd=cwd, env=env)
+            code, output = on_a_terminal(command, cwd=cwd, env=env, timeout_s=timeout_s)
         else:
             proc = subprocess.run(
-                command, cwd=cwd, env=env, capture_output=True, text=True, timeout=150
+                command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
             )
             code, output = proc.returncode, proc.stdout + proc.stderr
         transcript.append(f"$ {block.where()}\n{block.body}{output}")

@@ -178,10 +178,14 @@ def _ranks(view: Mapping[str, Any]) -> str:
 
 
 def scheduler_label(s: Mapping[str, str]) -> str:
-    """Returns a scheduler identity as one word: slurm:123_4@node, kubernetes:ns/pod@node."""
+    """Returns a scheduler identity as one word: slurm:123_4@node, kubernetes:ns/pod@node,
+    ray:JOB/TASK#ATTEMPT@NODE (the node id cut to 12 hex characters)."""
     kind, node = s.get("kind", ""), s.get("node", "")
     if not kind:
         return ""
+    if kind == "ray":
+        task = f"/{s['task_id']}#{s.get('task_attempt', '0')}" if s.get("task_id") else ""
+        return f"ray:{s.get('job_id', '')}{task}" + (f"@{node[:12]}" if node else "")
     if kind == "slurm":
         task = s.get("array_task_id", "")
         job = f"{s.get('array_job_id', '')}_{task}" if task else s.get("job_id", "")

@@ -11,6 +11,10 @@ server clock. With --kill-stale, for each one (many at once, --parallel):
                        then `scontrol -o show job JOBID` until it left (both must be
                        on this host's PATH and reach the cluster's slurmctld)
        Kubernetes pod  kubectl delete pod POD --namespace NS --grace-period=GRACE
+       Ray task        through Ray ($RAY_ADDRESS, else the local cluster; needs the
+                       ray extra): a task pinned to the attempt's node sends the
+                       worker SIGTERM, --grace, SIGKILL (start time checked), as
+                       ray.cancel(force=True) would; Ray retries it if it may
        --kill-command  your command, e.g. 'ssh {host} kill -TERM {pid}' (no shell)
        this host       SIGTERM, --grace, SIGKILL: only when the pid's start time
                        (/proc/PID/stat) is the recorded one, never a reused pid
@@ -23,8 +27,8 @@ service: an unreachable ledger (a restart) is logged on stderr and retried
 with backoff, and watching goes on.
 
 kill-command placeholders: {job_id} {array_job_id} {array_task_id} {cluster}
-{node} {namespace} {pod} {host} {pid} {start_ticks} {run_id} {shard_id}
-{attempt_id} {grace}
+{node} {namespace} {task_id} {task_attempt} {actor_id} {pod} {host} {pid}
+{start_ticks} {run_id} {shard_id} {attempt_id} {grace}
 
 Examples:
   shardledger watch night-01                         # list stale attempts (exit 1 if any)
@@ -76,7 +80,7 @@ def register(
         "watch",
         parents=[common],
         help="find stale attempts; with --kill-stale, diagnose and stop them (signals, scancel, "
-        "kubectl) and record failed(timeout)",
+        "kubectl, Ray) and record failed(timeout)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -132,6 +132,8 @@ def _stop(
         elif how == "kubernetes":
             pod, ns = target.scheduler["job_id"], target.scheduler.get("namespace", "")
             watch_stop.stop_kubernetes(steps, pod, ns, grace_s)
+        elif how == "ray":
+            watch_stop.stop_ray(steps, target, grace_s)
         elif same == "same":
             watch_stop.stop_local(steps, target.pid, target.start_ticks, grace_s)
         elif same == "gone":

@@ -9,12 +9,15 @@ recorded, so a pid reused by another process is never signalled.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -49,6 +52,8 @@ SLURM_DONE: Final = frozenset(
         "TIMEOUT",
     ]
 )
+# Joining a Ray cluster as a driver and scheduling one task, beyond the grace period.
+RAY_STOP_SLACK_S: Final = 120.0
 # How long a cancelled job may take to end: above Slurm's default KillWait of 30 s.
 SLURM_KILL_WAIT_S: Final = 60.0
 # What scancel prints for a job that already ended (or that slurmctld forgot).
@@ -84,8 +89,7 @@ class Target:
     def placeholders(self, grace_s: float) -> dict[str, str]:
         """Returns the values of the --kill-command placeholders ("" where unknown)."""
         s = self.scheduler
-        values = {k: s.get(k, "") for k in ("job_id", "array_job_id", "array_task_id")}
-        values |= {k: s.get(k, "") for k in ("cluster", "node", "namespace")}
+        values = {k: s.get(k, "") for k in SCHEDULER_FIELDS if k != "kind"}
         values["pod"] = s.get("job_id", "") if s.get("kind") == "kubernetes" else ""
         values |= {"host": self.host, "pid": str(self.pid or ""), "grace": f"{grace_s:g}"}
         values |= {"start_ticks": str(self.start_ticks or ""), "run_id": self.run_id}
@@ -311,6 +315,17 @@ def stop_kubernetes(steps: list[str], pod: str, namespace: str, grace_s: float) 
     steps.append(shlex.join(argv))
 
 
+def stop_ray(steps: list[str], target: Target, grace_s: float) -> None:
+    """Ends the attempt's Ray worker on its node, through Ray (shardledger_cli.ray_stop)."""
+    argv = [sys.executable, "-m", "shardledger_cli.ray_stop", "--node", target.scheduler["node"]]
+    argv += ["--pid", str(target.pid), "--start-ticks", str(target.start_ticks)]
+    proc = _run([*argv, "--grace", f"{grace_s:g}"], grace_s + RAY_STOP_SLACK_S)
+    if proc.returncode != 0:
+        raise _failed(argv, proc)
+    steps.append(f"ray: stop worker pid {target.pid}")
+    steps.extend(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 def check_template(template: str) -> list[str]:
     """Returns the template's words; ValueError names a bad placeholder or quoting."""
     try:
@@ -343,7 +358,7 @@ def stop_command(steps: list[str], template: str, target: Target, grace_s: float
 
 
 def method(target: Target, *, kill_command: str | None) -> str | None:
-    """Returns how to stop the attempt: command, slurm, kubernetes, signal, or None (no way)."""
+    """Returns how to stop the attempt: command, slurm, kubernetes, ray, signal, or None (no way)."""
     kind = target.scheduler.get("kind")
     if kill_command:
         return "command"
@@ -351,6 +366,15 @@ def method(target: Target, *, kill_command: str | None) -> str | None:
         return "slurm"
     if kind == "kubernetes" and target.scheduler.get("job_id"):
         return "kubernetes"
+    # Through Ray where this watchdog can join the cluster (the ray extra): it reaches the
+    # worker's node; without ray, a worker on this host is still signalled directly.
+    if (
+        kind == "ray"
+        and target.scheduler.get("node")
+        and target.pid
+        and importlib.util.find_spec("ray") is not None
+    ):
+        return "ray"
     if target.local and target.pid:
         return "signal"
     return None

@@ -206,7 +206,7 @@ class AttemptStarted(_message.Message):
     def __init__(self, host: _Optional[str] = ..., pid: _Optional[int] = ..., heartbeat_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., fingerprint_digest: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerIdentity, _Mapping]] = ..., process_start_ticks: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., launch_id: _Optional[str] = ..., restart_count: _Optional[int] = ..., gpu_count: _Optional[int] = ..., input: _Optional[_Union[InputSeen, _Mapping]] = ...) -> None: ...
 
 class SchedulerIdentity(_message.Message):
-    __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace")
+    __slots__ = ("kind", "job_id", "array_job_id", "array_task_id", "cluster", "node", "namespace", "task_id", "task_attempt", "actor_id")
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ARRAY_JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,9 @@ class SchedulerIdentity(_message.Message):
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     kind: str
     job_id: str
     array_job_id: str
@@ -221,7 +224,10 @@ class SchedulerIdentity(_message.Message):
     cluster: str
     node: str
     namespace: str
-    def __init__(self, kind: _Optional[str] = ..., job_id: _Optional[str] = ..., array_job_id: _Optional[str] = ..., array_task_id: _Optional[str] = ..., cluster: _Optional[str] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+    task_id: str
+    task_attempt: str
+    actor_id: str
+    def __init__(self, kind: _Optional[str] = ..., job_id: _Optional[str] = ..., array_job_id: _Optional[str] = ..., array_task_id: _Optional[str] = ..., cluster: _Optional[str] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ..., task_id: _Optional[str] = ..., task_attempt: _Optional[str] = ..., actor_id: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("step", "progress", "metrics", "nonfinite_metrics", "rank", "rank_finished", "first_step", "metrics_min", "metrics_max", "progress_calls")

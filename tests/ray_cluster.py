@@ -1,0 +1,159 @@
+"""A real local Ray cluster for tests: ``ray start --head`` on free ports, in a private temp dir.
+
+Bind the fixture in a test module (``ray_cluster = tests.ray_cluster.ray_cluster``) and mark
+the module ``pytestmark = pytest.mark.ray``: one cluster per module (a head starts in a few
+seconds on an idle core and holds a raylet, a GCS and worker processes), stopped at the
+module's end. The drivers are the tests' subprocesses (``ray.init(address=...)``), as a
+user's are, so a test can SIGKILL one; the pytest process never imports ray.
+
+What running it here taught us:
+
+- ``ray stop`` stops every Ray process on the machine, a neighbour's cluster included, so
+  `RayCluster.stop` signals only the processes whose environment carries this cluster's
+  marker (``SHARDLEDGER_TEST_RAY=<its temp dir>``, inherited by the raylet's workers).
+- Ray's default ports are fixed (GCS 6379, the dashboard agent's 52365, ...): each one
+  gets a free port, and workers take theirs from the OS. ``--include-dashboard=false``
+  still starts the dashboard's head process (8265) and the Ray client server (10001):
+  both get free ports too.
+- A head starts in 8 s on an idle machine, 20–45 s at a load of 12 on two cores; every
+  new driver (a Ray job) starts worker processes of its own, a few seconds each.
+- Ray writes Unix sockets under its temp dir, whose paths must stay under 108 bytes: the
+  dir is a short ``mkdtemp`` under /tmp, not pytest's deep ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from tests.slurm import free_ports
+
+MARKER: Final = "SHARDLEDGER_TEST_RAY"
+# The head's CPUs: two task slots, on a machine whose two cores the suite shares.
+NUM_CPUS: Final = 2
+START_TIMEOUT_S: Final = 300.0
+OBJECT_STORE_BYTES: Final = 100 * 1024 * 1024
+
+
+class RayClusterError(RuntimeError):
+    """The head did not start; the message carries `ray start`'s output."""
+
+
+@dataclass
+class RayCluster:
+    """One local head node; ``address`` is what a driver passes to ``ray.init``."""
+
+    base: Path
+    env: dict[str, str]
+    address: str = ""
+    # How long `ray start` took: what the tests' waits scale with (a loaded machine is slow
+    # at everything Ray does: workers, drivers, actors).
+    start_s: float = 0.0
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.base / "ray-start.log"
+
+    def start(self, **system: str) -> None:
+        """Starts the head; ``system`` are RAY_<name> settings of its processes."""
+        ports = free_ports(9)
+        gcs, manager, objects, agent_http, agent_grpc, env_agent, metrics, dash, client = ports
+        for name, value in system.items():
+            self.env[f"RAY_{name}"] = value
+        argv = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            f"--node-manager-port={manager}",
+            f"--object-manager-port={objects}",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={env_agent}",
+            f"--metrics-export-port={metrics}",
+            f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}",
+            # Ray's floor; the tests' objects are a few rows (the default takes 30 % of RAM).
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            f"--num-cpus={NUM_CPUS}",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={self.base / 'ray'}",
+        ]
+        began = time.monotonic()
+        with self.log.open("w") as out:
+            done = subprocess.run(
+                argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S
+            )
+        self.start_s = time.monotonic() - began
+        if done.returncode != 0:
+            raise RayClusterError(f"ray start exited {done.returncode}:\n{self.log.read_text()}")
+        self.address = f"127.0.0.1:{gcs}"
+
+    def allowance_s(self) -> float:
+        """Returns how long a test may wait for Ray to do one thing: a minute, or 6 head starts."""
+        return max(60.0, 6 * self.start_s)
+
+    def driver_env(self, **extra: str) -> dict[str, str]:
+        """Returns the environment of a driver subprocess: RAY_ADDRESS, the marker, ``extra``."""
+        return {**self.env, "RAY_ADDRESS": self.address, **extra}
+
+    def pids(self) -> list[int]:
+        """Returns the live processes that carry this cluster's marker (workers included)."""
+        found = []
+        needle = f"{MARKER}={self.base}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+        return found
+
+    def stop(self) -> None:
+        """Signals every process of the cluster, TERM then KILL, and waits until none is left."""
+        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not self.pids():
+                return
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    """A local Ray head for the module, stopped (its processes only) at the module's end."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.fail(
+            "ray is not installed: the Ray tests need the ray extra (pip install -e '.[ray]');"
+            ' deselect them with -m "not ray"'
+        )
+    # Short: Ray's socket paths live under it.
+    base = Path(tempfile.mkdtemp(prefix="slray", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env[MARKER] = str(base)
+    cluster = RayCluster(base, env)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
