@@ -320,6 +320,8 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                         head_hash=r.head_hash,
                         create_time=codec.us_timestamp(r.created_us),
                         update_time=codec.us_timestamp(r.updated_us),
+                        archived=r.archived,
+                        archive_location=self.ledger.archive_location(r),
                     )
                     for r in rows
                 ]

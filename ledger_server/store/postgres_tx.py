@@ -25,6 +25,7 @@ from ledger_server.store.base import (
     StoreFull,
     StoreIOError,
     StoreReadOnly,
+    Tombstone,
 )
 
 Conn = psycopg.Connection[TupleRow]
@@ -80,7 +81,12 @@ def edge() -> Iterator[None]:
 
 
 def _run(row: Sequence[Any]) -> RunRow:
-    return RunRow(*row)
+    return RunRow(*row[:7], archived=bool(row[7]))
+
+
+def tombstone_of(row: Sequence[Any]) -> Tombstone:
+    """Returns the tombstone in a run_archives row."""
+    return Tombstone(*row[:4], bytes(row[4]), *row[5:])
 
 
 def _event(row: Sequence[Any]) -> StoredEvent:
@@ -345,3 +351,7 @@ class PgReadView:
 
     def max_sequence(self) -> int:
         return int(self.rows(q.SQL_MAX_SEQUENCE, ())[0][0])
+
+    def get_tombstone(self, run_pk: int) -> Tombstone | None:
+        rows = self.rows(q.SQL_GET_TOMBSTONE, (run_pk,))
+        return tombstone_of(rows[0]) if rows else None

@@ -1,0 +1,265 @@
+"""`shardledger archive` and `restore`: a settled run leaves the hot store for a bundle and comes back.
+
+Real servers on loopback over real SQLite files (and PostgreSQL where there is
+one), the CLI in process, bundles in a local directory (tests/storage holds the
+S3 ones).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger_server.config import ServerConfig
+from ledger_server.server import RunningServer, create_server
+from ledger_server.store import open_store
+from ledger_server.store.base import Store
+from shard_client.api.shardledger.v1 import ledger_pb2 as pb
+from shard_client.client import LedgerClient
+from shard_client.errors import LedgerRejected
+from tests.builders import DIGEST_A, committed, event, planned, run_cli, started
+from tests.pg import pg_cluster, pg_url
+
+__all__ = ["pg_cluster", "pg_url"]
+
+RUN, OPEN_RUN = "night-01", "night-02"
+pytestmark = pytest.mark.usefixtures("quiet_logs")
+
+
+def verified(run_id: str, shard_id: str, attempt_id: str) -> pb.ShardEvent:
+    check = pb.ArtifactVerified(
+        name="out", path="/out/x", blake3_hex=DIGEST_A, result=pb.VERIFICATION_RESULT_PASSED
+    )
+    return event(run_id, shard_id, attempt_id, verified=check)
+
+
+def failed(run_id: str, shard_id: str, attempt_id: str) -> pb.ShardEvent:
+    return event(run_id, shard_id, attempt_id, failed=pb.AttemptFailed(tag=pb.FAILURE_TAG_OOM))
+
+
+def beat(run_id: str, shard_id: str, attempt_id: str, step: int) -> pb.ShardEvent:
+    return event(run_id, shard_id, attempt_id, heartbeat=pb.Heartbeat(step=step))
+
+
+def settled_night(client: LedgerClient, run_id: str, shards: int = 6) -> None:
+    """Appends a night that settles: verified, failed and never-started shards, then a close."""
+    client.append([planned(run_id, f"s{i}", i) for i in range(shards)])
+    for i in range(shards - 1):
+        attempt = f"a{i}"
+        client.append([started(run_id, f"s{i}", attempt), beat(run_id, f"s{i}", attempt, 1)])
+        if i % 3 == 2:
+            client.append([failed(run_id, f"s{i}", attempt)])
+        else:
+            client.append([committed(run_id, f"s{i}", attempt), verified(run_id, f"s{i}", attempt)])
+    client.close_submission(run_id, reason="the night is over", expected_shards=shards)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.db")
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+def serve(database: str, tmp_path: Path) -> RunningServer:
+    key = str(tmp_path / "ledger.key.pem")
+    return create_server(ServerConfig(database=database, listen="127.0.0.1:0", signing_key=key))
+
+
+@pytest.fixture
+def night(database: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Plays a settled night and an open one, then stops the server (a SQLite file has one writer)."""
+    running = serve(database, tmp_path)
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        settled_night(client, RUN)
+        client.append([planned(OPEN_RUN, "s0", 0), started(OPEN_RUN, "s0", "a0")])
+        before = {
+            "summary": json.loads(client.summary(RUN)),
+            "report": client.run_report(RUN).report,
+        }
+    finally:
+        client.close()
+        running.stop(0.5)
+    yield {"db": database, "key": str(tmp_path / "ledger.key.pem"), **before}
+
+
+def rows(store: Store, run_id: str) -> list[tuple[Any, ...]]:
+    """Returns the run's event rows as stored, every column."""
+    run = store.read().get_run("default", run_id)
+    assert run is not None
+    return [tuple(r) for r in store.read().iter_events(run.run_pk)]
+
+
+def archive(
+    capsys: pytest.CaptureFixture[str], night: dict[str, Any], to: Path, *more: str
+) -> tuple[int, str, str]:
+    return run_cli(
+        capsys,
+        "archive",
+        *more,
+        "--to",
+        str(to),
+        "--db",
+        night["db"],
+        "--signing-key",
+        night["key"],
+    )
+
+
+def test_archive_moves_a_settled_run_and_restore_brings_it_back_byte_identical(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = open_store(night["db"])
+    original = rows(store, RUN)
+    counters = store.read().counters(store.read().get_run("default", RUN).run_pk)  # type: ignore[union-attr]
+    store.close()
+
+    code, out, err = archive(capsys, night, tmp_path / "archive", RUN, "--json")
+    assert code == 0, err
+    outcome = json.loads(out)
+    assert outcome["action"] == "archived" and outcome["events"] == len(original)
+    bundle = tmp_path / "archive" / "default" / RUN
+    assert sorted(p.name for p in bundle.iterdir()) == [
+        "events.jsonl",
+        "head.json",
+        "manifest.json",
+    ]
+    assert outcome["size_bytes"] == sum(p.stat().st_size for p in bundle.iterdir())
+
+    store = open_store(night["db"])
+    run = store.read().get_run("default", RUN)
+    assert run is not None and run.archived and run.event_count == len(original)
+    assert list(store.read().iter_events(run.run_pk)) == []
+    assert list(store.read().iter_shards(run.run_pk)) == []
+    store.close()
+
+    code, out, err = run_cli(capsys, "restore", RUN, "--db", night["db"], "--json")
+    assert code == 0, err
+    assert json.loads(out)["action"] == "restored"
+    store = open_store(night["db"])
+    assert rows(store, RUN) == original
+    run = store.read().get_run("default", RUN)
+    assert run is not None and not run.archived
+    assert store.read().counters(run.run_pk) == counters
+    store.close()
+
+
+def test_an_archived_run_answers_reads_from_its_tombstone_and_its_bundle(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    running = serve(night["db"], tmp_path)
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        before_events = [(e.sequence, e.row_hash) for e in client.list_events(RUN)]
+        before_shards = [s.view_json for s in client.shards(RUN)]
+        before_resume = [(r.shard_id, r.reason) for r in client.resume(RUN)]
+    finally:
+        client.close()
+        running.stop(0.5)
+    assert archive(capsys, night, tmp_path / "archive", RUN)[0] == 0
+
+    running = serve(night["db"], tmp_path)
+    server = f"127.0.0.1:{running.port}"
+    client = LedgerClient(server, timeout_s=10)
+    try:
+        (info,) = [r for r in client.list_runs() if r.run_id == RUN]
+        assert info.archived and info.archive_location.endswith(f"/default/{RUN}")
+        summary = json.loads(client.summary(RUN))
+        for key in ("verified", "failed", "missing", "submitted", "lifecycle", "event_count"):
+            assert summary[key] == night["summary"][key], key
+        assert client.run_report(RUN).report == night["report"]
+        assert [(e.sequence, e.row_hash) for e in client.list_events(RUN)] == before_events
+        assert [s.view_json for s in client.shards(RUN)] == before_shards
+        assert [(r.shard_id, r.reason) for r in client.resume(RUN)] == before_resume
+        with pytest.raises(LedgerRejected) as refused:
+            client.append([beat(RUN, "s0", "a0", 2)])
+        assert refused.value.reason == "RUN_ARCHIVED"
+        code, out, err = run_cli(capsys, "audit", "verify", RUN, "--server", server, "--json")
+        assert code == 0, out + err
+        code, out, _ = run_cli(capsys, "runs", "--server", server, "--json")
+        listed = {json.loads(line)["run_id"]: json.loads(line) for line in out.splitlines()}
+        assert listed[RUN]["archived"] and not listed[OPEN_RUN]["archived"]
+    finally:
+        client.close()
+        running.stop(0.5)
+
+
+def test_one_flipped_byte_in_the_bundle_fails_audit_verify_and_restore(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert archive(capsys, night, tmp_path / "archive", RUN)[0] == 0
+    events = tmp_path / "archive" / "default" / RUN / "events.jsonl"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(events.parent, pristine / "default" / RUN)
+    data = bytearray(events.read_bytes())
+    at = data.index(b'"step":1') + len(b'"step":')
+    data[at] = ord("7")  # one byte of one row
+    events.write_bytes(bytes(data))
+
+    code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
+    assert code == 1, out + err
+    assert "events.jsonl" in out + err
+    code, _, err = run_cli(capsys, "restore", RUN, "--db", night["db"])
+    assert code == 1 and "events.jsonl" in err and "stays archived" in err
+
+    # A truncated bundle, and a missing one, are named too.
+    events.write_bytes(pristine.joinpath("default", RUN, "events.jsonl").read_bytes()[:-40])
+    code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
+    assert code == 1 and "truncated" in out + err
+    events.unlink()
+    code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
+    assert code == 1 and "no " in out + err and "events.jsonl" in out + err
+
+    code, _, err = run_cli(capsys, "restore", RUN, "--from", str(pristine), "--db", night["db"])
+    assert code == 0, err
+
+
+def test_open_and_unknown_runs_are_refused_and_nothing_moves(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = open_store(night["db"])
+    kept = rows(store, OPEN_RUN)
+    store.close()
+    code, out, err = archive(capsys, night, tmp_path / "archive", OPEN_RUN, "nope", "--json")
+    assert code == 1
+    refused = {json.loads(line)["run_id"]: json.loads(line) for line in out.splitlines()}
+    assert refused[OPEN_RUN]["action"] == "refused" and "not settled" in refused[OPEN_RUN]["reason"]
+    assert refused["nope"]["action"] == "refused" and "does not exist" in refused["nope"]["reason"]
+    assert not (tmp_path / "archive").exists()
+    store = open_store(night["db"])
+    assert rows(store, OPEN_RUN) == kept
+    store.close()
+
+
+def test_dry_run_says_what_would_move_and_moves_nothing(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = archive(capsys, night, tmp_path / "archive", RUN, "--dry-run")
+    assert code == 0, err
+    assert out.startswith(f"would archive default/{RUN}: ") and " bytes to " in out
+    assert not (tmp_path / "archive").exists()
+    store = open_store(night["db"])
+    run = store.read().get_run("default", RUN)
+    assert run is not None and not run.archived and rows(store, RUN)
+    store.close()
+
+
+def test_an_unwritable_location_leaves_the_run_hot_and_says_why(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the archive should be")
+    code, _, err = archive(capsys, night, blocker, RUN)
+    assert code == 1 and "cannot write" in err and "stays hot" in err
+    store = open_store(night["db"])
+    run = store.read().get_run("default", RUN)
+    assert run is not None and not run.archived and len(rows(store, RUN)) == run.event_count
+    store.close()
