@@ -81,12 +81,15 @@ def edge() -> Iterator[None]:
 
 
 def _run(row: Sequence[Any]) -> RunRow:
-    return RunRow(*row[:7], archived=bool(row[7]))
+    pk, namespace, run_id, count, head, created, updated, archived = row
+    return RunRow(pk, namespace, run_id, count, head, created, updated, bool(archived))
 
 
 def tombstone_of(row: Sequence[Any]) -> Tombstone:
     """Returns the tombstone in a run_archives row."""
-    return Tombstone(*row[:4], bytes(row[4]), *row[5:])
+    values = list(row)
+    values[4] = bytes(values[4])
+    return Tombstone(*values)
 
 
 def _event(row: Sequence[Any]) -> StoredEvent:

@@ -44,7 +44,8 @@ def _write_rows(
 
 
 def _run(row: tuple[object, ...]) -> RunRow:
-    return RunRow(*row[:7], archived=bool(row[7]))  # type: ignore[arg-type]
+    pk, namespace, run_id, count, head, created, updated, archived = row
+    return RunRow(pk, namespace, run_id, count, head, created, updated, bool(archived))  # type: ignore[arg-type]
 
 
 def tombstone_of(row: tuple[object, ...]) -> Tombstone:

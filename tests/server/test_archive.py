@@ -8,13 +8,18 @@ S3 ones).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ledger_server.archiver import FAILPOINT_ENV, STEPS
 from ledger_server.config import ServerConfig
 from ledger_server.server import RunningServer, create_server
 from ledger_server.store import open_store
@@ -228,7 +233,7 @@ def test_open_and_unknown_runs_are_refused_and_nothing_moves(
     store = open_store(night["db"])
     kept = rows(store, OPEN_RUN)
     store.close()
-    code, out, err = archive(capsys, night, tmp_path / "archive", OPEN_RUN, "nope", "--json")
+    code, out, _ = archive(capsys, night, tmp_path / "archive", OPEN_RUN, "nope", "--json")
     assert code == 1
     refused = {json.loads(line)["run_id"]: json.loads(line) for line in out.splitlines()}
     assert refused[OPEN_RUN]["action"] == "refused" and "not settled" in refused[OPEN_RUN]["reason"]
@@ -263,3 +268,49 @@ def test_an_unwritable_location_leaves_the_run_hot_and_says_why(
     run = store.read().get_run("default", RUN)
     assert run is not None and not run.archived and len(rows(store, RUN)) == run.event_count
     store.close()
+
+
+def state_of(database: str, run_id: str) -> str:
+    """Returns "hot" or "archived"; fails the test on anything in between."""
+    store = open_store(database)
+    try:
+        run = store.read().get_run("default", run_id)
+        assert run is not None
+        stored = len(rows(store, run_id))
+        tombstone = store.read().get_tombstone(run.run_pk)
+        if run.archived:
+            assert tombstone is not None and stored == 0, "a tombstone beside event rows"
+            return "archived"
+        assert tombstone is None and stored == run.event_count, "neither hot nor archived"
+        return "hot"
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_kill_at_any_step_leaves_the_run_hot_or_archived_and_a_rerun_finishes(
+    step: str, night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    to = tmp_path / "archive"
+    argv = ["archive", RUN, "--to", str(to), "--db", night["db"], "--signing-key", night["key"]]
+    env = {**os.environ, FAILPOINT_ENV: step}
+    killed = subprocess.run(
+        [sys.executable, "-m", "shardledger_cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    expected = "archived" if step == "after_commit" else "hot"
+    assert state_of(night["db"], RUN) == expected
+
+    code, _, err = run_cli(capsys, *argv)
+    if expected == "hot":
+        assert code == 0, err
+    else:
+        assert code == 1 and "archived already" in err
+    assert state_of(night["db"], RUN) == "archived"
+    code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
+    assert code == 0, out + err
