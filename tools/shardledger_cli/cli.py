@@ -66,13 +66,13 @@ COMMANDS: Final = (
     ),
     ("token", _C + "token", "create, list and revoke access tokens"),
     ("export", _C + "export", "write a run as a self-verifying JSONL file"),
+    ("import", _C + "export", "check an exported run and write it into a database"),
     (
         "archive",
         _C + "archive",
         "move settled runs' events to a directory or object store, leaving a tombstone",
     ),
     ("restore", _C + "archive", "bring an archived run back into the hot store, byte for byte"),
-    ("import", _C + "export", "check an exported run and write it into a database"),
     (
         "trend",
         _C + "trend",
