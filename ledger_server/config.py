@@ -57,6 +57,11 @@ class ServerConfig:
     # Seconds between background probes of the store while it takes writes (health follows
     # them); while it fails the probe runs every 0.25 s (store.base.PROBE_RETRY_S).
     store_probe_interval_s: float = 1.0
+    # Retention (ledger_server/retention.py): runs settled more than archive_after_s ago
+    # are archived under archive_to (a directory or fsspec URL), one per archive_every_s.
+    archive_to: str | None = None
+    archive_after_s: float = 7 * 86400.0
+    archive_every_s: float = 60.0
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

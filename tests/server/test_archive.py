@@ -314,3 +314,69 @@ def test_a_kill_at_any_step_leaves_the_run_hot_or_archived_and_a_rerun_finishes(
     assert state_of(night["db"], RUN) == "archived"
     code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
     assert code == 0, out + err
+
+
+def metric(running: RunningServer, name: str) -> float:
+    """Returns one sample of the server's /metrics, as Prometheus would scrape it."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics") as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} is not exported")
+
+
+def wait_for(check: Any, what: str, timeout_s: float = 60.0) -> None:
+    """Polls check() until it is true; the deadline only bounds a hung test."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["archives", "fails"])
+def test_the_server_archives_settled_runs_in_the_background_and_counts_it(
+    writable: bool, database: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    to = tmp_path / "archive"
+    if not writable:
+        to.write_text("a file where the archive should be")
+    config = ServerConfig(
+        database=database,
+        listen="127.0.0.1:0",
+        signing_key=str(tmp_path / "ledger.key.pem"),
+        metrics_listen="127.0.0.1:0",
+        archive_to=str(to),
+        archive_after_s=0.0,
+        archive_every_s=0.05,
+    )
+    running = create_server(config)
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        settled_night(client, RUN)
+        client.append([planned(OPEN_RUN, "s0", 0), started(OPEN_RUN, "s0", "a0")])
+        if writable:
+            wait_for(lambda: metric(running, "shardledger_archive_runs_total") == 1, "the archive")
+            (info,) = [r for r in client.list_runs() if r.run_id == RUN]
+            assert info.archived
+            assert metric(running, "shardledger_archive_bytes_total") > 0
+            assert metric(running, "shardledger_archive_last_success_time_seconds") > 0
+            assert metric(running, "shardledger_archive_failures_total") == 0
+            server = f"127.0.0.1:{running.port}"
+            code, out, err = run_cli(capsys, "audit", "verify", RUN, "--server", server)
+            assert code == 0, out + err
+        else:
+            wait_for(lambda: metric(running, "shardledger_archive_failures_total") >= 2, "failures")
+            assert metric(running, "shardledger_archive_runs_total") == 0
+            assert metric(running, "shardledger_archive_last_failure_time_seconds") > 0
+            assert not any(r.archived for r in client.list_runs())
+        # The open run is never archived, and takes appends throughout.
+        client.append([beat(OPEN_RUN, "s0", "a0", 1)])
+        (info,) = [r for r in client.list_runs() if r.run_id == OPEN_RUN]
+        assert not info.archived
+    finally:
+        client.close()
+        running.stop(0.5)

@@ -17,6 +17,15 @@ from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option, exampl
 positive_int = whole_number(1)  # an argparse type: an int of at least 1
 
 
+def _duration(text: str) -> float:
+    from ledger_server.retention import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def non_negative_seconds(text: str) -> float:
     """Returns a finite number of seconds >= 0 (an argparse type)."""
     try:
@@ -152,6 +161,32 @@ def register(
         help="seconds between background checks that the database takes writes (health"
         " follows them; every 0.25 s while it does not)",
     )
+    retention = p.add_argument_group(
+        "retention",
+        "archive settled runs in the background (`shardledger archive`, docs/operations.md"
+        ' "Retention and archive")',
+    )
+    retention.add_argument(
+        "--archive-to",
+        metavar="URL",
+        default=None,
+        help="archive settled runs here: a directory or an fsspec URL (s3://BUCKET/PREFIX);"
+        " off when not given",
+    )
+    retention.add_argument(
+        "--archive-after",
+        metavar="DURATION",
+        type=_duration,
+        default=7 * 86400.0,
+        help="archive a run this long after it settled: 7d, 12h, 30m, 90s (default 7d)",
+    )
+    retention.add_argument(
+        "--archive-every",
+        metavar="DURATION",
+        type=_duration,
+        default=60.0,
+        help="look for a run to archive this often; one run per look (default 60s)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--port-file", default=None, help="write the bound port to this file once serving"
@@ -183,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         signing_key=args.signing_key,
         metrics_listen=args.metrics_listen,
         store_probe_interval_s=args.store_probe_interval,
+        archive_to=args.archive_to,
+        archive_after_s=args.archive_after,
+        archive_every_s=args.archive_every,
     )
 
     def ready(port: int) -> None:
