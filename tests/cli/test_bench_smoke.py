@@ -147,3 +147,20 @@ def test_bench_overload_drives_each_speedup_against_one_server_and_reports_the_r
         assert phase["reader_errors"] == 0
         assert phase["events"] == phase["sent_events"] > 0  # every event acknowledged
     assert run["acknowledged_ratio_last_to_first"] > 0
+
+
+def test_bench_retention_archives_every_night_past_the_policy_and_only_those(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "retention.json"
+    done = _bench(
+        "tools.bench_retention",
+        *("--nights", "12", "--shards", "10", "--after", "3", "-o", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    # By night 12, nights 1 to 9 settled at least 3 nights before: archived, the rest hot.
+    assert result["with_archive"]["archived_runs"] == 12 - 3
+    assert result["without_archive"]["archived_runs"] == 0
+    assert result["with_archive"]["marks"][-1]["first_night_archived"]
+    assert result["hot_used_ratio_at_end"] < 1
