@@ -145,6 +145,10 @@ def test_archive_moves_a_settled_run_and_restore_brings_it_back_byte_identical(
     assert list(store.read().iter_events(run.run_pk)) == []
     assert list(store.read().iter_shards(run.run_pk)) == []
     store.close()
+    # A ledger read with no server (--db) reads the bundle too.
+    code, out, err = run_cli(capsys, "events", RUN, "--db", night["db"], "--json")
+    assert code == 0, err
+    assert len(out.splitlines()) == len(original)
 
     code, out, err = run_cli(capsys, "restore", RUN, "--db", night["db"], "--json")
     assert code == 0, err
@@ -188,6 +192,21 @@ def test_an_archived_run_answers_reads_from_its_tombstone_and_its_bundle(
             client.append([beat(RUN, "s0", "a0", 2)])
         assert refused.value.reason == "RUN_ARCHIVED"
         code, out, err = run_cli(capsys, "audit", "verify", RUN, "--server", server, "--json")
+        assert code == 0, out + err
+        some = next(iter(client.list_events(RUN))).event_id
+        code, out, err = run_cli(capsys, "audit", "prove", RUN, "--event", some, "--server", server)
+        assert code == 0, out + err
+        code, out, err = run_cli(
+            capsys,
+            "audit",
+            "replay",
+            RUN,
+            "--until",
+            str(before_events[-1][0]),
+            "--server",
+            server,
+            "--json",
+        )
         assert code == 0, out + err
         code, out, _ = run_cli(capsys, "runs", "--server", server, "--json")
         listed = {json.loads(line)["run_id"]: json.loads(line) for line in out.splitlines()}
