@@ -745,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         # Its own file and its own knobs (python -m tools.bench_retention --help).
         from tools.bench_retention import main as bench_retention_main
 
-        return bench_retention_main(["-o", args.output] if args.output else [])
+        code: int = bench_retention_main(["-o", args.output] if args.output else [])
+        return code
     if args.which == "report":
         # Its own file, as `python -m tools.bench_report` writes it (not a key of ingest.json).
         result = bench_report()

@@ -106,10 +106,12 @@ def night_events(night: int, shards: int, beats: int) -> list[Event]:
 
 def _sizes(store: SqliteStore, path: str) -> dict[str, int]:
     store.execute_raw("PRAGMA wal_checkpoint(TRUNCATE)")
-    pages = int(store.execute_raw("PRAGMA page_count")[0][0])  # type: ignore[arg-type]
-    free = int(store.execute_raw("PRAGMA freelist_count")[0][0])  # type: ignore[arg-type]
-    size = int(store.execute_raw("PRAGMA page_size")[0][0])  # type: ignore[arg-type]
-    return {"file_bytes": os.path.getsize(path), "used_bytes": (pages - free) * size}
+
+    def pragma(name: str) -> int:
+        return int(str(store.execute_raw(f"PRAGMA {name}")[0][0]))
+
+    used = (pragma("page_count") - pragma("freelist_count")) * pragma("page_size")
+    return {"file_bytes": os.path.getsize(path), "used_bytes": used}
 
 
 def _ms(seconds: list[float], q: float) -> float:
