@@ -57,9 +57,10 @@ REJECT_REASONS: Final = (
     *("LIFECYCLE_VIOLATION", "SHARD_NOT_PLANNED", "ATTEMPT_ALREADY_STARTED"),
     *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED", "INPUT_CHANGED"),
     # The run's own life cycle (summary.check_new_shard, check_reopen).
-    *("RUN_CLOSED", "RUN_NOT_CLOSED"),
+    *("RUN_CLOSED", "RUN_NOT_CLOSED", "RUN_ARCHIVED"),
     *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "OVERLOADED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
+    "ARCHIVE_BROKEN",  # an archived run whose bundle differs from its tombstone (archive.py)
     # A response that cannot hold a recorded value (servicer.built).
     "RESPONSE_FIELD_OUT_OF_RANGE",
     # Authentication and authorization refusals (auth.py), counted per call.
