@@ -96,6 +96,31 @@ def archive_run(
     step: Callable[[str], None] = failpoint,
 ) -> Outcome:
     """Archives one settled run under base_url; refuses (nothing changed) what it must not move."""
+    prepared = prepare(
+        store, key, namespace, run_id, base_url, now_us=now_us, dry_run=dry_run, step=step
+    )
+    if isinstance(prepared, Outcome):
+        return prepared
+    return commit(store, namespace, run_id, prepared, step=step)
+
+
+def prepare(
+    store: Store,
+    key: SigningKey,
+    namespace: str,
+    run_id: str,
+    base_url: str,
+    *,
+    now_us: int,
+    dry_run: bool = False,
+    step: Callable[[str], None] = failpoint,
+) -> Outcome | Tombstone:
+    """Writes, uploads and reads back the run's bundle; returns its tombstone, or why not.
+
+    Reads the store only: the server's retention runs it in a child process on a
+    read-only store (prepare_in_child), so the bundle's CPU never holds the GIL its
+    appends need; commit() then runs in the server.
+    """
     view = store.read()
     try:
         run = _get_run(view, namespace, run_id)
@@ -126,7 +151,7 @@ def archive_run(
             return Outcome(
                 namespace, run_id, "failed", bundle.events, location=location.url, reason=failed
             )
-    tombstone = Tombstone(
+    return Tombstone(
         run_pk=run.run_pk,
         location=location.url,
         digest=bundle.digest,
@@ -141,16 +166,49 @@ def archive_run(
         labels=json.dumps(figures["labels"], sort_keys=True),
         archived_us=now_us,
     )
+
+
+def commit(
+    store: Store,
+    namespace: str,
+    run_id: str,
+    tombstone: Tombstone,
+    *,
+    step: Callable[[str], None] = failpoint,
+) -> Outcome:
+    """Replaces the run's rows by the checked bundle's tombstone, in one transaction."""
     try:
         store.archive_run(tombstone, before_commit=lambda: step("mid_transaction"))
     except ArchiveConflict as exc:
         return Outcome(
-            namespace, run_id, "refused", bundle.events, reason=f"{exc}; nothing removed"
+            namespace, run_id, "refused", tombstone.event_count, reason=f"{exc}; nothing removed"
         )
     step("after_commit")
     return Outcome(
-        namespace, run_id, "archived", bundle.events, bundle.size_bytes, location.url, bundle.digest
+        namespace,
+        run_id,
+        "archived",
+        tombstone.event_count,
+        tombstone.size_bytes,
+        tombstone.location,
+        tombstone.digest,
     )
+
+
+def prepare_in_child(
+    database: str, key_path: str, namespace: str, run_id: str, base_url: str, now_us: int
+) -> Outcome | Tombstone:
+    """prepare() on the database opened read-only: what a child process of the server runs."""
+    from pathlib import Path
+
+    from ledger_server.store import open_store
+
+    key = SigningKey.from_pem(Path(key_path).read_bytes())
+    store = open_store(database, read_only=True)
+    try:
+        return prepare(store, key, namespace, run_id, base_url, now_us=now_us)
+    finally:
+        store.close()
 
 
 def _refusal(view: ReadView, run: RunRow, now_us: int) -> str:

@@ -11,15 +11,18 @@ step, after the runs that have not failed.
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import threading
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Final
 
 import structlog
 
-from ledger_server.archiver import Outcome, archive_run
+from ledger_server.archiver import Outcome, archive_run, commit, prepare_in_child
 from ledger_server.service import LedgerService, summary_at
 from ledger_server.signing import SigningKey
 
@@ -62,11 +65,20 @@ class Retention:
         policy: RetentionPolicy,
         *,
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+        child: tuple[str, str] | None = None,
     ) -> None:
+        """child: (database URL, signing key path) to build bundles in a child process.
+
+        A bundle is CPU work (JSON, blake3, the Merkle tree) that in this process
+        would hold the GIL the appends need; in a child process the server keeps only
+        the final transaction.
+        """
         self.ledger = ledger
         self.key = key
         self.policy = policy
         self.on_outcome = on_outcome
+        self.child = child
+        self._pool: ProcessPoolExecutor | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="retention", daemon=True)
         # Runs whose last try failed, tried again only when nothing else is due.
@@ -81,6 +93,8 @@ class Retention:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.policy.every_s):
@@ -111,9 +125,7 @@ class Retention:
         if not due:
             return None
         namespace, run_id = due[0]
-        outcome = archive_run(
-            self.ledger.store, self.key, namespace, run_id, self.policy.to, now_us=now_us
-        )
+        outcome = self._archive(namespace, run_id, now_us)
         if outcome.ok:
             self._failed.discard((namespace, run_id))
             log.info(
@@ -135,3 +147,23 @@ class Retention:
             )
         self.on_outcome(outcome)
         return outcome
+
+    def _archive(self, namespace: str, run_id: str, now_us: int) -> Outcome:
+        if self.child is None:
+            return archive_run(
+                self.ledger.store, self.key, namespace, run_id, self.policy.to, now_us=now_us
+            )
+        if self._pool is None:
+            # spawn, not fork: the server's threads (gRPC's, the committer) must not be
+            # copied mid-flight into the child.
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        database, key_path = self.child
+        job = (database, key_path, namespace, run_id, self.policy.to, now_us)
+        try:
+            prepared = self._pool.submit(prepare_in_child, *job).result()
+        except BrokenProcessPool as exc:
+            self._pool = None  # a new child at the next step
+            return Outcome(namespace, run_id, "failed", reason=f"the archive's child died: {exc}")
+        if isinstance(prepared, Outcome):
+            return prepared
+        return commit(self.ledger.store, namespace, run_id, prepared)

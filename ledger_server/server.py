@@ -163,7 +163,10 @@ def _retention(
     def observe(outcome: Outcome) -> None:
         metrics.observe_archive(outcome.ok, outcome.size_bytes, ledger.clock() / 1e6)
 
-    retention = Retention(ledger, key, policy, on_outcome=observe)
+    key_path = config.signing_key or default_key_path(config.database)
+    retention = Retention(
+        ledger, key, policy, on_outcome=observe, child=(config.database, key_path)
+    )
     retention.start()
     log.info(
         "retention_started",

@@ -127,7 +127,14 @@ def _timed(call: Any) -> float:
 
 
 def play_year(
-    directory: str, *, nights: int, shards: int, beats: int, after: int | None, marks: list[int]
+    directory: str,
+    *,
+    nights: int,
+    shards: int,
+    beats: int,
+    after: int | None,
+    marks: list[int],
+    isolation: str = "child",
 ) -> dict[str, Any]:
     """Plays the year; returns the figures at each mark night."""
     path = os.path.join(directory, "ledger.db")
@@ -137,7 +144,11 @@ def play_year(
     retention = None
     if after is not None:
         policy = RetentionPolicy(after * 86_400.0, os.path.join(directory, "archive"), 0.0)
-        retention = Retention(ledger, SigningKey.generate(), policy)
+        key_path = os.path.join(directory, "ledger.db.signing-key.pem")
+        key = SigningKey.load_or_create(key_path)
+        # As serve runs it: the bundle built in a child process (or, "thread", in this one).
+        child = (path, key_path) if isolation == "child" else None
+        retention = Retention(ledger, key, policy, child=child)
     out: dict[str, Any] = {"marks": [], "archived_runs": 0, "archived_bytes": 0}
     archive_s: list[float] = []
     latencies: list[float] = []
@@ -222,7 +233,12 @@ def _mark(
 
 
 def bench_retention(
-    *, nights: int = 365, shards: int = 100, beats: int = 4, after: int = 7
+    *,
+    nights: int = 365,
+    shards: int = 100,
+    beats: int = 4,
+    after: int = 7,
+    isolation: str = "child",
 ) -> dict[str, Any]:
     """Plays the year without, then with, retention; returns both."""
     marks = sorted({max(1, round(nights * n / 365)) for n in (1, 30, 180, 365)})
@@ -231,12 +247,19 @@ def bench_retention(
         "shards_per_night": shards,
         "events_per_night": len(night_events(1, shards, beats)),
         "archive_after_nights": after,
+        "bundle_built_in": isolation,
     }
     for name, policy in (("without_archive", None), ("with_archive", after)):
         print(f"== {name}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="shardledger-retention-") as directory:
             result[name] = play_year(
-                directory, nights=nights, shards=shards, beats=beats, after=policy, marks=marks
+                directory,
+                nights=nights,
+                shards=shards,
+                beats=beats,
+                after=policy,
+                marks=marks,
+                isolation=isolation,
             )
     last = {k: result[k]["marks"][-1] for k in ("without_archive", "with_archive")}
     result["hot_used_ratio_at_end"] = round(
@@ -260,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beats", type=int, default=4, help="heartbeats per attempt")
     parser.add_argument(
         "--after", type=int, default=7, help="archive runs settled this many nights ago"
+    )
+    parser.add_argument(
+        "--isolation",
+        choices=("child", "thread"),
+        default="child",
+        help="build bundles in a child process as serve does (default), or in a thread of"
+        " the ledger's process",
     )
     parser.add_argument("-o", "--output", default="bench-results/retention.json")
     args = parser.parse_args(argv)
