@@ -104,14 +104,19 @@ def night_events(night: int, shards: int, beats: int) -> list[Event]:
     return out
 
 
+def _pragma(store: SqliteStore, name: str) -> int:
+    return int(str(store.execute_raw(f"PRAGMA {name}")[0][0]))
+
+
+def _used_bytes(store: SqliteStore) -> int:
+    """Returns the bytes of the database's pages in use (its WAL included), free ones not."""
+    pages = _pragma(store, "page_count") - _pragma(store, "freelist_count")
+    return pages * _pragma(store, "page_size")
+
+
 def _sizes(store: SqliteStore, path: str) -> dict[str, int]:
     store.execute_raw("PRAGMA wal_checkpoint(TRUNCATE)")
-
-    def pragma(name: str) -> int:
-        return int(str(store.execute_raw(f"PRAGMA {name}")[0][0]))
-
-    used = (pragma("page_count") - pragma("freelist_count")) * pragma("page_size")
-    return {"file_bytes": os.path.getsize(path), "used_bytes": used}
+    return {"file_bytes": os.path.getsize(path), "used_bytes": _used_bytes(store)}
 
 
 def _ms(seconds: list[float], q: float) -> float:
@@ -149,7 +154,12 @@ def play_year(
         # As serve runs it: the bundle built in a child process (or, "thread", in this one).
         child = (path, key_path) if isolation == "child" else None
         retention = Retention(ledger, key, policy, child=child)
-    out: dict[str, Any] = {"marks": [], "archived_runs": 0, "archived_bytes": 0}
+    out: dict[str, Any] = {
+        "marks": [],
+        "archived_runs": 0,
+        "archived_bytes": 0,
+        "used_bytes_by_night": [],
+    }
     archive_s: list[float] = []
     latencies: list[float] = []
     started = time.monotonic()
@@ -160,6 +170,7 @@ def play_year(
             latencies += _append_night(ledger, night_events(night, shards, beats))
             if worker is not None:
                 worker.join()  # the next night starts with nothing left of this one's work
+            out["used_bytes_by_night"].append(_used_bytes(store))
             if night in marks:
                 # The appends' quantiles are over every batch since the previous mark.
                 out["marks"].append(_mark(store, ledger, path, night, latencies))
