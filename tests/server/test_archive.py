@@ -399,3 +399,14 @@ def test_the_server_archives_settled_runs_in_the_background_and_counts_it(
     finally:
         client.close()
         running.stop(0.5)
+
+
+def test_db_rebuild_leaves_archived_runs_out_and_says_why_when_named(
+    night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert archive(capsys, night, tmp_path / "archive", RUN)[0] == 0
+    code, out, err = run_cli(capsys, "db", "rebuild", "--check", "--db", night["db"], "--json")
+    assert code == 0, out + err
+    assert RUN not in out and OPEN_RUN in out
+    code, _, err = run_cli(capsys, "db", "rebuild", "--run", RUN, "--check", "--db", night["db"])
+    assert code == 5 and "is archived" in err
