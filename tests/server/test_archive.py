@@ -208,6 +208,10 @@ def test_an_archived_run_answers_reads_from_its_tombstone_and_its_bundle(
             "--json",
         )
         assert code == 0, out + err
+        # Following an archived run streams its bundle and ends: it takes no more events.
+        code, out, err = run_cli(capsys, "events", RUN, "--follow", "--server", server, "--json")
+        assert code == 0, err
+        assert len(out.splitlines()) == len(before_events)
         code, out, _ = run_cli(capsys, "runs", "--server", server, "--json")
         listed = {json.loads(line)["run_id"]: json.loads(line) for line in out.splitlines()}
         assert listed[RUN]["archived"] and not listed[OPEN_RUN]["archived"]
