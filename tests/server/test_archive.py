@@ -145,6 +145,13 @@ def test_archive_moves_a_settled_run_and_restore_brings_it_back_byte_identical(
     assert list(store.read().iter_events(run.run_pk)) == []
     assert list(store.read().iter_shards(run.run_pk)) == []
     store.close()
+    # The bundle's events are an export: `import` checks it offline, as an auditor would.
+    other = str(tmp_path / "auditor.db")
+    code, out, err = run_cli(
+        capsys, "import", str(bundle / "events.jsonl"), "--db", other, "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["events"] == len(original)
     # A ledger read with no server (--db) reads the bundle too.
     code, out, err = run_cli(capsys, "events", RUN, "--db", night["db"], "--json")
     assert code == 0, err
