@@ -30,7 +30,7 @@ from ledger_server.events import Event, RecordedEvent
 from ledger_server.record import latest_attempt_from_row, record_from_row
 from ledger_server.states import QUERY_STATES, ShardState, canonical_query, stored_states
 from ledger_server.store.base import ReadView, RunRow, ShardRow, Store, StoredEvent, Tombstone
-from ledger_server.summary import matches, run_summary, shard_view
+from ledger_server.summary import iso_time, matches, run_summary, shard_view
 from ledger_server.validation import (
     ValidEvent,
     check_id,
@@ -347,6 +347,16 @@ def summary_at(view: ReadView, run: RunRow, at: int) -> dict[str, Any]:
     out["as_of_us"] = at
     out["event_count"] = run.event_count
     out["head_hash"] = run.head_hash.hex()
+    tombstone = view.get_tombstone(run.run_pk) if run.archived else None
+    if tombstone is not None:
+        # Where the events went and what vouches for them; the figures stay those above.
+        out["archive"] = {
+            "location": tombstone.location,
+            "manifest_blake3": tombstone.digest,
+            "size_bytes": tombstone.size_bytes,
+            "archived_at": iso_time(tombstone.archived_us),
+            "tree_head": json.loads(tombstone.tree_head),
+        }
     return out
 
 

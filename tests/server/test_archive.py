@@ -191,6 +191,8 @@ def test_an_archived_run_answers_reads_from_its_tombstone_and_its_bundle(
         summary = json.loads(client.summary(RUN))
         for key in ("verified", "failed", "missing", "submitted", "lifecycle", "event_count"):
             assert summary[key] == night["summary"][key], key
+        assert summary["archive"]["location"] == info.archive_location
+        assert summary["archive"]["tree_head"]["tree_size"] == summary["event_count"]
         assert client.run_report(RUN).report == night["report"]
         assert [(e.sequence, e.row_hash) for e in client.list_events(RUN)] == before_events
         assert [s.view_json for s in client.shards(RUN)] == before_shards
