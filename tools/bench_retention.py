@@ -1,7 +1,7 @@
 """A compressed year of nights, with and without retention: does the hot store plateau?
 
-    python -m tools.bench retention                     # 365 nights of 100 shards (~3 min)
-    python -m tools.bench_retention --nights 60 --shards 50
+    python -m tools.bench retention                     # 365 nights of 50 shards, each way
+    python -m tools.bench_retention --shards 100        # docs/performance.md's run (~13 min here)
 
 Each configuration plays the same year into its own SQLite ledger, in process (the
 ledger service, its group committer and the store; no gRPC), on a clock that moves
@@ -246,7 +246,7 @@ def _mark(
 def bench_retention(
     *,
     nights: int = 365,
-    shards: int = 100,
+    shards: int = 50,
     beats: int = 4,
     after: int = 7,
     isolation: str = "child",
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--nights", type=int, default=365)
-    parser.add_argument("--shards", type=int, default=100, help="shards per night")
+    parser.add_argument("--shards", type=int, default=50, help="shards per night")
     parser.add_argument("--beats", type=int, default=4, help="heartbeats per attempt")
     parser.add_argument(
         "--after", type=int, default=7, help="archive runs settled this many nights ago"
