@@ -423,3 +423,48 @@ def test_db_rebuild_leaves_archived_runs_out_and_says_why_when_named(
     assert RUN not in out and OPEN_RUN in out
     code, _, err = run_cli(capsys, "db", "rebuild", "--run", RUN, "--check", "--db", night["db"])
     assert code == 5 and "is archived" in err
+
+
+@pytest.mark.parametrize("step", ["before_upload", "mid_transaction", "after_commit"])
+def test_a_server_killed_while_it_archives_restarts_with_the_run_hot_or_archived(
+    step: str, night: dict[str, Any], tmp_path: Path
+) -> None:
+    """The server's retention: a failpoint in its child (the bundle) or in itself (the commit)."""
+    import time
+
+    def start(failpoint: str) -> tuple[subprocess.Popen[bytes], Path]:
+        port_file = tmp_path / f"port-{failpoint or 'none'}"
+        command = [sys.executable, "-m", "shardledger_cli", "serve", "--db", night["db"]]
+        command += ["--listen", "127.0.0.1:0", "--port-file", str(port_file)]
+        command += ["--signing-key", night["key"], "--log-level", "warning"]
+        command += ["--archive-to", str(tmp_path / "archive"), "--archive-after", "0s"]
+        command += ["--archive-every", "0.1"]
+        env = {**os.environ, FAILPOINT_ENV: failpoint}
+        return subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL), port_file
+
+    server, _ = start(step)
+    deadline = time.monotonic() + 60
+    if step == "before_upload":
+        # The bundle's child dies; the server lives on, counting the failure: stop it so.
+        time.sleep(3)
+        assert server.poll() is None
+        server.send_signal(signal.SIGKILL)
+    assert server.wait(deadline - time.monotonic()) == -signal.SIGKILL
+    assert state_of(night["db"], RUN) == ("archived" if step == "after_commit" else "hot")
+
+    def archived() -> bool:
+        store = open_store(night["db"])
+        try:
+            run = store.read().get_run("default", RUN)
+            return run is not None and run.archived
+        finally:
+            store.close()
+
+    server, port_file = start("")
+    try:
+        wait_for(lambda: port_file.exists(), "the restarted server")
+        wait_for(archived, "the archive after restart")
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert state_of(night["db"], RUN) == "archived"
