@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 from ledger_server import archive as ar
-from ledger_server.archive import archived_rows, tombstone_of
+from ledger_server.archive_read import Expected, archived_rows, read_rows, tombstone_of
 from ledger_server.errors import ArchiveBroken, RunNotFound
 from ledger_server.rebuild import gc_paused, take_projections
 from ledger_server.replay import RunReplay
@@ -240,9 +240,9 @@ def _upload_and_check(bundle: ar.Bundle, location: ar.Location, step: Callable[[
     except ar.ArchiveUnwritable as exc:
         return f"{exc}; the run stays hot"
     step("after_upload")
-    expected = ar.Expected(bundle.digest, bundle.head.to_json(), bundle.events, bundle.head_hash)
+    expected = Expected(bundle.digest, bundle.head.to_json(), bundle.events, bundle.head_hash)
     try:
-        count = sum(1 for _ in ar.read_rows(location, expected))
+        count = sum(1 for _ in read_rows(location, expected))
     except ArchiveBroken as exc:
         return f"the archive read back does not check: {exc}; the run stays hot"
     if count != bundle.events:

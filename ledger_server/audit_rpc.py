@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final
 
 import grpc
 
-from ledger_server.archive import archived_rows, tombstone_of
+from ledger_server.archive_read import archived_rows, tombstone_of
 from ledger_server.auth import AUDIT
 from ledger_server.chain import ChainWalker
 from ledger_server.errors import EventNotFound, InvalidEvent, LedgerCorrupt, SigningKeyMissing

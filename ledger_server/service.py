@@ -15,7 +15,7 @@ from typing import Any, Final, NamedTuple
 from ledger_server import field as figures
 from ledger_server import projections as proj
 from ledger_server.admission import Admission
-from ledger_server.archive import archived_rows, replay_archived, tombstone_of
+from ledger_server.archive_read import archived_rows, replay_archived, tombstone_of
 from ledger_server.batch import AppendResult
 from ledger_server.chain import recorded
 from ledger_server.committer import GroupCommitter

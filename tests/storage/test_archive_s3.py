@@ -67,6 +67,10 @@ def test_a_run_archived_to_s3_verifies_fails_on_a_flipped_byte_and_restores_iden
     code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
     assert code == 1 and "events.jsonl" in out + err
 
+    s3.delete_object(Bucket=BUCKET, Key=key)
+    code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
+    assert code == 1 and "has no" in out + err and "events.jsonl" in out + err
+
     s3.put_object(Bucket=BUCKET, Key=key, Body=pristine)
     code, _, err = run_cli(capsys, "restore", RUN, "--db", night["db"])
     assert code == 0, err

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ledger_server.archive import archived_rows, tombstone_of
+from ledger_server.archive_read import archived_rows, tombstone_of
 from ledger_server.audit import ChainReport, verify_rows
 from ledger_server.chain import GENESIS_HASH, ChainWalker, decode_row, row_bytes
 from ledger_server.codec import decode_event, timestamp_us
