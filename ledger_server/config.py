@@ -62,6 +62,8 @@ class ServerConfig:
     archive_to: str | None = None
     archive_after_s: float = 7 * 86400.0
     archive_every_s: float = 60.0
+    # Per namespace: (namespace, seconds), or (namespace, None) to keep its runs hot.
+    archive_namespaces: tuple[tuple[str, float | None], ...] = ()
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

@@ -48,11 +48,33 @@ def parse_duration(text: str) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RetentionPolicy:
-    """Archive runs settled more than after_s ago to the base URL, one per every_s."""
+    """Archive runs settled more than after_s ago to the base URL, one per every_s.
+
+    per_namespace overrides after_s for a namespace: (namespace, seconds), or
+    (namespace, None) to keep that namespace's runs hot.
+    """
 
     after_s: float
     to: str
     every_s: float = 60.0
+    per_namespace: tuple[tuple[str, float | None], ...] = ()
+
+    def after_for(self, namespace: str) -> float | None:
+        """Returns how long the namespace's runs stay hot once settled (None: always)."""
+        for name, after_s in self.per_namespace:
+            if name == namespace:
+                return after_s
+        return self.after_s
+
+
+def parse_namespace_policy(text: str) -> tuple[str, float | None]:
+    """Returns (namespace, seconds or None) of "NAMESPACE=DURATION" or "NAMESPACE=never"."""
+    namespace, sep, duration = text.partition("=")
+    if not sep or not namespace:
+        raise ValueError(
+            f"{text!r} is not NAMESPACE=DURATION (e.g. audit=90d, scratch=1d, keep=never)"
+        )
+    return namespace, None if duration == "never" else parse_duration(duration)
 
 
 class Retention:
@@ -107,9 +129,12 @@ class Retention:
     def due(self, now_us: int) -> list[tuple[str, str]]:
         """Returns the runs past the policy, longest settled first; failed ones last."""
         view = self.ledger.store.read()
-        limit_us = now_us - int(self.policy.after_s * 1_000_000)
         found = []
         for run in view.list_runs(None, 1 << 30):
+            after_s = self.policy.after_for(run.namespace)
+            if after_s is None:
+                continue  # this namespace's runs stay hot
+            limit_us = now_us - int(after_s * 1_000_000)
             if run.archived or run.updated_us > limit_us:
                 continue  # a run's settled time is never later than its last event
             life = summary_at(view, run, now_us)["lifecycle"]

@@ -158,7 +158,12 @@ def _retention(
 ) -> Retention:
     """Starts the background archive of settled runs (serve --archive-to)."""
     assert config.archive_to is not None
-    policy = RetentionPolicy(config.archive_after_s, config.archive_to, config.archive_every_s)
+    policy = RetentionPolicy(
+        config.archive_after_s,
+        config.archive_to,
+        config.archive_every_s,
+        config.archive_namespaces,
+    )
 
     def observe(outcome: Outcome) -> None:
         metrics.observe_archive(outcome.ok, outcome.size_bytes, ledger.clock() / 1e6)

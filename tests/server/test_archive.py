@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -468,3 +469,49 @@ def test_a_server_killed_while_it_archives_restarts_with_the_run_hot_or_archived
         server.terminate()
         server.wait(30)
     assert state_of(night["db"], RUN) == "archived"
+
+
+def test_a_namespace_kept_hot_by_policy_is_never_archived(tmp_path: Path) -> None:
+    config = ServerConfig(
+        database=str(tmp_path / "ledger.db"),
+        listen="127.0.0.1:0",
+        signing_key=str(tmp_path / "ledger.key.pem"),
+        metrics_listen="127.0.0.1:0",
+        archive_to=str(tmp_path / "archive"),
+        archive_after_s=0.0,
+        archive_every_s=0.05,
+        archive_namespaces=(("keep", None),),
+    )
+    running = create_server(config)
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        kept = [planned(RUN, "s0", 0)]
+        for ev in kept:
+            ev.namespace = "keep"
+        client.append(kept)
+        client.close_submission(RUN, namespace="keep", expected_shards=1)
+        settled_night(client, RUN)  # the same run id in the default namespace
+        wait_for(lambda: metric(running, "shardledger_archive_runs_total") == 1, "the archive")
+        listed = [*client.list_runs(), *client.list_runs(namespace="keep")]
+        archived = {(r.namespace, r.run_id): r.archived for r in listed}
+        assert archived == {("default", RUN): True, ("keep", RUN): False}
+        # Steps go on finding nothing due: the kept run stays hot.
+        time.sleep(0.3)
+        assert metric(running, "shardledger_archive_runs_total") == 1
+        assert not json.loads(client.summary(RUN, namespace="keep")).get("archive")
+    finally:
+        client.close()
+        running.stop(0.5)
+
+
+def test_namespace_policies_parse_and_bad_ones_are_refused() -> None:
+    from ledger_server.retention import RetentionPolicy, parse_namespace_policy
+
+    assert parse_namespace_policy("audit=90d") == ("audit", 90 * 86400.0)
+    assert parse_namespace_policy("keep=never") == ("keep", None)
+    for bad in ("audit", "=7d", "audit=soon"):
+        with pytest.raises(ValueError, match=r"NAMESPACE=DURATION|not a duration"):
+            parse_namespace_policy(bad)
+    policy = RetentionPolicy(7 * 86400.0, "/a", per_namespace=(("keep", None), ("audit", 1.0)))
+    assert (policy.after_for("keep"), policy.after_for("audit")) == (None, 1.0)
+    assert policy.after_for("default") == 7 * 86400.0

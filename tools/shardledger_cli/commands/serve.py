@@ -26,6 +26,15 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _namespace_policy(text: str) -> tuple[str, float | None]:
+    from ledger_server.retention import parse_namespace_policy
+
+    try:
+        return parse_namespace_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def non_negative_seconds(text: str) -> float:
     """Returns a finite number of seconds >= 0 (an argparse type)."""
     try:
@@ -181,6 +190,15 @@ def register(
         help="archive a run this long after it settled: 7d, 12h, 30m, 90s (default 7d)",
     )
     retention.add_argument(
+        "--archive-namespace",
+        metavar="NS=DURATION",
+        type=_namespace_policy,
+        action="append",
+        default=[],
+        help="another --archive-after for one namespace, or NS=never to keep its runs hot;"
+        " repeat for more",
+    )
+    retention.add_argument(
         "--archive-every",
         metavar="DURATION",
         type=_duration,
@@ -221,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         archive_to=args.archive_to,
         archive_after_s=args.archive_after,
         archive_every_s=args.archive_every,
+        archive_namespaces=tuple(args.archive_namespace),
     )
 
     def ready(port: int) -> None:
