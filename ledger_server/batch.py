@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one class, BatchFolder, whose steps share one transaction's state and the writer's record cache.
 """The batch fold: idempotency, life-cycle checks and counters of one batch, in one transaction.
 
 The single writer of an exclusive store keeps the shard records it folded

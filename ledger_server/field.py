@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: every field figure beside the attempt rules they share (span, GPUs, bucket), each defined once in docs/metrics.md.
 """The field figures: GPU time and what failures cost, first pass by label, checkpoint advice.
 
 Report 1 prices failures in GPU time (§4.3), compares providers with seven figures

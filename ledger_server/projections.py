@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: the fold (check + apply) and the state, deadline and resume reason it implies, run alike by server and replay.
 """Pure folds from events to read models: shard state, duplicates, summary, resume.
 
 Every function here is a function of events and ``now`` only, so the server's

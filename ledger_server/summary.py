@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: a shard's counters and the run summary that sums them are one definition; apart, they could drift.
 """What a run's shards add up to: duplicates and repairs, first-pass figures, the run summary.
 
 Pure functions of shard records (and so of events): each shard contributes a

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time each name loads on firs
     from shard_client.atomic import CommitInfo, atomic_write, commit_file
     from shard_client.classify import failure_tag
     from shard_client.client import LedgerClient
+    from shard_client.environment import Fingerprint, fingerprint
     from shard_client.errors import (
         Conflict,
         InvalidArgument,
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time each name loads on firs
         PermissionDenied,
     )
     from shard_client.failures import DataError, IncompleteShard, InputChanged, Preempted
-    from shard_client.fingerprint import Fingerprint, fingerprint
     from shard_client.ids import PlanEntry, hash_input, plan_events, shard_id_for
     from shard_client.ledger import Ledger
     from shard_client.ranks import RankInfo
@@ -54,7 +54,7 @@ _EXPORTS: Final[dict[str, str]] = {
     "CommitInfo": "shard_client.atomic",
     "Conflict": "shard_client.errors",
     "DataError": "shard_client.failures",
-    "Fingerprint": "shard_client.fingerprint",
+    "Fingerprint": "shard_client.environment",
     "IncompleteShard": "shard_client.failures",
     "InputChanged": "shard_client.failures",
     "InvalidArgument": "shard_client.errors",
@@ -81,7 +81,7 @@ _EXPORTS: Final[dict[str, str]] = {
     "determinism": "shard_client.determinism",  # a module
     "drain_spool_dirs": "shard_client.spooldir",
     "failure_tag": "shard_client.classify",
-    "fingerprint": "shard_client.fingerprint",
+    "fingerprint": "shard_client.environment",
     "hash_input": "shard_client.ids",
     "plan_events": "shard_client.ids",
     "shard_id_for": "shard_client.ids",

@@ -7,8 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 
@@ -22,7 +21,6 @@ from shard_client.errors import (
     Overloaded,
     from_rpc_error,
 )
-from shard_client.ids import run_reopened_event, submission_closed_event
 
 DEFAULT_TARGET: Final = "127.0.0.1:50551"
 ENV_TARGET: Final = "SHARDLEDGER_SERVER"
@@ -41,6 +39,9 @@ CHANNEL_OPTIONS: Final = (
     # Several replicas behind one DNS name (or a list of addresses) share the load.
     ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
 )
+
+if TYPE_CHECKING:
+    from datetime import datetime
 
 T = TypeVar("T")
 
@@ -270,6 +271,8 @@ class LedgerClient:
         A closed run refuses new shards (RUN_CLOSED) until reopen_submission.
         """
         life = self._lifecycle(run_id, namespace)
+        from shard_client.ids import submission_closed_event  # plan ids: canonical JSON, blake3
+
         event = submission_closed_event(
             run_id,
             namespace=namespace,
@@ -290,6 +293,8 @@ class LedgerClient:
         reason RUN_NOT_CLOSED); a retry of the same reopen is DUPLICATE.
         """
         life = self._lifecycle(run_id, namespace)
+        from shard_client.ids import run_reopened_event
+
         event = run_reopened_event(
             run_id,
             namespace=namespace,

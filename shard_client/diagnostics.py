@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from shard_client.atomic import CommitInfo, atomic_write, makedirs_durable
-from shard_client.fingerprint import NvmlSeam, PynvmlSeam
+from shard_client.environment import NvmlSeam, PynvmlSeam
 from shard_client.signals import diagnostics_dir
 
 __all__ = ["LOG_TAIL_LINES", "BundleContext", "bundle_path", "write_bundle"]

@@ -20,8 +20,6 @@ from __future__ import annotations
 from typing import Any, Final
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 
 class LedgerClientError(Exception):
@@ -33,6 +31,11 @@ class LedgerClientError(Exception):
 
 class LedgerUnavailable(LedgerClientError):
     """The ledger could not be reached (after retries)."""
+
+    # True when no ledger answered at all: the connection was refused or broken, the name
+    # did not resolve (UNAVAILABLE with no ErrorInfo of the ledger's). False for a ledger
+    # that answered UNAVAILABLE itself (its store away) or did not answer in time.
+    unreachable: bool = False
 
 
 class LedgerRejected(LedgerClientError):
@@ -103,6 +106,10 @@ RETRYABLE: Final = frozenset(
 
 def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     """Maps a grpc.RpcError to the SDK's hierarchy (the one place that does)."""
+    # Only a failed call pays for the status protos: a read that succeeds never imports them.
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     message = exc.details() if hasattr(exc, "details") else str(exc)
     reason, metadata, retry_after_s = code.name, dict[str, str](), None
@@ -124,6 +131,7 @@ def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     error: LedgerClientError
     if code in RETRYABLE:
         error = LedgerUnavailable(f"{code.name}: {message}")
+        error.unreachable = code == grpc.StatusCode.UNAVAILABLE and not details
     else:
         cls = _BY_CODE.get(code, LedgerRejected)
         if code == grpc.StatusCode.FAILED_PRECONDITION and reason.startswith("STORE_"):

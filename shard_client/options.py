@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypedDict, Unpack, overload
 
-from shard_client.fingerprint import Fingerprint
+from shard_client.environment import Fingerprint
 from shard_client.ids import check_id
 from shard_client.inputs import INPUT_CHECKS, PlannedInput
 from shard_client.labels import label_problem

@@ -16,11 +16,18 @@ Draining is idempotent because every event carries its id. Once its thread
 starts, a sender also drains, from another daemon thread, the spools that dead
 processes left under its spool root (`shard_client.orphans`).
 
-Closing (``Ledger.close()``, or interpreter exit) waits up to ``exit_wait_s``
-(default $SHARDLEDGER_EXIT_WAIT, else 10 s) for every event to be acknowledged,
-spooled ones included, retrying a ledger that is away; when it gives up it logs
-one ``events_spooled`` line naming the count, the spool directory and the
-command that drains it. An event the ledger
+When no ledger answers at all (the connection refused, the name unresolvable: an
+``unreachable`` `LedgerUnavailable`), the spool policy spools at once instead of
+waiting ``unavailable_after_s``: the events are durable within milliseconds and
+the job goes on.
+
+Closing (``Ledger.close()``, or interpreter exit) tries the ledger once more and
+waits up to ``exit_wait_s`` (default $SHARDLEDGER_EXIT_WAIT, else 10 s) for every
+event to be acknowledged, spooled ones included, retrying a ledger that answers
+slowly; it returns at once when every event is acknowledged or durably spooled
+and the ledger is unreachable. Whatever stays in the spool is logged in one
+``events_spooled`` line naming the count, the spool directory and the command
+that drains it. An event the ledger
 refuses is logged on ``logging.getLogger("shard_client")`` and appended to
 ``rejected.jsonl`` in the process's spool directory: nothing is lost silently.
 Events still queued in memory die with a SIGKILLed process; ``Ack.wait`` tells
@@ -192,6 +199,8 @@ class Sender:
         self._retry_at = 0.0
         self._backoff = backoff.FIRST_DELAY_S
         self._down: LedgerClientError | None = None
+        # The latest call found no ledger at all (refused, unresolvable): close() need not wait.
+        self._unreachable = False
         self._unsettled = 0
         self._urgent = self._closing = self._closed = False
         self._exit_deadline = float("inf")  # set by close(): retries stop there
@@ -314,13 +323,25 @@ class Sender:
                 return
             self._closing = self._urgent = True
             self._retry_at = 0.0
+            # One more try: what an earlier call found says nothing of the ledger now.
+            self._unreachable = False
             self._exit_deadline = time.monotonic() + wait_s
             self._wakeup.notify()
             thread = self._thread
         if self.orphans is not None:
             self.orphans.stop()  # no new attempts; a drain under way may use the exit wait
         if thread is not None:
-            thread.join(wait_s)
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: not thread.is_alive() or self._durable_and_unreachable_locked(),
+                    wait_s,
+                )
+                if thread.is_alive() and self._durable_and_unreachable_locked():
+                    # Nothing listens: waiting out the exit wait would only idle the job.
+                    # The thread stops at its next step; the spool keeps every event.
+                    self._exit_deadline = time.monotonic()
+                    self._retry_at = float("inf")
+                    self._wakeup.notify()
         if self.orphans is not None:
             # A short job must not cut off the drain of the spools an earlier job left.
             self.orphans.join(max(self._exit_deadline - time.monotonic(), 0.0))
@@ -328,7 +349,7 @@ class Sender:
             self._closed = True
             if (self._buffer or self._inflight) and self.policy == "spool":
                 self._spill_locked()
-            lost, spool = len(self._buffer), self._spool
+            lost, spool, unreachable = len(self._buffer), self._spool, self._unreachable
             if not self._inflight_spooled:
                 # The thread is still inside its append (block policy, or a short timeout):
                 # nothing vouches for that batch once the process exits.
@@ -340,19 +361,27 @@ class Sender:
                 left = spool.pending_count()
                 spool.close()
             if left:
+                why = (
+                    "no ledger answers at %s (nothing waited for)"
+                    if unreachable
+                    else f"%s did not acknowledge them within the exit wait of {wait_s:g}s"
+                    f" (${ENV_EXIT_WAIT})"
+                )
                 log.warning(
-                    "events_spooled count=%d directory=%s: %s did not acknowledge them within"
-                    " the exit wait of %gs ($%s); the next SDK process on this host sends"
-                    " them, or run: shardledger spool drain --dir %s",
+                    "events_spooled count=%d directory=%s: " + why + "; the next SDK process"
+                    " on this host sends them, or run: shardledger spool drain --dir %s",
                     left,
                     self.spool_dir,
                     self.client.target,
-                    wait_s,
-                    ENV_EXIT_WAIT,
                     self.spool_dir,
                 )
             else:
                 remove_finished_spool(self.spool_dir)
+
+    def _durable_and_unreachable_locked(self) -> bool:
+        """Returns whether every event is acknowledged or spooled and no ledger answers."""
+        in_memory = bool(self._buffer) or (bool(self._inflight) and not self._inflight_spooled)
+        return self._unreachable and self._unsettled == 0 and not in_memory
 
     # --- the thread -------------------------------------------------------------
 
@@ -363,6 +392,8 @@ class Sender:
                 with self._cond:
                     work = self._next_work_locked()
                 if work is None:
+                    with self._cond:
+                        self._cond.notify_all()  # close() waits for this thread's end here
                     return
                 if work:
                     self._send(work)
@@ -431,11 +462,14 @@ class Sender:
             # call itself takes the whole deadline, and that is time without an answer.
             unanswered_since = unanswered_since or tried
             with self._cond:
+                self._unreachable = _nobody_listens(stop)
                 if self._inflight_spooled:
                     break  # an overflow already put these in the spool
                 elapsed = time.monotonic() - unanswered_since
+                # No ledger answers at all: the spool keeps the events durably now.
+                spool_now = self.policy == "spool" and self._unreachable
                 if self.policy == "block" or (
-                    elapsed < self.unavailable_after_s and not self._closing
+                    elapsed < self.unavailable_after_s and not self._closing and not spool_now
                 ):
                     # Blocking means waiting out even a close; the others stop at once.
                     self._wakeup.wait_for(
@@ -454,6 +488,7 @@ class Sender:
             self._inflight = []
             if pos == len(batch):
                 self._down, self._backoff = None, backoff.FIRST_DELAY_S
+                self._unreachable = False
             self._cond.notify_all()
 
     def _retry_wait(self, stop: LedgerClientError) -> float:
@@ -480,6 +515,7 @@ class Sender:
         with self._cond:
             # Spills happen under this lock too, so the count and the flag agree.
             empty = spool.pending_count() == 0
+            self._unreachable = stop is not None and _nobody_listens(stop)
             if stop is None:
                 self._backoff = backoff.FIRST_DELAY_S
             else:
@@ -550,6 +586,11 @@ class Sender:
         self._dirty = True
         self._cond.notify_all()
         self._wakeup.notify()
+
+
+def _nobody_listens(error: LedgerClientError) -> bool:
+    """Returns whether a failed call found no ledger at all (refused, unresolvable)."""
+    return isinstance(error, LedgerUnavailable) and error.unreachable
 
 
 _SENDERS: weakref.WeakSet[Sender] = weakref.WeakSet()

@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shard_client import atomic, checkpoint, checkpoint_records, remote, storage
+from shard_client import atomic, storage
 from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
 from shard_client.classify import describe, failure_tag
 from shard_client.diagnostics import BundleContext
+from shard_client.environment import Fingerprint, gpu_count
+from shard_client.environment import fingerprint as read_fingerprint
 from shard_client.errors import LedgerClientError, LedgerRejected
 from shard_client.failures import IncompleteShard, InputChanged, Preempted
-from shard_client.fingerprint import Fingerprint, gpu_count
-from shard_client.fingerprint import fingerprint as read_fingerprint
 from shard_client.heartbeat import Heartbeats
 from shard_client.ids import check_id
 from shard_client.inputs import observe
@@ -48,7 +48,6 @@ from shard_client.labels import labels_from_env, merged_labels
 from shard_client.metrics import TelemetryCoercer
 from shard_client.options import ShardOptions
 from shard_client.ranks import attempt_id_for, own_outputs
-from shard_client.remote import UploadPolicy
 from shard_client.scheduler import detect as detect_scheduler
 from shard_client.scheduler import process_start_ticks
 from shard_client.sender import new_event_id
@@ -57,7 +56,11 @@ from shard_client.vocabulary import FailureTag
 from shard_client.watchdog import ProgressClock, Watchdog, terminate_self
 
 if TYPE_CHECKING:
+    # Loaded when first used (an object-store commit, a checkpoint): a job that does
+    # neither never imports them (docs/performance.md, "Job cost").
+    from shard_client import checkpoint
     from shard_client.ledger import Ledger
+    from shard_client.remote import UploadPolicy
 
 __all__ = ["Shard"]
 
@@ -485,6 +488,8 @@ class Shard:
 
         writer: AbstractContextManager[Any]
         if storage.is_remote(path):
+            from shard_client import remote
+
             writer = remote.remote_write(
                 os.fspath(path),
                 mode=mode,
@@ -518,6 +523,8 @@ class Shard:
         artifact = self._artifact_name(path, name)
         with self._clock.paused():
             if storage.is_remote(path):
+                from shard_client import remote
+
                 url = os.fspath(path)
                 if source is None:
                     info = remote.commit_object(url)
@@ -555,6 +562,8 @@ class Shard:
         if directory is None:
             raise ValueError("pass checkpoint_dir= (or output_dir=) to ledger.shard(), or path=")
         atomic.makedirs_durable(directory)
+        from shard_client import checkpoint
+
         return os.path.join(directory, checkpoint.checkpoint_name(step))
 
     def _labels(self) -> dict[str, str]:
@@ -601,6 +610,8 @@ class Shard:
         self, step: int, *, path: str | os.PathLike[str] | None = None, **states: Any
     ) -> atomic.CommitInfo:
         """Saves model/optimizer/scheduler/extra and every RNG with torch; records the checkpoint."""
+        from shard_client import checkpoint
+
         self._check_active()
         began = time.monotonic_ns()
         with self._clock.paused():
@@ -620,6 +631,8 @@ class Shard:
         older recorded one, and with the ledger unreachable the shard starts
         fresh. Each decision is logged (see shard_client.checkpoint_records).
         """
+        from shard_client import checkpoint_records
+
         self._check_active()
         client, namespace = self.ledger.client, self.ledger.namespace
         with self._clock.paused():
@@ -652,6 +665,8 @@ class Shard:
         The step's checkpoint exists for the ledger, and for a resume, only once every
         rank of the attempt recorded its part; call it on every rank.
         """
+        from shard_client import checkpoint
+
         self._check_active()
         rank = self._part_rank()
         target = path or self._checkpoint_path(step, None).replace(".pt", f".rank{rank}.pt")
@@ -671,6 +686,8 @@ class Shard:
         part is re-hashed before loading; a part gone or changed since its commit
         raises rather than falling back, since the other ranks resume from that step.
         """
+        from shard_client import checkpoint, checkpoint_records
+
         self._check_active()
         rank = self._part_rank()
         client, namespace = self.ledger.client, self.ledger.namespace

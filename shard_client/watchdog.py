@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import signal
-import statistics
 import threading
 import time
 from collections import deque
@@ -103,7 +102,12 @@ class ProgressClock:
     def median_step(self) -> float | None:
         """Returns the median of the recent intervals between progress() calls, if any."""
         with self._lock:
-            return statistics.median(self._intervals) if self._intervals else None
+            intervals = list(self._intervals)
+        if not intervals:
+            return None
+        import statistics  # with fractions and decimal: loaded once a job reports steps
+
+        return statistics.median(intervals)
 
     def quiet_since(self) -> float | None:
         """Returns when progress last happened, or None while a save or commit runs."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
@@ -26,6 +28,37 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         code = exc.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+# The capabilities that let root ignore a file's mode (capabilities(7)), by their bit:
+# write any file, read and search any directory, chmod a file it does not own.
+ROOT_BYPASS_CAPS: Final = {"dac_override": 1, "dac_read_search": 2, "fowner": 3}
+
+
+def without_root_bypass(argv: Sequence[str]) -> list[str]:
+    """Returns argv to run without the capabilities that let root ignore a file's mode.
+
+    CI runs as root, which reads a 0o000 file and writes a 0o444 one: a test of a
+    permission error starts its child through this. The child keeps root's uid, so it
+    reads the checkout and its virtual environment wherever the clone is (a 0700 home
+    directory too; another uid could not), while a mode binds it as it binds any owner.
+    As a user, argv runs as it is.
+    """
+    if not holds_root_bypass():
+        return list(argv)
+    drop = ",".join(f"-{cap}" for cap in ROOT_BYPASS_CAPS)
+    # Root's exec refills its capabilities from both sets, so both lose them.
+    return ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", *argv]
+
+
+def holds_root_bypass() -> bool:
+    """Whether this process may ignore a file's mode (any of ROOT_BYPASS_CAPS is effective)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:  # not Linux: root is what bypasses
+        return os.geteuid() == 0
+    effective = int(status.split("CapEff:", 1)[1].split()[0], 16)
+    return any(effective >> bit & 1 for bit in ROOT_BYPASS_CAPS.values())
 
 
 DIGEST_A = "a" * 64

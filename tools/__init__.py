@@ -1,1 +1,1 @@
-"""Checkout-only tools, run as `python -m tools.X` and never installed: stub and CLI-doc generators, benchmarks, the fuzz harness. The installed CLI is shardledger_cli/."""
+"""The `shardledger` CLI's source (shardledger_cli/, installed as shardledger_cli) and the scripts a checkout runs as `python -m tools.X`, never installed: benchmarks, generators, campaigns, fuzzing (tools/README.md)."""

@@ -11,9 +11,10 @@
     python -m tools.bench overload  10,000 channels at 1x then 2x the cadence (tools.bench_overload)
     python -m tools.bench cli       CPU of `--help`, `status`, `resume` vs `python -c pass` (tools.bench_cli)
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
+    python -m tools.bench job       what the SDK costs a job: per process, shard, heartbeat, commit (tools.bench_job)
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
     python -m tools.bench retention a compressed year with and without archiving (tools.bench_retention)
-    python -m tools.bench all       everything but report and retention; JSON lands in bench-results/ingest.json
+    python -m tools.bench all       everything but report, job and retention; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
 """
@@ -48,6 +49,8 @@ from shard_client.client import LedgerClient
 from tools.bench_cli import bench_cli
 from tools.bench_coalesce import bench_coalesce
 from tools.bench_fleet import bench_fleet
+from tools.bench_job import bench_job
+from tools.bench_job import report as show_job
 from tools.bench_peers import bench_peers
 from tools.bench_projections import save_result
 from tools.bench_report import bench_report
@@ -646,6 +649,7 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "cli": bench_cli,
     "peers": bench_peers,
     "report": bench_report,
+    "job": bench_job,
 }
 # How long each driven benchmark runs unless --seconds says otherwise.
 DEFAULT_SECONDS = {
@@ -753,7 +757,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2), flush=True)
         save_result(args.output or str(RESULTS / "report.json"), result)
         return 0
-    names = [n for n in BENCHES if n != "report"] if args.which == "all" else [args.which]
+    if args.which == "job":
+        result = bench_job()
+        show_job(result)
+        save_result(args.output or str(RESULTS / "job.json"), result)
+        return 0
+    names = (
+        [n for n in BENCHES if n not in ("report", "job")] if args.which == "all" else [args.which]
+    )
     report: dict[str, Any] = {"env": _env()}
     for name in names:
         print(f"== {name}", flush=True)

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one benchmark script read top to bottom (clients, readers, /proc figures, levels); bench_overload reuses its parts.
 """A fleet on one ledger: thousands of open channels at the SDK's cadence, plus readers.
 
     python -m tools.bench fleet [--seconds S] [--connections 1000,5000,10000]

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: two thirds are the vectors' inputs, kept beside the code that computes what each must give.
 """Writes tests/data/contract_vectors.json: the contract's test vectors (docs/contract.md).
 
     python -m tools.gen_contract_vectors            # rewrite the file

@@ -25,7 +25,7 @@ from ledger_server.config import ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from shard_client.fingerprint import Fingerprint
+from shard_client.environment import Fingerprint
 
 RUN = "night-v1-rows"
 D = {c: c * 64 for c in "abcdef"}

@@ -3,7 +3,7 @@
     python -m tools.plot_retention [bench-results/retention.json] [-o docs/img/retention-year.png]
 
 Pillow only (no plotting library): two lines on labelled axes, the figure
-docs/performance.md shows ("A year of nights").
+docs/performance.md shows ("Retention: a year of nights").
 """
 
 from __future__ import annotations

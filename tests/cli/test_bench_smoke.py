@@ -149,6 +149,24 @@ def test_bench_overload_drives_each_speedup_against_one_server_and_reports_the_r
     assert run["acknowledged_ratio_last_to_first"] > 0
 
 
+def test_bench_job_runs_every_job_and_the_sdk_keeps_torch_out_and_exits_at_once(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "job.json"
+    done = _bench(
+        "tools.bench_job", "--repeat", "1", "--beat-seconds", "1", "-o", str(out), timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    # Every job ran to its end (a failed one raises), with and without the SDK.
+    assert set(result["per_process"]) >= {"word count", "word count + SDK", "torch job + SDK"}
+    assert result["torch_imported_by_word_count"] is False
+    # The ledger down: the exit returned without its 10 s wait (nothing listened).
+    assert result["targets"]["exit with the ledger down <= 0.5 s"]["close_s_max"] < 5
+    assert result["heartbeat"]["beats"] > 10  # a beat every 20 ms for a second, counted
+    assert "met" in result["targets"]["word count: SDK adds <= import grpc + stubs + 100 ms"]
+
+
 def test_bench_retention_archives_every_night_past_the_policy_and_only_those(
     tmp_path: Path,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -55,6 +56,24 @@ def test_configuration_page_names_every_variable_the_code_reads_and_every_flag()
 
 
 DOCS = gen_config_docs.ROOT / "docs"
+
+# A heading that dates a page by who worked on it rather than what it describes.
+DIARY_HEADING = re.compile(r"^#{1,6} .*\b(sessions?\b|issue #?\d+)", re.IGNORECASE | re.MULTILINE)
+FENCED_BLOCK = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+
+
+def diary_headings(text: str) -> list[str]:
+    """Returns the headings of a Markdown text that name a session or an issue (code blocks aside)."""
+    return [m.group(0) for m in DIARY_HEADING.finditer(FENCED_BLOCK.sub("", text))]
+
+
+def test_pages_describe_the_product_as_it_is_with_no_session_or_issue_headings() -> None:
+    # What changed when, and in which issue, is CHANGELOG.md's; a page says what is.
+    pages = [*sorted(DOCS.rglob("*.md")), gen_config_docs.ROOT / "README.md"]
+    found = [f"{page.name}: {h}" for page in pages for h in diary_headings(page.read_text())]
+    assert not found, "move these sections' history to CHANGELOG.md:\n" + "\n".join(found)
+    assert diary_headings("## Results against the targets (issue #8)\n#### Session 10: again\n")
+    assert not diary_headings("```bash\n# issue 5 is a comment\n```\n## Ingest\n")
 
 
 def test_concepts_page_shows_the_flow_diagram_as_well_formed_svg() -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import pytest
 from ledger_server.server import RunningServer
 from shard_client import LedgerClient, shard_id_for
 from shardledger_cli.cli import main as cli
+from tests.builders import without_root_bypass
 
 RUN = "night-03"
 
@@ -367,33 +366,25 @@ def test_matching_links_that_lead_nowhere_are_listed_and_nothing_is_sent_unless_
     assert "skipped 3 broken link(s)" in captured.err
 
 
-def _as_nobody(argv: list[str]) -> list[str]:
-    """Runs argv as an unprivileged user where this is root (root reads any file)."""
-    if os.geteuid() != 0:
-        return argv
-    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
-
-
-def test_an_input_or_directory_the_planner_may_not_read_is_named_with_exit_5() -> None:
-    # A world-traversable directory (pytest's own temp root is 0700) with inputs that only
-    # their owner may read, planned by someone else; nothing reaches a ledger.
-    base = Path(tempfile.mkdtemp(prefix="sl-plan-perm-"))
+def test_an_input_or_directory_the_planner_may_not_read_is_named_with_exit_5(
+    tmp_path: Path,
+) -> None:
+    # Inputs and a folder their owner may not read, planned in a process that file modes
+    # bind (as root too: tests.builders.without_root_bypass); nothing reaches a ledger.
+    base = tmp_path
+    folder = base / "in"
+    folder.mkdir()
+    (folder / "open.bin").write_bytes(b"anyone may read this")
+    secret = folder / "secret.bin"
+    secret.write_bytes(b"owner only")
+    locked = folder / "locked"
+    locked.mkdir()
+    (locked / "inner.bin").write_bytes(b"hidden")
+    manifest = base / "jobs.jsonl"
+    manifest.write_text(json.dumps({"input": str(secret)}) + "\n")
+    secret.chmod(0o000)
+    locked.chmod(0o000)
     try:
-        base.chmod(0o755)
-        folder = base / "in"
-        folder.mkdir(mode=0o755)
-        (folder / "open.bin").write_bytes(b"anyone may read this")
-        (folder / "open.bin").chmod(0o644)
-        secret = folder / "secret.bin"
-        secret.write_bytes(b"owner only")
-        secret.chmod(0o000 if os.geteuid() != 0 else 0o600)
-        locked = folder / "locked"
-        locked.mkdir()
-        (locked / "inner.bin").write_bytes(b"hidden")
-        locked.chmod(0o000 if os.geteuid() != 0 else 0o700)
-        manifest = base / "jobs.jsonl"
-        manifest.write_text(json.dumps({"input": str(secret)}) + "\n")
-        manifest.chmod(0o644)
         cli_args = [
             sys.executable,
             "-m",
@@ -411,7 +402,11 @@ def test_an_input_or_directory_the_planner_may_not_read_is_named_with_exit_5() -
 
         def run(*extra: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
-                _as_nobody([*cli_args, *extra]), capture_output=True, text=True, env=env, cwd=base
+                without_root_bypass([*cli_args, *extra]),
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=base,
             )
 
         by_manifest = run("--manifest", str(manifest))
@@ -428,9 +423,8 @@ def test_an_input_or_directory_the_planner_may_not_read_is_named_with_exit_5() -
         assert closed.returncode == 5, closed.stderr
         assert f"{locked}: Permission denied" in closed.stderr
     finally:
-        for path in (base / "in" / "locked", base / "in" / "secret.bin"):
+        for path in (locked, secret):
             path.chmod(0o700)
-        shutil.rmtree(base)
 
 
 # --- a closed run, and --reopen ------------------------------------------------------

@@ -37,8 +37,8 @@ from shard_client import Ledger
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
+from shard_client.environment import Fingerprint
 from shard_client.failures import DataError
-from shard_client.fingerprint import Fingerprint
 from shard_client.ids import PlanEntry, plan_events, shard_id_for
 from tests.builders import run_cli
 from tests.contract.event_strategies import events

@@ -165,7 +165,7 @@ def test_latest_checkpoint_returns_none_for_empty_or_missing_directory(tmp_path:
 
 def test_importing_sdk_modules_does_not_import_torch() -> None:
     code = (
-        "import sys, shard_client.checkpoint, shard_client.determinism, shard_client.fingerprint;"
+        "import sys, shard_client.checkpoint, shard_client.determinism, shard_client.environment;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run(

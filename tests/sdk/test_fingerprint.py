@@ -16,7 +16,8 @@ import pynvml
 import pytest
 import torch
 
-from shard_client.fingerprint import Fingerprint, NvmlSeam, PynvmlSeam, fingerprint
+from shard_client import environment
+from shard_client.environment import Fingerprint, NvmlSeam, PynvmlSeam, fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -208,7 +209,7 @@ def test_without_pynvml_or_torch_installed_the_fingerprint_still_completes() -> 
     # None in sys.modules makes the import fail as if the package were not installed.
     code = (
         "import sys, json; sys.modules['pynvml'] = None; sys.modules['torch'] = None;"
-        "from shard_client.fingerprint import fingerprint;"
+        "from shard_client.environment import fingerprint;"
         "print(json.dumps(fingerprint().fields))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -216,8 +217,76 @@ def test_without_pynvml_or_torch_installed_the_fingerprint_still_completes() -> 
 
     fields = json.loads(out.stdout)
     assert fields["torch"] == "absent"
-    assert fields["nvml"].startswith("unavailable: ModuleNotFoundError")
+    # Without NVML's library pynvml is not even tried; with it, its absence is recorded.
+    assert fields["nvml"].startswith(
+        ("unavailable: NVMLError_LibraryNotFound", "unavailable: ModuleNotFoundError")
+    )
     assert fields["gpu.count"] == "0"
+
+
+def fingerprint_in_a_fresh_process(before: str = "") -> dict[str, Any]:
+    """Returns the default fingerprint's fields, and whether torch got imported, from a new interpreter."""
+    code = (
+        "import sys, json;" + before + "from shard_client import fingerprint;"
+        "fields = fingerprint().fields;"
+        "print(json.dumps({'fields': fields, 'torch_imported': 'torch' in sys.modules}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True)
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_a_job_that_never_imported_torch_gets_the_installed_build_without_importing_it() -> None:
+    plain = fingerprint_in_a_fresh_process()
+
+    assert plain["torch_imported"] is False
+    fields = plain["fields"]
+    assert fields["torch.source"] == "installed"
+    # The values an import would give: torch takes both from the same build file.
+    assert fields["torch.version"] == torch.__version__
+    assert fields["torch.cuda"] == str(torch.version.cuda or "none")
+    assert "torch.deterministic_algorithms" not in fields  # never read, so never claimed
+
+
+def test_a_job_that_imported_torch_records_its_runtime_switches_and_groups_apart() -> None:
+    plain = fingerprint_in_a_fresh_process()["fields"]
+    with_torch = fingerprint_in_a_fresh_process("import torch;")["fields"]
+
+    assert with_torch["torch.source"] == "imported"
+    assert with_torch["torch.deterministic_algorithms"] == "false"
+    # The build agrees whichever way it was read ...
+    assert with_torch["torch.version"] == plain["torch.version"]
+    assert with_torch["torch.cuda"] == plain["torch.cuda"]
+    # ... and the two are different knowledge, so they never share a digest (docs/concepts.md).
+    assert Fingerprint.from_fields(plain).digest != Fingerprint.from_fields(with_torch).digest
+
+
+def test_the_fingerprint_rereads_torchs_switches_but_not_what_a_process_cannot_change(
+    monkeypatch: pytest.MonkeyPatch, cudnn_benchmark_restored: None
+) -> None:
+    reads: list[int] = []
+
+    def counted() -> dict[str, str]:
+        reads.append(1)
+        return {"nvml": "ok", "gpu.count": "0"}
+
+    monkeypatch.setattr(environment, "_default_gpu_fields", counted)
+    monkeypatch.setattr(environment, "_CACHE", environment._ProcessCache())
+    torch.backends.cudnn.benchmark = False
+    first = fingerprint(env={})
+    torch.backends.cudnn.benchmark = True
+    second = fingerprint(env={"SHARDLEDGER_IMAGE_DIGEST": "sha256:new"})
+
+    assert len(reads) == 1  # NVML once per process (per NVML_MAX_AGE_S)
+    assert (first.fields["torch.cudnn.benchmark"], second.fields["torch.cudnn.benchmark"]) == (
+        "false",
+        "true",
+    )
+    assert second.fields["image.digest"] == "sha256:new"
+    monkeypatch.setattr(environment, "NVML_MAX_AGE_S", 0.0)
+    fingerprint(env={})
+    assert len(reads) == 2
 
 
 def fake_pynvml(*, ecc: Exception | None) -> Any:

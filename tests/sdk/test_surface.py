@@ -156,3 +156,36 @@ def test_failure_tag_looks_through_chained_causes() -> None:
             raise RuntimeError("step failed") from inner
     except RuntimeError as outer:
         assert failure_tag(outer) == "oom"
+
+
+def test_every_public_name_is_the_object_its_docs_describe_whatever_was_imported_first() -> None:
+    # Each submodule first (a job, a plugin or the CLI may have imported any of them, which
+    # sets the package's attribute of that name), then each public name, in a new process.
+    described = json.loads(
+        _python(
+            "import importlib, inspect, json, pkgutil, types, shard_client;"
+            "[importlib.import_module(m.name) for m in pkgutil.walk_packages("
+            "shard_client.__path__, 'shard_client.') if '.api' not in m.name];"
+            "kinds = {};"
+            "exec('for name in shard_client.__all__:\\n"
+            '    value = getattr(importlib.import_module("shard_client"), name)\\n'
+            '    kinds[name] = ("module" if isinstance(value, types.ModuleType) else'
+            ' "class" if inspect.isclass(value) else'
+            ' "callable" if callable(value) else type(value).__name__)\');'
+            "print(json.dumps(kinds))"
+        )
+    )
+
+    assert set(described) == set(PUBLIC_API)
+    assert [name for name, kind in described.items() if kind == "module"] == ["determinism"]
+    for name, kind in described.items():
+        if name == "determinism":
+            continue
+        # Classes are named in CamelCase, functions in snake_case: each is what it says.
+        assert kind == ("class" if name[0].isupper() else "callable"), (name, kind)
+    # The name a harness imports directly, in the same fresh way.
+    called = _python(
+        "import shard_client.environment; from shard_client import fingerprint;"
+        "print(type(fingerprint(env={})).__name__)"
+    )
+    assert called.strip() == "Fingerprint"

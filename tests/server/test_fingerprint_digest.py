@@ -13,8 +13,8 @@ from shard_client import Ledger
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
+from shard_client.environment import Fingerprint
 from shard_client.errors import LedgerRejected
-from shard_client.fingerprint import Fingerprint
 from tests.builders import event, planned
 
 A100 = {"gpu.0.name": "NVIDIA A100-SXM4-80GB", "gpu.0.uuid": "GPU-1", "driver": "550.54"}

@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc
 from shard_client.client import LedgerClient
 from shard_client.errors import StoreFault
-from tests.builders import planned
+from tests.builders import planned, without_root_bypass
 
 
 def _serve(db: Path) -> RunningServer:
@@ -189,16 +187,16 @@ print("opened", end="")
 
 
 def _open_unprivileged(db: Path) -> tuple[int, str]:
-    """Opens the ledger in a new process that runs as an ordinary user; returns (code, message).
+    """Opens the ledger in a new process that file modes bind; returns (code, message).
 
-    Root may write a file whatever its mode, and CI runs as root: the child is started
-    as nobody, as the server's own user would be. A fresh interpreter (fork and exec),
-    never a bare fork of this pytest process: its threads (xdist's, gRPC's) would leave
-    their locks held in the child, which then crashed (SIGSEGV under a loaded CI).
+    Root may write a file whatever its mode, and CI runs as root: the child runs without
+    the capabilities that allow it (tests.builders.without_root_bypass), as the server's
+    own user would. A fresh interpreter (fork and exec), never a bare fork of this pytest
+    process: its threads (xdist's, gRPC's) would leave their locks held in the child,
+    which then crashed (SIGSEGV under a loaded CI).
     """
-    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     done = subprocess.run(
-        [*(as_nobody if os.geteuid() == 0 else []), sys.executable, "-c", _OPENER, str(db)],
+        without_root_bypass([sys.executable, "-c", _OPENER, str(db)]),
         capture_output=True,
         text=True,
         timeout=120,
@@ -208,15 +206,14 @@ def _open_unprivileged(db: Path) -> tuple[int, str]:
     return done.returncode, done.stdout or done.stderr[-2000:]
 
 
-def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix() -> None:
-    # A directory of its own that the unprivileged opener owns (pytest's tmp dirs are root's).
-    home = Path(tempfile.mkdtemp(prefix="shardledger-ro-"))
+def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "ledger"
+    home.mkdir()
     try:
         db = home / "ledger.db"
         _serve(db).stop(0.5)
-        if os.geteuid() == 0:
-            for path in (home, *home.iterdir()):
-                os.chown(path, 65534, 65534)
         db.chmod(0o444)
         code, message = _open_unprivileged(db)
         assert code == 5, message
@@ -228,7 +225,6 @@ def test_a_read_only_ledger_file_or_directory_is_refused_at_start_with_the_fix()
         assert re.search(r"directory .* is read-only.*-wal", message, re.S), message
     finally:
         home.chmod(0o755)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def _fail_commit(code: int, name: str) -> object:

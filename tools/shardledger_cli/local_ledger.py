@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final
@@ -130,6 +128,8 @@ def served(args: argparse.Namespace) -> Iterator[None]:
             signing_key=_signing_key(args.db),
         )
     except StartupError as exc:
+        import shutil
+
         shutil.rmtree(directory, ignore_errors=True)
         raise CommandError(exc.message, EXIT_USAGE if exc.usage else EXIT_LOCAL) from None
     args.server = target
@@ -138,11 +138,15 @@ def served(args: argparse.Namespace) -> Iterator[None]:
         yield
     finally:
         running.stop(0)
+        import shutil
+
         shutil.rmtree(directory, ignore_errors=True)
 
 
 def _private_directory() -> str:
     """Returns a new directory only this user may enter (mkdtemp: mode 0700)."""
+    import tempfile  # a read served from --db only
+
     directory = tempfile.mkdtemp(prefix="shardledger-db-")
     if len(directory) + len("/ledger.sock") <= MAX_SOCKET_PATH:
         return directory

@@ -13,7 +13,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any, Final
 
 from ledger_server.states import PARTITION
-from shard_client.atomic import atomic_write
 from shardledger_cli import cli
 from shardledger_cli.cli import CommandError
 
@@ -197,6 +196,8 @@ def atomic_output(path: str | None) -> Iterator[IO[str]]:
             with open(path, "w", encoding="utf-8") as fh:
                 yield fh
         else:
+            from shard_client.atomic import atomic_write  # a file written, not a read
+
             with atomic_write(path, mode="w") as fh:
                 yield fh
     except OSError as exc:

@@ -1,6 +1,6 @@
 """The conventions every command follows, in one place: parsing, help, --db, --json, --format.
 
-A command module uses them like this (see commands/report.py)::
+A command module uses them like this (see commands/reads.py)::
 
     p = sub.add_parser("shards", parents=[common], help=..., description=...,
                        epilog=examples(
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -93,6 +92,8 @@ class Parser(argparse.ArgumentParser):
         flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         for extra in extras:
             if extra.startswith("-"):
+                import difflib  # only a mistake pays for it
+
                 close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1, cutoff=0.6)
                 if close:
                     return f"{message} (did you mean {close[0]}?)"
@@ -102,6 +103,8 @@ class Parser(argparse.ArgumentParser):
         if action.choices is None or value in action.choices:
             return
         names = [str(c) for c in action.choices]
+        import difflib
+
         close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise argparse.ArgumentError(

@@ -1,8 +1,8 @@
 """One run fetched for analysis: its events folded into tables, its summary, its shard views.
 
-The analysis commands (`export --sqlite`, `report --by`, `report --html`) all start
-here, so they read the same things the same way: the events over ListEvents (the
-truth), and the server's own summary and shard views for the states it judges.
+`export --sqlite` starts here: the events over ListEvents (the truth), and the server's
+own summary and shard views for the states it judges. (`report`, `--by` and `--html`
+read the figures the server serves instead: GetRunReport, CompareRuns.)
 """
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: `plan` in the order it runs (flags, close/reopen, re-plan rules, delivery, report); inputs are plan_entries.py.
 """`shardledger plan RUN`: register a run's shards from a manifest or a directory of inputs."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: trend's flags, report (runs, ruler drift, consistency) and columns read together; its figures are computed here.
 """`shardledger trend`: completion, silent errors and failure tags over runs, and ruler drift.
 
 A ruler run re-runs a fixed sample of shards (same ids, same inputs) so that

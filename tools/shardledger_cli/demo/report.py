@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from shardledger_cli.commands.report import render_summary
+from shardledger_cli.commands.status import render_summary
 from shardledger_cli.demo.faults import (
     DELETED_OBJECT,
     DUPLICATE_RETRY,

@@ -26,7 +26,7 @@ import torch
 import torch._inductor.config
 
 from shard_client import IncompleteShard, Ledger, Shard, determinism
-from shard_client.fingerprint import IMAGE_DIGEST_ENV
+from shard_client.environment import IMAGE_DIGEST_ENV
 from shard_client.signals import DIAG_ENV
 from shardledger_cli.demo.faults import (
     EMPTY_OUTPUT,

@@ -23,8 +23,8 @@ from shard_client.ack import Ack
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.atomic import CommitInfo
 from shard_client.classify import describe
+from shard_client.environment import Fingerprint, fingerprint
 from shard_client.errors import LedgerClientError
-from shard_client.fingerprint import Fingerprint, fingerprint
 from shard_client.metrics import TelemetryCoercer
 from shard_client.scheduler import detect, process_start_ticks
 from shard_client.sender import new_event_id

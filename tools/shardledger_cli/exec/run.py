@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from shard_client import Ledger
+from shard_client.environment import Fingerprint
 from shard_client.errors import LedgerClientError
-from shard_client.fingerprint import Fingerprint
 from shard_client.inputs import PlannedInput, observe
 from shard_client.signals import diagnostics_dir
 from shard_client.storage import is_remote, storage_error

@@ -1,29 +1,58 @@
-"""An environment fingerprint: GPUs, driver, torch, determinism settings, image, as flat strings.
+"""The environment fingerprint: GPUs, driver, torch, determinism settings, image, as flat strings.
 
 Two attempts of a shard can only be expected to produce identical bytes when
 their fingerprints agree, so every value that can change numerics is recorded.
 Reading it never crashes the job: a missing GPU, NVML library or torch becomes a
-recorded value instead of an exception. torch is imported when the fingerprint
-is taken (not when this module is imported), since its settings are recorded.
+recorded value instead of an exception.
+
+It costs a job nothing it did not already pay: torch is never imported here. A
+job that has imported torch when the fingerprint is taken gets torch's runtime
+settings (``torch.source: imported``: the cuDNN version, the determinism and
+precision switches); one that has not gets the installed build, read from torch's
+own ``torch/version.py`` without importing it (``torch.source: installed``: the
+version and the CUDA it was built for) — a job that never imported torch cannot
+have changed a switch. What does not change while a process lives (Python, the
+platform, the torch build) is read once per process; NVML once per
+``NVML_MAX_AGE_S``; the environment variables and torch's switches at every call.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import ctypes
 import importlib
+import importlib.util
 import os
 import platform
+import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from shard_client.canonical import digest_fields, fingerprint_digest, fingerprint_json
 
-__all__ = ["SCHEMA_VERSION", "Fingerprint", "NvmlSeam", "PynvmlSeam", "fingerprint", "gpu_count"]
+__all__ = [
+    "NVML_MAX_AGE_S",
+    "SCHEMA_VERSION",
+    "Fingerprint",
+    "NvmlSeam",
+    "PynvmlSeam",
+    "fingerprint",
+    "gpu_count",
+]
 
 # Bumped whenever a key is added, removed or renamed, so digests are comparable.
-SCHEMA_VERSION = "2"
+# 3: torch.source, and torch read from its installed build when the job has not imported it.
+SCHEMA_VERSION = "3"
+# A process that lives long re-reads NVML this often (GPU health counters move).
+NVML_MAX_AGE_S: Final = 300.0
+# pynvml's own library name on Linux: when it cannot be opened, pynvml is not imported.
+_NVML_LIBRARY: Final = "libnvidia-ml.so.1"
 IMAGE_DIGEST_ENV = "SHARDLEDGER_IMAGE_DIGEST"
 _RECORDED_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
 
@@ -185,17 +214,11 @@ def _flag(value: object) -> str:
     return "true" if value else "false"
 
 
-def _torch_fields() -> dict[str, str]:
-    """Returns torch's version and determinism settings, or that torch is absent."""
-    try:
-        torch: Any = importlib.import_module("torch")
-    except ImportError:
-        return {"torch": "absent"}
-    except Exception as exc:
-        # A broken install (e.g. missing CUDA libraries) must not take the job down.
-        return {"torch": f"error: {_describe(exc)}"}
+def _torch_runtime_fields(torch: Any) -> dict[str, str]:
+    """Returns the version and determinism settings of the torch the job imported."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     return {
+        "torch.source": "imported",
         "torch.version": str(torch.__version__),
         "torch.cuda": str(torch.version.cuda or "none"),
         "torch.cudnn": _guarded(lambda: str(cudnn.version() or "none")),
@@ -219,6 +242,111 @@ def _torch_fields() -> dict[str, str]:
     }
 
 
+def _torch_installed_fields() -> dict[str, str]:
+    """Returns the installed torch's version and CUDA build, read from torch/version.py.
+
+    torch writes that file at build time and takes ``torch.__version__`` and
+    ``torch.version.cuda`` from it, so the values are the ones an import would give.
+    """
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):  # None in sys.modules: the job made torch unimportable
+        return {"torch": "absent"}
+    if spec is None:
+        return {"torch": "absent"}
+    try:
+        locations = list(spec.submodule_search_locations or [])
+        text = (Path(locations[0]) / "version.py").read_text(encoding="utf-8")
+        values = _assignments(text)
+        return {
+            "torch.source": "installed",
+            "torch.version": str(values["__version__"]),
+            "torch.cuda": str(values.get("cuda") or "none"),
+        }
+    except Exception as exc:  # a broken install is a recorded fact, never a failed job
+        return {"torch": f"error: {_describe(exc)}"}
+
+
+def _assignments(source: str) -> dict[str, object]:
+    """Returns the literal top-level assignments of a Python file (``x = 1``, ``x: T = 1``)."""
+    values: dict[str, object] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            with contextlib.suppress(ValueError):
+                values[target.id] = ast.literal_eval(value)
+    return values
+
+
+def _torch_fields() -> dict[str, str]:
+    """Returns torch's fields: the runtime's if the job imported torch, else its installed build."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "are_deterministic_algorithms_enabled"):
+        try:
+            return _torch_runtime_fields(torch)
+        except Exception as exc:  # a half-initialized or broken torch must not take the job down
+            return {"torch": f"error: {_describe(exc)}"}
+    return _cached("torch", _torch_installed_fields)
+
+
+class _ProcessCache:
+    """What does not change while a process lives, read once (NVML: once per max age)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, tuple[float, dict[str, str]]] = {}
+        self.pid = os.getpid()
+
+
+_CACHE = _ProcessCache()
+
+
+def _cached(
+    key: str, read: Callable[[], dict[str, str]], *, max_age_s: float = float("inf")
+) -> dict[str, str]:
+    """Returns read()'s fields, read at most once per max_age_s in this process."""
+    with _CACHE.lock:
+        if _CACHE.pid != os.getpid():  # a forked child reads its own (its GPUs may differ)
+            _CACHE.values.clear()
+            _CACHE.pid = os.getpid()
+        now = time.monotonic()
+        held = _CACHE.values.get(key)
+        if held is None or now - held[0] >= max_age_s:
+            held = (now, read())
+            _CACHE.values[key] = held
+        return dict(held[1])
+
+
+def _platform_fields() -> dict[str, str]:
+    return {
+        "python.version": platform.python_version(),
+        "python.implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+    }
+
+
+def _default_gpu_fields() -> dict[str, str]:
+    """Returns the NVML fields through nvidia-ml-py, unless NVML's library is not there.
+
+    pynvml opens the same library first and fails the same way; probing it here spares
+    a machine without a GPU driver the import of pynvml on every process start.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(_NVML_LIBRARY)
+        except OSError:
+            return {
+                "nvml": "unavailable: NVMLError_LibraryNotFound: NVML Shared Library Not Found",
+                "gpu.count": "0",
+            }
+    return _gpu_fields(PynvmlSeam())
+
+
 def fingerprint(
     *,
     nvml: NvmlSeam | None = None,
@@ -227,19 +355,19 @@ def fingerprint(
 ) -> Fingerprint:
     """Returns the fingerprint of this process's GPU and software environment.
 
-    ``with_torch=False`` records ``torch: not-read`` instead of importing torch:
-    `shardledger exec` runs a child whose runtime is not this interpreter's.
+    ``nvml``: a seam to read GPUs through, read at every call (default: nvidia-ml-py,
+    read once per ``NVML_MAX_AGE_S`` in a process). ``with_torch=False`` records
+    ``torch: not-read``: `shardledger exec` runs a child whose runtime is not this
+    interpreter's.
     """
     environ = os.environ if env is None else env
-    fields = {
-        "schema": SCHEMA_VERSION,
-        "python.version": platform.python_version(),
-        "python.implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "image.digest": environ.get(IMAGE_DIGEST_ENV, "unknown"),
-    }
+    fields = {"schema": SCHEMA_VERSION, **_cached("platform", _platform_fields)}
+    fields["image.digest"] = environ.get(IMAGE_DIGEST_ENV, "unknown")
     fields.update({f"env.{name}": environ.get(name, "unset") for name in _RECORDED_ENV})
-    fields.update(_gpu_fields(nvml if nvml is not None else PynvmlSeam()))
+    if nvml is not None:
+        fields.update(_gpu_fields(nvml))
+    else:
+        fields.update(_cached("nvml", _default_gpu_fields, max_age_s=NVML_MAX_AGE_S))
     fields.update(_torch_fields() if with_torch else {"torch": "not-read"})
     return Fingerprint.from_fields(fields)
 
