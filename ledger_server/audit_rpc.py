@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Final
 
 import grpc
 
+from ledger_server.archive_read import archived_rows, tombstone_of
 from ledger_server.auth import AUDIT
 from ledger_server.chain import ChainWalker
 from ledger_server.errors import EventNotFound, InvalidEvent, LedgerCorrupt, SigningKeyMissing
 from ledger_server.merkle import MerkleTree, leaf_hash, verify_inclusion
 from ledger_server.rpc_status import abort_on_error
 from ledger_server.signing import InclusionProofBundle, SigningKey, TreeHead, sign_tree_head
-from ledger_server.store.base import ReadView, RunRow, StoredEvent
+from ledger_server.store.base import ReadView, RunRow, StoredEvent, Tombstone
 from ledger_server.validation import check_id
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json
@@ -126,6 +127,17 @@ class RunTree:
                 sequence=self.last_sequence,
                 run_id=run.run_id,
             )
+
+
+def archived_tree(tombstone: Tombstone) -> RunTree:
+    """Returns an archived run's tree, built from its bundle (checked against the tombstone)."""
+    entry = RunTree(tombstone.run_pk)
+    for stored in archived_rows(tombstone):
+        entry.tree.append(stored.row)
+        entry.chain.advance(stored.row_hash)
+        entry.last_sequence = stored.sequence
+        entry.sequences[stored.event_id] = stored.sequence
+    return entry
 
 
 class RunTreeCache:
@@ -276,6 +288,10 @@ class AuditRpcMixin:
         self, context: grpc.ServicerContext, namespace: str, run_id: str
     ) -> Iterator[tuple[RunRow, RunTree]]:
         run = self.ledger.run(self._scope(context, AUDIT, namespace, run_id), run_id)
+        if run.archived:
+            # Built from the bundle, checked whole against the tombstone; not cached (rare).
+            yield run, archived_tree(tombstone_of(self.ledger.store.read(), run))
+            return
         with self.audit_trees.locked(self.ledger.store.read(), run) as entry:
             yield run, entry
 
@@ -305,9 +321,13 @@ class AuditRpcMixin:
                 run_id=run.run_id,
             )
         size = _size("tree_size", tree_size, entry.tree.size)
-        rows = self.ledger.store.read().list_events(
-            run.run_pk, after_sequence=sequence - 1, limit=1
-        )
+        if run.archived:
+            tombstone = tombstone_of(self.ledger.store.read(), run)
+            rows = [r for r in archived_rows(tombstone) if r.sequence == sequence]
+        else:
+            rows = self.ledger.store.read().list_events(
+                run.run_pk, after_sequence=sequence - 1, limit=1
+            )
         if not rows or rows[0].sequence != sequence:
             raise LedgerCorrupt(f"event {event_id} vanished from sequence {sequence}")
         stored, index = rows[0], rows[0].run_sequence - 1

@@ -16,7 +16,13 @@ from ledger_server import field as figures
 from ledger_server import projections as proj
 from ledger_server import ranks
 from ledger_server.chain import GENESIS_HASH, chain_hash, encode_row, recorded
-from ledger_server.errors import EventIdReused, EventRejected, LedgerError, RunNotFound
+from ledger_server.errors import (
+    EventIdReused,
+    EventRejected,
+    LedgerError,
+    RunArchived,
+    RunNotFound,
+)
 from ledger_server.events import (
     ArtifactCommitted,
     ArtifactVerified,
@@ -180,6 +186,13 @@ class BatchFolder:
             wanted.setdefault((e.namespace, e.run_id), {})[e.shard_id] = None
         for key in wanted:
             run = tx.get_run(*key)
+            if run is not None and run.archived:
+                raise RunArchived(
+                    f"run {key[1]} in namespace {key[0]} is archived: it takes no events"
+                    " unless `shardledger restore` brings it back",
+                    namespace=key[0],
+                    run_id=key[1],
+                )
             if run is not None:
                 runs[key] = run
         records = self._load_records(tx, runs, wanted)

@@ -59,6 +59,13 @@ class ServerConfig:
     store_probe_interval_s: float = 1.0
     # One info line per handled call (request_handled); otherwise they are debug lines.
     access_log: bool = False
+    # Retention (ledger_server/retention.py): runs settled more than archive_after_s ago
+    # are archived under archive_to (a directory or fsspec URL), one per archive_every_s.
+    archive_to: str | None = None
+    archive_after_s: float = 7 * 86400.0
+    archive_every_s: float = 60.0
+    # Per namespace: (namespace, seconds), or (namespace, None) to keep its runs hot.
+    archive_namespaces: tuple[tuple[str, float | None], ...] = ()
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

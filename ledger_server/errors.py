@@ -7,13 +7,15 @@
     ├── RunNotFound             the run has no events (NOT_FOUND)
     ├── EventNotFound           no such event in the run (NOT_FOUND)
     ├── LedgerCorrupt           stored rows break the chain (DATA_LOSS)
+    │   └── ArchiveBroken       an archived run's bundle is missing or differs from its tombstone
     ├── SigningKeyMissing       no tree-head key (FAILED_PRECONDITION)
     ├── ConflictError           (ALREADY_EXISTS)
     │   ├── EventIdReused       same event_id, different content
     │   └── PlanConflict        a re-plan with a different definition
     ├── LifecycleViolation      the event breaks the shard's life cycle (FAILED_PRECONDITION)
     │   ├── RunClosed           a new shard for a run whose submission is closed
-    │   └── RunNotClosed        a reopen of a run that is not closed
+    │   ├── RunNotClosed        a reopen of a run that is not closed
+    │   └── RunArchived         an event for a run whose events were archived
     └── Overloaded              appends wait past capacity: refused unread, retry later (RESOURCE_EXHAUSTED)
 
 Clients never parse messages: they switch on ``reason`` (sent as the
@@ -135,6 +137,18 @@ class RunNotClosed(LifecycleViolation):
     """A run_reopened event names a run with no close that stands."""
 
     reason = "RUN_NOT_CLOSED"
+
+
+class RunArchived(LifecycleViolation):
+    """The run's events moved to an archive: it takes no events until it is restored."""
+
+    reason = "RUN_ARCHIVED"
+
+
+class ArchiveBroken(LedgerCorrupt):
+    """An archived run's bundle is missing, unreadable or differs from its tombstone."""
+
+    reason = "ARCHIVE_BROKEN"
 
 
 class Overloaded(LedgerError):

@@ -12,8 +12,8 @@ __all__ = ["POSTGRESQL_SCHEMA", "RECORD_FORMAT", "ROW_FORMAT", "SQLITE_SCHEMA", 
 
 # The last migration of each store's schema (store/sqlite_sql.py, store/postgres_sql.py):
 # a ledger file at a lower one is migrated by `shardledger db migrate` (or at serve).
-SQLITE_SCHEMA: Final = 5
-POSTGRESQL_SCHEMA: Final = 4
+SQLITE_SCHEMA: Final = 6
+POSTGRESQL_SCHEMA: Final = 5
 # The chained row's format ("v" in each event's stored JSON; events.py, chain.py).
 ROW_FORMAT: Final = 2
 # The shard projection records' format (record.py); older ones are rebuilt from events.

@@ -58,9 +58,10 @@ REJECT_REASONS: Final = (
     *("LIFECYCLE_VIOLATION", "SHARD_NOT_PLANNED", "ATTEMPT_ALREADY_STARTED"),
     *("ATTEMPT_NOT_STARTED", "ATTEMPT_ENDED", "ARTIFACT_NOT_COMMITTED", "INPUT_CHANGED"),
     # The run's own life cycle (summary.check_new_shard, check_reopen).
-    *("RUN_CLOSED", "RUN_NOT_CLOSED"),
+    *("RUN_CLOSED", "RUN_NOT_CLOSED", "RUN_ARCHIVED"),
     *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "OVERLOADED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
+    "ARCHIVE_BROKEN",  # an archived run whose bundle differs from its tombstone (archive.py)
     # A response that cannot hold a recorded value (servicer.built).
     "RESPONSE_FIELD_OUT_OF_RANGE",
     # Authentication and authorization refusals (auth.py), counted per call.
@@ -167,6 +168,31 @@ class LedgerMetrics:
             ["kind"],
             registry=r,
         )
+        self.archive_runs = Counter(
+            "shardledger_archive_runs",
+            "Runs this server's retention archived (serve --archive-after).",
+            registry=r,
+        )
+        self.archive_bytes = Counter(
+            "shardledger_archive_bytes",
+            "Bytes of the bundles this server's retention archived.",
+            registry=r,
+        )
+        self.archive_failures = Counter(
+            "shardledger_archive_failures",
+            "Archive attempts of this server's retention that failed; the run stayed hot.",
+            registry=r,
+        )
+        self.archive_last_success = Gauge(
+            "shardledger_archive_last_success_time_seconds",
+            "Unix time of the latest run the retention archived (0: none yet).",
+            registry=r,
+        )
+        self.archive_last_failure = Gauge(
+            "shardledger_archive_last_failure_time_seconds",
+            "Unix time of the retention's latest failed archive (0: none yet).",
+            registry=r,
+        )
         # Called with the store error of a failed append, or None after one that committed.
         self.on_store_write: Callable[[StoreError | None], None] | None = None
         # Every reason is exported from the start, so rate() sees 0 and not an absent series.
@@ -229,6 +255,16 @@ class LedgerMetrics:
         if error is not None:
             kind = error.reason if error.reason in STORE_FAULTS else "STORE_UNAVAILABLE"
             self.store_probe_failures.labels(kind).inc()
+
+    def observe_archive(self, ok: bool, size_bytes: int, at: float) -> None:
+        """Counts one archive the retention finished (ok) or that failed."""
+        if ok:
+            self.archive_runs.inc()
+            self.archive_bytes.inc(size_bytes)
+            self.archive_last_success.set(at)
+        else:
+            self.archive_failures.inc()
+            self.archive_last_failure.set(at)
 
     def observe_group(self, jobs: int, events: int) -> None:
         """Records one group commit of jobs batches holding events events."""

@@ -23,11 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger_server.admission import Admission, read_reserve
 from ledger_server.aio import AioInterceptor, AioServer, health_handler
+from ledger_server.archiver import Outcome
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.framework import HEALTH_SERVICE_NAME, LedgerHealth, enable_reflection
 from ledger_server.interceptor import RequestInterceptor
 from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metrics_server
 from ledger_server.rebuild import RunRebuild
+from ledger_server.retention import Retention, RetentionPolicy
 from ledger_server.service import LedgerService
 from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
@@ -72,10 +74,13 @@ class RunningServer:
     metrics_port: int | None = None
     probe: StoreProbe | None = None
     pool: futures.ThreadPoolExecutor | None = None  # the asyncio engine's read threads
+    retention: Retention | None = None  # serve --archive-to
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, drains in-flight calls, closes the database."""
         self.health.enter_graceful_shutdown()
+        if self.retention is not None:
+            self.retention.stop()
         if self.probe is not None:
             self.probe.stop()
         # grpcio's graceful stop can wait forever on a call that never finishes (a stuck
@@ -138,11 +143,43 @@ def create_server(config: ServerConfig) -> RunningServer:
         store.close()
         raise
     try:
-        return _start(config, ledger, metrics, key=key, credentials=credentials)
+        running = _start(config, ledger, metrics, key=key, credentials=credentials)
     except BaseException:
         ledger.close()
         store.close()
         raise
+    if config.archive_to:
+        running.retention = _retention(config, ledger, key, metrics)
+    return running
+
+
+def _retention(
+    config: ServerConfig, ledger: LedgerService, key: SigningKey, metrics: LedgerMetrics
+) -> Retention:
+    """Starts the background archive of settled runs (serve --archive-to)."""
+    assert config.archive_to is not None
+    policy = RetentionPolicy(
+        config.archive_after_s,
+        config.archive_to,
+        config.archive_every_s,
+        config.archive_namespaces,
+    )
+
+    def observe(outcome: Outcome) -> None:
+        metrics.observe_archive(outcome.ok, outcome.size_bytes, ledger.clock() / 1e6)
+
+    key_path = config.signing_key or default_key_path(config.database)
+    retention = Retention(
+        ledger, key, policy, on_outcome=observe, child=(config.database, key_path)
+    )
+    retention.start()
+    log.info(
+        "retention_started",
+        archive_to=config.archive_to,
+        archive_after_s=config.archive_after_s,
+        archive_every_s=config.archive_every_s,
+    )
+    return retention
 
 
 def create_read_only_server(

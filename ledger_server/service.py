@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from itertools import islice
 from typing import Any, Final, NamedTuple
 
 from ledger_server import field as figures
+from ledger_server import projections as proj
 from ledger_server.admission import Admission
+from ledger_server.archive_read import archived_rows, replay_archived, tombstone_of
 from ledger_server.batch import AppendResult
 from ledger_server.chain import recorded
 from ledger_server.committer import GroupCommitter
@@ -24,8 +29,8 @@ from ledger_server.errors import (
 from ledger_server.events import Event, RecordedEvent
 from ledger_server.record import latest_attempt_from_row, record_from_row
 from ledger_server.states import QUERY_STATES, ShardState, canonical_query, stored_states
-from ledger_server.store.base import RunRow, ShardRow, Store
-from ledger_server.summary import matches, run_summary, shard_view
+from ledger_server.store.base import ReadView, RunRow, ShardRow, Store, StoredEvent, Tombstone
+from ledger_server.summary import iso_time, matches, run_summary, shard_view
 from ledger_server.validation import (
     ValidEvent,
     check_id,
@@ -35,6 +40,8 @@ from ledger_server.validation import (
 )
 
 MAX_EVENTS_PER_BATCH: Final = 10_000
+# Archived bundles being paged through at once (ArchiveCursors); the oldest is dropped.
+MAX_OPEN_ARCHIVE_READS: Final = 16
 
 
 def now_us() -> int:
@@ -49,6 +56,34 @@ class ResumeItem(NamedTuple):
     plan_index: int
     plan_line: str
     reason: str
+
+
+class ArchiveCursors:
+    """Open reads of archived bundles, so that paging through one reads it once.
+
+    A page of an archived run's events continues the read the previous page left
+    (keyed by the run, its bundle and the last sequence sent) instead of reading the
+    bundle again from its start. The read checks as it streams: the page that reaches
+    the bundle's end checks it whole, so a listing to the end has checked every byte.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, str, int], Iterator[StoredEvent]] = {}
+
+    def page(self, tombstone: Tombstone, after: int, limit: int) -> list[StoredEvent]:
+        """Returns up to limit archived rows with sequence > after."""
+        with self._lock:
+            rows = self._open.pop((tombstone.run_pk, tombstone.digest, after), None)
+        if rows is None:
+            rows = (r for r in archived_rows(tombstone) if r.sequence > after)
+        page = list(islice(rows, limit))
+        if len(page) == limit:
+            with self._lock:
+                self._open[(tombstone.run_pk, tombstone.digest, page[-1].sequence)] = rows
+                while len(self._open) > MAX_OPEN_ARCHIVE_READS:
+                    del self._open[next(iter(self._open))]
+        return page
 
 
 class LedgerService:
@@ -67,6 +102,7 @@ class LedgerService:
         self.stats: Counter[str] = Counter()
         # Only the RPC edge is admitted (servicer): in-process writers (import, tools) wait.
         self.admission = admission
+        self._archive_cursors = ArchiveCursors()
         self._committer = GroupCommitter(
             store,
             clock=clock,
@@ -124,12 +160,25 @@ class LedgerService:
             namespace = check_namespace(namespace)
         return self.store.read().list_runs(namespace, limit)
 
+    def archive_location(self, run: RunRow) -> str:
+        """Returns where an archived run's bundle lives ("" for a hot run)."""
+        if not run.archived:
+            return ""
+        tombstone = self.store.read().get_tombstone(run.run_pk)
+        return tombstone.location if tombstone is not None else ""
+
     def list_events(
         self, namespace: str, run_id: str, *, after_sequence: int = 0, limit: int = 1000
     ) -> list[RecordedEvent]:
         """Returns a page of the run's events with sequence > after_sequence."""
         run = self.run(namespace, run_id)
-        rows = self.store.read().list_events(run.run_pk, after_sequence=after_sequence, limit=limit)
+        if run.archived:
+            tombstone = tombstone_of(self.store.read(), run)
+            rows = self._archive_cursors.page(tombstone, after_sequence, limit)
+        else:
+            rows = self.store.read().list_events(
+                run.run_pk, after_sequence=after_sequence, limit=limit
+            )
         return [recorded(r) for r in rows]
 
     def iter_events(
@@ -137,45 +186,30 @@ class LedgerService:
     ) -> Iterator[RecordedEvent]:
         """Yields every event of the run in order."""
         run = self.run(namespace, run_id)
-        for stored in self.store.read().iter_events(run.run_pk, until_sequence=until_sequence):
+        view = self.store.read()
+        if run.archived:
+            for stored in archived_rows(tombstone_of(view, run)):
+                if until_sequence is not None and stored.sequence > until_sequence:
+                    return
+                yield recorded(stored)
+            return
+        for stored in view.iter_events(run.run_pk, until_sequence=until_sequence):
             yield recorded(stored)
 
     def summary(self, namespace: str, run_id: str, *, now: int | None = None) -> dict[str, Any]:
         """Returns the run summary at now (server clock by default)."""
         run = self.run(namespace, run_id)
-        at = self.clock() if now is None else now
-        view = self.store.read()
-        counters = Counter(view.counters(run.run_pk))
-        out = run_summary(
-            counters,
-            stale=view.count_stale(run.run_pk, at),
-            run_id=run.run_id,
-            namespace=run.namespace,
-            last_event_us=run.updated_us,
-            now_us=at,
-        )
-        out["as_of_us"] = at
-        out["event_count"] = run.event_count
-        out["head_hash"] = run.head_hash.hex()
-        return out
+        return summary_at(self.store.read(), run, self.clock() if now is None else now)
 
     def report(self, namespace: str, run_id: str, *, now: int | None = None) -> dict[str, Any]:
         """Returns the run's field figures at now: costs, checkpoint advice, first pass.
 
         From the run's summed counters and its running shards alone (never every
-        event): docs/metrics.md defines each figure.
+        event): docs/metrics.md defines each figure. An archived run's counters stay
+        hot, and its labels are its tombstone's: it is answered without its archive.
         """
         run = self.run(namespace, run_id)
-        at = self.clock() if now is None else now
-        view = self.store.read()
-        counters = Counter(view.counters(run.run_pk))
-        labels: dict[str, str] = {}
-        for row in view.iter_shards(run.run_pk):
-            assert row.record is not None
-            labels = record_from_row(row.record, None, None).labels
-            break
-        out = figures.run_report(counters, self._open_parts(view, run, at), labels=labels)
-        return {"namespace": run.namespace, "run_id": run.run_id, **out, "as_of_us": at}
+        return report_at(self.store.read(), run, self.clock() if now is None else now)
 
     def compare(
         self, namespace: str, run_ids: Sequence[str], label: str, *, now: int | None = None
@@ -195,18 +229,7 @@ class LedgerService:
 
     @staticmethod
     def _open_parts(view: Any, run: RunRow, at: int) -> list[figures.OpenPart]:
-        parts = []
-        for row in view.iter_shards(run.run_pk, states=[ShardState.RUNNING.value]):
-            assert row.record is not None
-            # A running shard's latest attempt is open: it alone is built, not the record.
-            attempt, labels, shard_labels = latest_attempt_from_row(row.record, row.beat_us)
-            if attempt is not None:
-                parts.append(
-                    figures.open_part_of(
-                        attempt, labels, row.deadline_us, at, shard_labels=shard_labels
-                    )
-                )
-        return parts
+        return open_parts(view, run, at)
 
     def shards(
         self,
@@ -243,10 +266,26 @@ class LedgerService:
             raise InvalidEvent("state", "must be one of " + ", ".join(QUERY_STATES)) from None
         run = self.run(namespace, run_id)
         at = self.clock() if now is None else now
-        rows = self.store.read().iter_shards(
-            run.run_pk, states=stored_states(state), after_index=after
-        )
+        if run.archived:
+            rows = self._archived_shards(run, stored_states(state), after)
+        else:
+            rows = self.store.read().iter_shards(
+                run.run_pk, states=stored_states(state), after_index=after
+            )
         return self._views(rows, state, at)
+
+    def _archived_shards(
+        self, run: RunRow, states: list[str] | None, after: tuple[int, str] | None
+    ) -> Iterator[ShardRow]:
+        """Yields an archived run's shard rows, replayed from its bundle (checked whole first)."""
+        replay = replay_archived(tombstone_of(self.store.read(), run))
+        for record in replay.ordered():
+            columns = proj.row_columns(record)
+            if states is not None and columns["state"] not in states:
+                continue
+            if after is not None and (record.plan_index, record.shard_id) <= after:
+                continue
+            yield ShardRow(shard_id=record.shard_id, **columns)
 
     @staticmethod
     def _views(
@@ -270,7 +309,15 @@ class LedgerService:
     ) -> Iterator[tuple[str, int, str, str]]:
         """resume() as plain (shard_id, plan_index, plan_line, reason) tuples, for streaming."""
         run = self.run(namespace, run_id)  # eagerly, so a bad run fails before streaming
-        return self.store.read().iter_resume(run.run_pk, self.clock() if now is None else now)
+        at = self.clock() if now is None else now
+        if run.archived:
+            replay = replay_archived(tombstone_of(self.store.read(), run))
+            return (
+                (r.shard_id, r.plan_index, r.plan_line, reason)
+                for r in replay.ordered()
+                if (reason := proj.resume_reason(r, at)) is not None
+            )
+        return self.store.read().iter_resume(run.run_pk, at)
 
     @property
     def last_sequence(self) -> int:
@@ -284,3 +331,64 @@ class LedgerService:
     def close(self, timeout: float = 30.0) -> None:
         """Stops the writer after the queued batches commit."""
         self._committer.close(timeout)
+
+
+def summary_at(view: ReadView, run: RunRow, at: int) -> dict[str, Any]:
+    """Returns the run summary at ``at`` from its counters and stale shards (an archived run has none)."""
+    counters = Counter(view.counters(run.run_pk))
+    out = run_summary(
+        counters,
+        stale=view.count_stale(run.run_pk, at),
+        run_id=run.run_id,
+        namespace=run.namespace,
+        last_event_us=run.updated_us,
+        now_us=at,
+    )
+    out["as_of_us"] = at
+    out["event_count"] = run.event_count
+    out["head_hash"] = run.head_hash.hex()
+    tombstone = view.get_tombstone(run.run_pk) if run.archived else None
+    if tombstone is not None:
+        # Where the events went and what vouches for them; the figures stay those above.
+        out["archive"] = {
+            "location": tombstone.location,
+            "manifest_blake3": tombstone.digest,
+            "size_bytes": tombstone.size_bytes,
+            "archived_at": iso_time(tombstone.archived_us),
+            "tree_head": json.loads(tombstone.tree_head),
+        }
+    return out
+
+
+def run_labels(view: ReadView, run: RunRow) -> dict[str, str]:
+    """Returns the run's labels: its first shard's, or (archived) its tombstone's."""
+    if run.archived:
+        tombstone = view.get_tombstone(run.run_pk)
+        return {} if tombstone is None else dict(json.loads(tombstone.labels))
+    for row in view.iter_shards(run.run_pk):
+        assert row.record is not None
+        return record_from_row(row.record, None, None).labels
+    return {}
+
+
+def report_at(view: ReadView, run: RunRow, at: int) -> dict[str, Any]:
+    """Returns the run's field figures at ``at`` (LedgerService.report)."""
+    counters = Counter(view.counters(run.run_pk))
+    out = figures.run_report(counters, open_parts(view, run, at), labels=run_labels(view, run))
+    return {"namespace": run.namespace, "run_id": run.run_id, **out, "as_of_us": at}
+
+
+def open_parts(view: ReadView, run: RunRow, at: int) -> list[figures.OpenPart]:
+    """Returns the open parts of the run's running shards (none once it is archived)."""
+    parts = []
+    for row in view.iter_shards(run.run_pk, states=[ShardState.RUNNING.value]):
+        assert row.record is not None
+        # A running shard's latest attempt is open: it alone is built, not the record.
+        attempt, labels, shard_labels = latest_attempt_from_row(row.record, row.beat_us)
+        if attempt is not None:
+            parts.append(
+                figures.open_part_of(
+                    attempt, labels, row.deadline_us, at, shard_labels=shard_labels
+                )
+            )
+    return parts

@@ -293,7 +293,14 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         after = request.after_sequence
         with abort_on_error(context):
             ns = self._scope(context, READ, request.namespace, request.run_id)
-            self.ledger.run(ns, request.run_id)
+            archived = self.ledger.run(ns, request.run_id).archived
+        if archived:
+            # An archived run takes no events: its bundle is streamed once, then the tail ends.
+            with abort_on_error(context):
+                for rec in self.ledger.iter_events(ns, request.run_id):
+                    if rec.sequence > after:
+                        yield pb.TailEventsResponse(event=codec.encode_recorded(rec))
+            return
         while context.is_active():
             # Read the mark before the page, so a commit landing in between wakes us.
             mark = self.ledger.last_sequence
@@ -320,6 +327,8 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
                         head_hash=r.head_hash,
                         create_time=codec.us_timestamp(r.created_us),
                         update_time=codec.us_timestamp(r.updated_us),
+                        archived=r.archived,
+                        archive_location=self.ledger.archive_location(r),
                     )
                     for r in rows
                 ]

@@ -13,7 +13,8 @@
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
     python -m tools.bench job       what the SDK costs a job: per process, shard, heartbeat, commit (tools.bench_job)
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
-    python -m tools.bench all       everything but report and job; JSON lands in bench-results/ingest.json
+    python -m tools.bench retention a compressed year with and without archiving (tools.bench_retention)
+    python -m tools.bench all       everything but report, job and retention; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
 """
@@ -673,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("which", choices=[*BENCHES, "all"])
+    parser.add_argument("which", choices=[*BENCHES, "retention", "all"])
     parser.add_argument(
         "-o",
         "--output",
@@ -744,6 +745,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--connections must be positive numbers")
     global id_style
     id_style = args.ids
+    if args.which == "retention":
+        # Its own file and its own knobs (python -m tools.bench_retention --help).
+        from tools.bench_retention import main as bench_retention_main
+
+        code: int = bench_retention_main(["-o", args.output] if args.output else [])
+        return code
     if args.which == "report":
         # Its own file, as `python -m tools.bench_report` writes it (not a key of ingest.json).
         result = bench_report()

@@ -60,6 +60,11 @@ ENVIRONMENT: Final[dict[str, tuple[str, str]]] = {
         "serve",
         "require client certificates signed by this CA (mutual TLS); `--client-ca` wins",
     ),
+    "SHARDLEDGER_ARCHIVE_FAILPOINT": (
+        "archive, serve",
+        "fault tests only: the archive kills its own process (SIGKILL) at this step"
+        " (ledger_server.archiver.STEPS); never set it in production",
+    ),
     "SHARDLEDGER_SPOOL_DIR": (
         "SDK, spool",
         "where jobs spool events while the ledger is away (default"

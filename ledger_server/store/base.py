@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Final, NamedTuple, Protocol
@@ -104,6 +104,37 @@ class RunRow:
     head_hash: bytes
     created_us: int
     updated_us: int
+    # True once the run's events moved to an archive and a tombstone stands in for them.
+    archived: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What stays hot of an archived run: where its events went, and the proofs to check them.
+
+    The run's head row and summary counters stay in their tables; its events, shard rows
+    and heartbeat rows leave in the one transaction that writes this row.
+    """
+
+    run_pk: int
+    location: str  # the bundle's directory URL
+    digest: str  # blake3 of the bundle's manifest.json, hex
+    event_count: int
+    head_hash: bytes
+    first_sequence: int
+    last_sequence: int
+    size_bytes: int  # the bundle's size
+    tree_head: str  # the signed tree head, JSON
+    summary: str  # the run summary at archive time, JSON
+    report: str  # the run report at archive time, JSON
+    labels: str  # the run's labels, JSON
+    archived_us: int
+
+
+class ArchiveConflict(StoreError):
+    """The run moved (or was archived or restored) since the archive read it; nothing changed."""
+
+    reason = "ARCHIVE_CONFLICT"
 
 
 class StoredEvent(NamedTuple):
@@ -245,7 +276,10 @@ class ReadView(Protocol):
         """
 
     def max_sequence(self) -> int:
-        """Returns the highest stored sequence (0 when empty)."""
+        """Returns the highest sequence ever stored (archived runs' included; 0 when empty)."""
+
+    def get_tombstone(self, run_pk: int) -> Tombstone | None:
+        """Returns the archived run's tombstone, or None while the run is hot."""
 
 
 class Store(Protocol):
@@ -293,6 +327,27 @@ class Store(Protocol):
 
     def on_fault(self, wake: Callable[[], None]) -> None:
         """Calls wake whenever a call meets a fault the next probe should look at at once."""
+
+    def archive_run(self, tombstone: Tombstone, *, before_commit: Callable[[], None]) -> None:
+        """Replaces the run's events, shard and heartbeat rows by the tombstone, in one transaction.
+
+        Raises ArchiveConflict (nothing changed) unless the run's head still has the
+        tombstone's event count and head hash and no tombstone yet. before_commit runs
+        inside the transaction, after the deletes (a test's failpoint).
+        """
+
+    def restore_run(
+        self,
+        tombstone: Tombstone,
+        events: Iterable[StoredEvent],
+        projections: Callable[[], tuple[Collection[ShardRow], dict[str, int]]],
+    ) -> None:
+        """Writes the archived rows back verbatim (their sequences kept), rebuilds the
+        projections and drops the tombstone, in one transaction.
+
+        ``projections`` is called once ``events`` is exhausted. Raises ArchiveConflict
+        unless the run still has this tombstone.
+        """
 
     def close(self) -> None:
         """Closes every connection."""

@@ -43,6 +43,7 @@ from urllib.parse import unquote
 
 import psycopg
 
+from ledger_server.store import postgres_archive
 from ledger_server.store import postgres_sql as q
 from ledger_server.store.base import (
     PROBE_RETRY_S,
@@ -51,6 +52,7 @@ from ledger_server.store.base import (
     StoredEvent,
     StoreError,
     TokenRow,
+    Tombstone,
 )
 from ledger_server.store.pg_pool import PgPool
 from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
@@ -333,6 +335,21 @@ class PostgresStore:
             with conn.cursor().copy(q.SQL_COPY_COUNTERS) as copy:
                 for key, n in sorted(counters.items()):
                     copy.write_row((run.run_pk, key, n))
+
+    def archive_run(self, tombstone: Tombstone, *, before_commit: Callable[[], None]) -> None:
+        """Replaces the run's rows by its tombstone in one transaction (postgres_archive)."""
+        with self.write() as tx:
+            postgres_archive.archive(tx, tombstone, before_commit)
+
+    def restore_run(
+        self,
+        tombstone: Tombstone,
+        events: Iterable[StoredEvent],
+        projections: Callable[[], tuple[Collection[ShardRow], dict[str, int]]],
+    ) -> None:
+        """Puts an archived run's rows back and drops its tombstone in one transaction."""
+        with self.write() as tx:
+            postgres_archive.restore(tx, tombstone, events, projections)
 
     def sync_sequences(self) -> None:
         """Moves the id sequences past the highest imported keys."""

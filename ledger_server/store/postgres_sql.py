@@ -109,6 +109,53 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
             " INCLUDE (detail, deadline_us, plan_line)",
         ],
     ),
+    (
+        5,
+        "run tombstones: an archived run's events leave the hot store",
+        [
+            """CREATE TABLE run_archives (
+                run_pk bigint PRIMARY KEY REFERENCES runs (run_pk),
+                location text NOT NULL,
+                digest text NOT NULL,
+                event_count bigint NOT NULL,
+                head_hash bytea NOT NULL,
+                first_seq bigint NOT NULL,
+                last_seq bigint NOT NULL,
+                size_bytes bigint NOT NULL,
+                tree_head text NOT NULL,
+                summary text NOT NULL,
+                report text NOT NULL,
+                labels text NOT NULL,
+                archived_us bigint NOT NULL)""",
+            # Events stay append-only, except the rows of a run whose tombstone stands:
+            # the archive's transaction writes the tombstone first, then deletes them.
+            # (A statement trigger has no OLD row: only a row DELETE may look for one.)
+            """CREATE OR REPLACE FUNCTION shardledger_refuse_change() RETURNS trigger
+               LANGUAGE plpgsql AS $$
+               BEGIN
+                 IF TG_OP = 'DELETE' AND TG_LEVEL = 'ROW' THEN
+                   IF EXISTS (SELECT 1 FROM run_archives WHERE run_pk = OLD.run_pk) THEN
+                     RETURN OLD;
+                   END IF;
+                 END IF;
+                 RAISE EXCEPTION 'events are append-only: % refused', TG_OP
+                   USING ERRCODE = 'SL001';
+               END $$""",
+            # A tombstone is never edited, and goes only with its run's events back (restore).
+            """CREATE FUNCTION shardledger_guard_tombstone() RETURNS trigger
+               LANGUAGE plpgsql AS $$
+               BEGIN
+                 IF TG_OP = 'DELETE' AND (SELECT COUNT(*) FROM events
+                                          WHERE run_pk = OLD.run_pk) = OLD.event_count THEN
+                   RETURN OLD;
+                 END IF;
+                 RAISE EXCEPTION 'tombstones are immutable until their run is restored: % refused',
+                   TG_OP USING ERRCODE = 'SL001';
+               END $$""",
+            """CREATE TRIGGER run_archives_guard BEFORE UPDATE OR DELETE ON run_archives
+               FOR EACH ROW EXECUTE FUNCTION shardledger_guard_tombstone()""",
+        ],
+    ),
 ]
 formats.check_schema("PostgreSQL", MIGRATIONS, formats.POSTGRESQL_SCHEMA)
 
@@ -131,11 +178,15 @@ SQL_TABLE_EXISTS: Final = "SELECT to_regclass('schema_migrations') IS NOT NULL"
 RUN_COLUMNS: Final = "run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
 EVENT_COLUMNS: Final = 'seq, run_pk, run_seq, event_id, "row", hash'
 
-SQL_GET_RUN: Final = f"SELECT {RUN_COLUMNS} FROM runs WHERE namespace = %s AND run_id = %s"
+# A run row as RunRow reads it: its head, and whether a tombstone stands in for its events.
+RUN_READ_COLUMNS: Final = (
+    f"{RUN_COLUMNS}, EXISTS (SELECT 1 FROM run_archives AS a WHERE a.run_pk = runs.run_pk)"
+)
+SQL_GET_RUN: Final = f"SELECT {RUN_READ_COLUMNS} FROM runs WHERE namespace = %s AND run_id = %s"
 # The row lock on the run head is what serializes appends to one run across replicas.
 SQL_LOCK_RUN: Final = SQL_GET_RUN + " FOR UPDATE"
 SQL_LIST_RUNS: Final = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE (%s::text IS NULL OR namespace = %s)"
+    f"SELECT {RUN_READ_COLUMNS} FROM runs WHERE (%s::text IS NULL OR namespace = %s)"
     " ORDER BY updated_us DESC, run_pk DESC LIMIT %s"
 )
 SQL_CREATE_RUN: Final = (
@@ -231,7 +282,26 @@ SQL_ITER_RESUME: Final = (
 )
 # A separate statement rather than "states IS NULL OR ...", which a generic plan handles badly.
 IN_STATES: Final = " AND s.state = ANY(%(states)s) ORDER BY"
-SQL_MAX_SEQUENCE: Final = "SELECT COALESCE(MAX(seq), 0) FROM events"
+SQL_MAX_SEQUENCE: Final = (
+    "SELECT GREATEST(COALESCE((SELECT MAX(seq) FROM events), 0),"
+    " COALESCE((SELECT MAX(last_seq) FROM run_archives), 0))"
+)
+TOMBSTONE_COLUMNS: Final = (
+    "run_pk, location, digest, event_count, head_hash, first_seq, last_seq, size_bytes,"
+    " tree_head, summary, report, labels, archived_us"
+)
+SQL_GET_TOMBSTONE: Final = f"SELECT {TOMBSTONE_COLUMNS} FROM run_archives WHERE run_pk = %s"
+SQL_INSERT_TOMBSTONE: Final = (
+    f"INSERT INTO run_archives ({TOMBSTONE_COLUMNS}) VALUES ({', '.join(['%s'] * 13)})"
+)
+SQL_DELETE_TOMBSTONE: Final = "DELETE FROM run_archives WHERE run_pk = %s"
+# The row lock on the run head serializes the archive with appends from every replica.
+SQL_LOCK_RUN_HEAD: Final = "SELECT event_count, head_hash FROM runs WHERE run_pk = %s FOR UPDATE"
+SQL_ARCHIVE_DELETES: Final = (
+    "DELETE FROM shard_beats WHERE run_pk = %s",
+    "DELETE FROM shards WHERE run_pk = %s",
+    "DELETE FROM events WHERE run_pk = %s",
+)
 SQL_TRIGGERS: Final = (
     "SELECT tgname, tgenabled FROM pg_trigger"
     " WHERE tgrelid = 'events'::regclass AND NOT tgisinternal ORDER BY tgname"
@@ -283,6 +353,9 @@ def server_role_grants(role: str) -> list[str]:
         f"REVOKE UPDATE, DELETE, TRUNCATE ON events FROM {quoted}",
         f"GRANT SELECT, INSERT, UPDATE ON runs, shards, run_counters TO {quoted}",
         f"REVOKE DELETE, TRUNCATE ON runs, shards, run_counters FROM {quoted}",
+        # Archiving deletes events: the owner's (or another maintenance role's) work, never
+        # a server role's (`shardledger archive --db` as that role; docs/operations.md).
+        f"GRANT SELECT ON run_archives TO {quoted}",
         # A heartbeat row is deleted when the shard's full record is written again.
         f"GRANT SELECT, INSERT, UPDATE, DELETE ON shard_beats TO {quoted}",
         f"GRANT USAGE, SELECT ON SEQUENCE runs_run_pk_seq, {EVENT_SEQUENCE} TO {quoted}",

@@ -25,6 +25,7 @@ from ledger_server.store.base import (
     StoreFull,
     StoreIOError,
     StoreReadOnly,
+    Tombstone,
 )
 
 Conn = psycopg.Connection[TupleRow]
@@ -80,7 +81,15 @@ def edge() -> Iterator[None]:
 
 
 def _run(row: Sequence[Any]) -> RunRow:
-    return RunRow(*row)
+    pk, namespace, run_id, count, head, created, updated, archived = row
+    return RunRow(pk, namespace, run_id, count, head, created, updated, bool(archived))
+
+
+def tombstone_of(row: Sequence[Any]) -> Tombstone:
+    """Returns the tombstone in a run_archives row."""
+    values = list(row)
+    values[4] = bytes(values[4])
+    return Tombstone(*values)
 
 
 def _event(row: Sequence[Any]) -> StoredEvent:
@@ -345,3 +354,7 @@ class PgReadView:
 
     def max_sequence(self) -> int:
         return int(self.rows(q.SQL_MAX_SEQUENCE, ())[0][0])
+
+    def get_tombstone(self, run_pk: int) -> Tombstone | None:
+        rows = self.rows(q.SQL_GET_TOMBSTONE, (run_pk,))
+        return tombstone_of(rows[0]) if rows else None

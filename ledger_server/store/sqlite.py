@@ -7,16 +7,20 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from ledger_server.store import sqlite_archive
 from ledger_server.store import sqlite_sql as q
 from ledger_server.store.base import (
+    ShardRow,
+    StoredEvent,
     StoreError,
     StoreReadOnly,
     StoreSyncFailed,
     TokenRow,
+    Tombstone,
     WriterBusy,
 )
 from ledger_server.store.sqlite_errors import translate
@@ -290,6 +294,21 @@ class SqliteStore:
         """Commits the open transaction (WAL frames written and fsynced: synchronous=FULL)."""
         # One seam for the commit, where a test injects a failed fsync or a full disk.
         conn.execute("COMMIT")
+
+    def archive_run(self, tombstone: Tombstone, *, before_commit: Callable[[], None]) -> None:
+        """Replaces the run's rows by its tombstone in one transaction (sqlite_archive)."""
+        with self.write() as tx:
+            sqlite_archive.archive(tx, tombstone, before_commit)
+
+    def restore_run(
+        self,
+        tombstone: Tombstone,
+        events: Iterable[StoredEvent],
+        projections: Callable[[], tuple[Collection[ShardRow], dict[str, int]]],
+    ) -> None:
+        """Puts an archived run's rows back and drops its tombstone in one transaction."""
+        with self.write() as tx:
+            sqlite_archive.restore(tx, tombstone, events, projections)
 
     def read(self) -> SqliteReadView:
         """Returns the calling thread's read view."""

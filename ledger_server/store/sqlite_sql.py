@@ -130,17 +130,77 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
             " (run_pk, plan_index, shard_id, state, detail, deadline_us, plan_line)",
         ],
     ),
+    (
+        6,
+        "run tombstones: an archived run's events leave the hot store",
+        [
+            """CREATE TABLE run_archives (
+                run_pk INTEGER PRIMARY KEY REFERENCES runs (run_pk),
+                location TEXT NOT NULL,
+                digest TEXT NOT NULL,
+                event_count INTEGER NOT NULL,
+                head_hash BLOB NOT NULL,
+                first_seq INTEGER NOT NULL,
+                last_seq INTEGER NOT NULL,
+                size_bytes INTEGER NOT NULL,
+                tree_head TEXT NOT NULL,
+                summary TEXT NOT NULL,
+                report TEXT NOT NULL,
+                labels TEXT NOT NULL,
+                archived_us INTEGER NOT NULL)""",
+            # Events stay append-only, except the rows of a run whose tombstone stands:
+            # the archive's transaction writes the tombstone first, then deletes them.
+            "DROP TRIGGER events_no_delete",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+               WHEN NOT EXISTS (SELECT 1 FROM run_archives WHERE run_pk = OLD.run_pk)
+               BEGIN SELECT RAISE(ABORT, 'events are append-only: DELETE refused'); END""",
+            """CREATE TRIGGER run_archives_no_update BEFORE UPDATE ON run_archives
+               BEGIN SELECT RAISE(ABORT, 'tombstones are immutable: UPDATE refused'); END""",
+            # A tombstone goes only with its run's events back in place (restore).
+            """CREATE TRIGGER run_archives_no_delete BEFORE DELETE ON run_archives
+               WHEN (SELECT COUNT(*) FROM events WHERE run_pk = OLD.run_pk) != OLD.event_count
+               BEGIN SELECT RAISE(ABORT,
+                 'tombstones stay until their run''s events are restored: DELETE refused'); END""",
+        ],
+    ),
 ]
 formats.check_schema("SQLite", MIGRATIONS, formats.SQLITE_SCHEMA)
 SQL_TOKEN_COLUMNS: Final = "token_id, namespace, role, run_prefix, secret_hash, description, created_us, expires_us, revoked_us"
 
-SQL_GET_RUN: Final = (
-    "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
-    " FROM runs WHERE namespace = ? AND run_id = ?"
+# A run row as RunRow reads it: its head, and whether a tombstone stands in for its events.
+SQL_RUN_COLUMNS: Final = (
+    "run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us,"
+    " EXISTS (SELECT 1 FROM run_archives AS a WHERE a.run_pk = runs.run_pk)"
 )
+SQL_GET_RUN: Final = f"SELECT {SQL_RUN_COLUMNS} FROM runs WHERE namespace = ? AND run_id = ?"
 SQL_LIST_RUNS: Final = (
-    "SELECT run_pk, namespace, run_id, event_count, head_hash, created_us, updated_us"
+    f"SELECT {SQL_RUN_COLUMNS}"
     " FROM runs WHERE (? IS NULL OR namespace = ?) ORDER BY updated_us DESC, run_pk DESC LIMIT ?"
+)
+# Sequences are never reused: an archived run's were taken, and restore puts its rows back
+# under them, so the next one is past every stored and every archived sequence.
+SQL_MAX_SEQUENCE: Final = (
+    "SELECT MAX(COALESCE((SELECT MAX(seq) FROM events), 0),"
+    " COALESCE((SELECT MAX(last_seq) FROM run_archives), 0))"
+)
+SQL_TOMBSTONE_COLUMNS: Final = (
+    "run_pk, location, digest, event_count, head_hash, first_seq, last_seq, size_bytes,"
+    " tree_head, summary, report, labels, archived_us"
+)
+SQL_GET_TOMBSTONE: Final = f"SELECT {SQL_TOMBSTONE_COLUMNS} FROM run_archives WHERE run_pk = ?"
+SQL_INSERT_TOMBSTONE: Final = (
+    f"INSERT INTO run_archives ({SQL_TOMBSTONE_COLUMNS}) VALUES ({', '.join('?' * 13)})"
+)
+SQL_DELETE_TOMBSTONE: Final = "DELETE FROM run_archives WHERE run_pk = ?"
+SQL_RUN_HEAD: Final = "SELECT event_count, head_hash FROM runs WHERE run_pk = ?"
+# What an archive removes, in this order: the rows that refer to the run's events first.
+SQL_ARCHIVE_DELETES: Final = (
+    "DELETE FROM shard_beats WHERE run_pk = ?",
+    "DELETE FROM shards WHERE run_pk = ?",
+    "DELETE FROM events WHERE run_pk = ?",
+)
+SQL_RESTORE_EVENTS: Final = (
+    "INSERT INTO events (seq, run_pk, run_seq, event_id, row, hash) VALUES {values}"
 )
 SQL_UPDATE_RUN: Final = (
     "UPDATE runs SET event_count = ?, head_hash = ?, updated_us = ? WHERE run_pk = ?"

@@ -16,6 +16,7 @@ from ledger_server.store.base import (
     StoredEvent,
     StoredShard,
     StoreError,
+    Tombstone,
 )
 from ledger_server.store.sqlite_errors import translate
 
@@ -43,7 +44,13 @@ def _write_rows(
 
 
 def _run(row: tuple[object, ...]) -> RunRow:
-    return RunRow(*row)  # type: ignore[arg-type]
+    pk, namespace, run_id, count, head, created, updated, archived = row
+    return RunRow(pk, namespace, run_id, count, head, created, updated, bool(archived))  # type: ignore[arg-type]
+
+
+def tombstone_of(row: tuple[object, ...]) -> Tombstone:
+    """Returns the tombstone in a run_archives row."""
+    return Tombstone(*row)  # type: ignore[arg-type]
 
 
 def _event(row: tuple[object, ...]) -> StoredEvent:
@@ -102,7 +109,7 @@ class SqliteWriteTx:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
-        top = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+        top = conn.execute(q.SQL_MAX_SEQUENCE).fetchone()[0]
         self._buf = _Buffer(next_seq=int(top) + 1)
         # Runs whose projections this transaction cleared and no heartbeat row was written
         # for since: a shard row saved for one has no heartbeat row to delete (a rebuild's
@@ -353,4 +360,8 @@ class SqliteReadView:
             yield from rows
 
     def max_sequence(self) -> int:
-        return int(self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+        return int(self.conn.execute(q.SQL_MAX_SEQUENCE).fetchone()[0])
+
+    def get_tombstone(self, run_pk: int) -> Tombstone | None:
+        row = self.conn.execute(q.SQL_GET_TOMBSTONE, (run_pk,)).fetchone()
+        return tombstone_of(row) if row else None

@@ -165,3 +165,20 @@ def test_bench_job_runs_every_job_and_the_sdk_keeps_torch_out_and_exits_at_once(
     assert result["targets"]["exit with the ledger down <= 0.5 s"]["close_s_max"] < 5
     assert result["heartbeat"]["beats"] > 10  # a beat every 20 ms for a second, counted
     assert "met" in result["targets"]["word count: SDK adds <= import grpc + stubs + 100 ms"]
+
+
+def test_bench_retention_archives_every_night_past_the_policy_and_only_those(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "retention.json"
+    done = _bench(
+        "tools.bench_retention",
+        *("--nights", "12", "--shards", "10", "--after", "3", "-o", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    # By night 12, nights 1 to 9 settled at least 3 nights before: archived, the rest hot.
+    assert result["with_archive"]["archived_runs"] == 12 - 3
+    assert result["without_archive"]["archived_runs"] == 0
+    assert result["with_archive"]["marks"][-1]["first_night_archived"]
+    assert result["hot_used_ratio_at_end"] < 1

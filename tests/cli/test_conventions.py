@@ -219,7 +219,8 @@ def test_runs_print_whole_timestamps_piped_and_as_a_table(
 ) -> None:
     _, plain, _ = run_cli(capsys, "runs", "--server", night)
     header, row = (line.split("\t") for line in plain.splitlines())
-    assert header == ["RUN", "NAMESPACE", "EVENTS", "CREATED", "UPDATED", "HEAD"]
+    assert header == ["RUN", "NAMESPACE", "EVENTS", "CREATED", "UPDATED", "HEAD", "STORED"]
+    assert row[6] == "hot"
     assert row[0] == RUN and ISO_SECOND.fullmatch(row[3]) and ISO_SECOND.fullmatch(row[4])
     _, table, _ = run_cli(capsys, "runs", "--server", night, "--format", "table")
     assert len(ISO_SECOND.findall(table)) == 2, table

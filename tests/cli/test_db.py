@@ -120,15 +120,17 @@ def test_migrate_applies_and_prints_versions_on_both_backends(
     tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # SQLite has one more: its shard rows moved to a rowid table (PostgreSQL needs no such
-    # move). Both end with the plan-order index covering the resume list.
-    for url, last in ((f"sqlite:///{tmp_path / 'new.db'}", 5), (pg_url, 4)):
+    # move). Both then cover the resume list with the plan-order index, and end with the
+    # tombstones of archived runs.
+    for url, last in ((f"sqlite:///{tmp_path / 'new.db'}", 6), (pg_url, 5)):
         assert _db("migrate", "--database-url", url) == EXIT_OK
         out = capsys.readouterr().out
         assert f"schema version {last}" in out
         assert "1  events, runs" in out and "2  access tokens" in out
         assert "3  shard heartbeats" in out
-        assert ("4  shard rows in a rowid table" in out) == (last == 5)
-        assert f"{last}  the plan-order index covers the resume list" in out
+        assert ("4  shard rows in a rowid table" in out) == (last == 6)
+        assert f"{last - 1}  the plan-order index covers the resume list" in out
+        assert f"{last}  run tombstones: an archived run's events leave the hot store" in out
         assert _db("migrate", "--database-url", url, "--json") == EXIT_OK
         versions = json.loads(capsys.readouterr().out)["migrations"]
         assert [m["version"] for m in versions] == list(range(1, last + 1))

@@ -25,6 +25,7 @@ from ledger_server.config import ServerConfig
 from ledger_server.server import RunningServer, create_server
 from ledger_server.store import open_store
 from ledger_server.store.base import StoreReadOnly
+from ledger_server.store.sqlite import SqliteStore
 from shard_client.client import LedgerClient
 from tests import pg
 from tests.builders import committed, planned, run_cli, started
@@ -354,6 +355,7 @@ def test_a_ledger_whose_records_need_a_rebuild_is_refused_and_left_as_it_was(
 ) -> None:
     old = tmp_path / "ledger.db"
     shutil.copyfile(OLD, old)  # release 0.1.0's shard records: a server start rewrites them
+    SqliteStore(old).close()  # the schema of this release (records are left as they were)
     before = snapshot(old)
     code, _, err = run_cli(capsys, "status", "night-0.1.0", "--db", str(old))
     assert code == 5, err

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ledger_server.audit import verify_rows
+from ledger_server.archive_read import archived_rows, tombstone_of
+from ledger_server.audit import ChainReport, verify_rows
 from ledger_server.chain import GENESIS_HASH, ChainWalker, decode_row, row_bytes
 from ledger_server.codec import decode_event, timestamp_us
-from ledger_server.errors import LedgerError
+from ledger_server.errors import ArchiveBroken, LedgerError
 from ledger_server.events import ROW_FORMAT_LEGACY
 from ledger_server.merkle import MerkleTree
 from ledger_server.store.base import RunRow, StoredEvent
@@ -135,5 +136,13 @@ def walk_store(view: Any, run: RunRow) -> tuple[dict[str, Any], MerkleTree]:
             # Reached only when verify_rows asks for the next row, i.e. this one passed.
             tree.append(stored.row)
 
-    report = verify_rows(run, tap(view.iter_events(run.run_pk))).to_json()
-    return report, tree
+    if not run.archived:
+        return verify_rows(run, tap(view.iter_events(run.run_pk))).to_json(), tree
+    # An archived run's rows are its bundle's, checked against its tombstone as they come.
+    tombstone = tombstone_of(view, run)
+    try:
+        return verify_rows(run, tap(archived_rows(tombstone))).to_json(), tree
+    except ArchiveBroken as exc:
+        problem = f"the archive does not match the run's tombstone: {exc}"
+        report = ChainReport(run.namespace, run.run_id, tree.size, False, None, problem)
+        return report.to_json(), tree

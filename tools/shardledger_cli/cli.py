@@ -69,6 +69,12 @@ COMMANDS: Final = (
     ("export", _C + "export", "write a run as a self-verifying JSONL file"),
     ("import", _C + "export", "check an exported run and write it into a database"),
     (
+        "archive",
+        _C + "archive",
+        "move settled runs' events to a directory or object store, leaving a tombstone",
+    ),
+    ("restore", _C + "archive", "bring an archived run back into the hot store, byte for byte"),
+    (
         "trend",
         _C + "trend",
         "completion, silent errors and failure tags over recent runs; ruler drift",

@@ -244,6 +244,14 @@ def copy_ledger(
     report = CopyReport()
     src = source.read()
     runs = sorted(src.list_runs(None, 1 << 62), key=lambda r: r.run_pk)
+    archived = [f"{r.namespace}/{r.run_id}" for r in runs if r.archived]
+    if archived:
+        # A copy takes rows and projections, not tombstones: refuse rather than copy heads
+        # without their events.
+        raise CommandError(
+            f"the source holds {len(archived)} archived runs ({', '.join(archived[:3])}...):"
+            " `shardledger restore` them first, copy, then archive them again"
+        )
     present = {(r.namespace, r.run_id): r for r in target.read().list_runs(None, 1 << 62)}
     if present and not resume:
         raise CommandError(

@@ -75,7 +75,9 @@ def register(dbsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:
     view = store.read()
     if args.run_id is None:
-        return sorted(view.list_runs(None, 1 << 62), key=lambda r: r.run_pk)
+        # An archived run has no hot rows to rebuild: restore rebuilds its projections.
+        hot = (r for r in view.list_runs(None, 1 << 62) if not r.archived)
+        return sorted(hot, key=lambda r: r.run_pk)
     try:
         namespace = check_namespace(args.namespace)
     except LedgerError as exc:
@@ -84,6 +86,12 @@ def _runs(store: Store, args: argparse.Namespace) -> list[RunRow]:
     if run is None:
         raise CommandError(
             f"no run {args.run_id} in namespace {namespace} at {redact_url(args.db)}",
+            code=EXIT_LOCAL,
+        )
+    if run.archived:
+        raise CommandError(
+            f"run {args.run_id} is archived: it has no hot rows to rebuild (`shardledger"
+            " restore` brings it back and rebuilds its projections)",
             code=EXIT_LOCAL,
         )
     return [run]

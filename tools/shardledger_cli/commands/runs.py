@@ -20,6 +20,7 @@ def run_runs(args: argparse.Namespace) -> int:
     times = [(iso_us(ts_us(r.create_time)), iso_us(ts_us(r.update_time))) for r in runs]
     rows = [
         dict(zip(keys, (r.run_id, r.namespace, r.event_count, *t, r.head_hash.hex()), strict=True))
+        | {"archived": r.archived, "archive_location": r.archive_location}
         for r, t in zip(runs, times, strict=True)
     ]
     fmt = output_format(args)
@@ -28,8 +29,12 @@ def run_runs(args: argparse.Namespace) -> int:
             sys.stdout.write(json.dumps(row, sort_keys=True) + "\n")
         return EXIT_OK
     # The head is shortened to 16 hex digits (`audit` shows it whole); nothing else is cut.
-    cells = [[str(row[k])[: 16 if k == "head_hash" else None] for k in keys] for row in rows]
-    heads = ("run", "namespace", "events", "created", "updated", "head")
+    cells = [
+        [str(row[k])[: 16 if k == "head_hash" else None] for k in keys]
+        + [row["archive_location"] if row["archived"] else "hot"]
+        for row in rows
+    ]
+    heads = ("run", "namespace", "events", "created", "updated", "head", "stored")
     # print_table makes rich's console for a terminal only: a pipe never imports rich.
     print_table(None, heads, cells, plain=fmt == "plain")
     return EXIT_OK

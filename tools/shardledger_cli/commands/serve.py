@@ -17,6 +17,24 @@ from shardledger_cli.parsing import DefaultsHelpFormatter, add_db_option, exampl
 positive_int = whole_number(1)  # an argparse type: an int of at least 1
 
 
+def _duration(text: str) -> float:
+    from ledger_server.retention import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _namespace_policy(text: str) -> tuple[str, float | None]:
+    from ledger_server.retention import parse_namespace_policy
+
+    try:
+        return parse_namespace_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def non_negative_seconds(text: str) -> float:
     """Returns a finite number of seconds >= 0 (an argparse type)."""
     try:
@@ -171,6 +189,41 @@ def register(
         help="log every handled call (request_handled: method, code, duration, peer, token id)"
         " at info",
     )
+    retention = p.add_argument_group(
+        "retention",
+        "archive settled runs in the background (`shardledger archive`, docs/operations.md"
+        ' "Retention and archive")',
+    )
+    retention.add_argument(
+        "--archive-to",
+        metavar="URL",
+        default=None,
+        help="archive settled runs here: a directory or an fsspec URL (s3://BUCKET/PREFIX);"
+        " off when not given",
+    )
+    retention.add_argument(
+        "--archive-after",
+        metavar="DURATION",
+        type=_duration,
+        default=7 * 86400.0,
+        help="archive a run this long after it settled: 7d, 12h, 30m, 90s (default 7d)",
+    )
+    retention.add_argument(
+        "--archive-namespace",
+        metavar="NS=DURATION",
+        type=_namespace_policy,
+        action="append",
+        default=[],
+        help="another --archive-after for one namespace, or NS=never to keep its runs hot;"
+        " repeat for more",
+    )
+    retention.add_argument(
+        "--archive-every",
+        metavar="DURATION",
+        type=_duration,
+        default=60.0,
+        help="look for a run to archive this often; one run per look (default 60s)",
+    )
     p.add_argument(
         "--port-file", default=None, help="write the bound port to this file once serving"
     )
@@ -202,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
         store_probe_interval_s=args.store_probe_interval,
         access_log=args.access_log,
+        archive_to=args.archive_to,
+        archive_after_s=args.archive_after,
+        archive_every_s=args.archive_every,
+        archive_namespaces=tuple(args.archive_namespace),
     )
 
     def ready(port: int) -> None:

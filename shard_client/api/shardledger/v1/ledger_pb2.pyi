@@ -433,20 +433,24 @@ class ListRunsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("namespace", "run_id", "event_count", "head_hash", "create_time", "update_time")
+    __slots__ = ("namespace", "run_id", "event_count", "head_hash", "create_time", "update_time", "archived", "archive_location")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVED_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_LOCATION_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     run_id: str
     event_count: int
     head_hash: bytes
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
-    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[bytes] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    archived: bool
+    archive_location: str
+    def __init__(self, namespace: _Optional[str] = ..., run_id: _Optional[str] = ..., event_count: _Optional[int] = ..., head_hash: _Optional[bytes] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., archived: _Optional[bool] = ..., archive_location: _Optional[str] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs",)

@@ -1,0 +1,67 @@
+"""An archived run's two transactions on PostgreSQL: tombstone in, rows out; rows back, tombstone out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import astuple
+from typing import Final
+
+from ledger_server.store import postgres_sql as q
+from ledger_server.store.base import ArchiveConflict, ShardRow, StoredEvent, Tombstone
+from ledger_server.store.postgres_tx import PgWriteTx, edge, tombstone_of
+
+_CHUNK: Final = 5000
+
+
+def check_head(tx: PgWriteTx, tombstone: Tombstone) -> Tombstone | None:
+    """Locks the run's head; raises ArchiveConflict unless it is the tombstone's.
+
+    Returns the tombstone that stands, if any. The row lock makes every replica's
+    append to the run wait for this transaction, and then see the tombstone.
+    """
+    with edge():
+        head = tx.conn.execute(q.SQL_LOCK_RUN_HEAD, (tombstone.run_pk,)).fetchone()
+        if head is None or (int(head[0]), bytes(head[1])) != (
+            tombstone.event_count,
+            tombstone.head_hash,
+        ):
+            raise ArchiveConflict(
+                "the run moved since its archive was written (its head is not the archived one)"
+            )
+        row = tx.conn.execute(q.SQL_GET_TOMBSTONE, (tombstone.run_pk,)).fetchone()
+    return tombstone_of(row) if row else None
+
+
+def archive(tx: PgWriteTx, tombstone: Tombstone, before_commit: Callable[[], None]) -> None:
+    """Writes the tombstone and deletes the run's events, shard and heartbeat rows."""
+    if check_head(tx, tombstone) is not None:
+        raise ArchiveConflict("the run is archived already")
+    with edge():
+        tx.conn.execute(q.SQL_INSERT_TOMBSTONE, astuple(tombstone))
+        for sql in q.SQL_ARCHIVE_DELETES:
+            tx.conn.execute(sql, (tombstone.run_pk,))
+    before_commit()
+
+
+def restore(
+    tx: PgWriteTx,
+    tombstone: Tombstone,
+    events: Iterable[StoredEvent],
+    projections: Callable[[], tuple[Collection[ShardRow], dict[str, int]]],
+) -> None:
+    """Puts the rows back under their sequences, rebuilds the projections, drops the tombstone."""
+    if check_head(tx, tombstone) != tombstone:
+        raise ArchiveConflict("the run's tombstone is not the one its archive was read for")
+    with edge():
+        with tx.conn.cursor().copy(q.SQL_COPY_EVENTS) as copy:
+            for ev in events:
+                copy.write_row(tuple(ev))
+        tx.clear_projections(tombstone.run_pk)
+        shards, counters = projections()
+        for n, shard in enumerate(shards, 1):
+            tx.save_shard(tombstone.run_pk, shard)
+            if n % _CHUNK == 0:
+                tx.flush()
+        tx.add_counters(tombstone.run_pk, counters)
+        tx.flush()
+        tx.conn.execute(q.SQL_DELETE_TOMBSTONE, (tombstone.run_pk,))

@@ -1,0 +1,70 @@
+"""An archived run's two transactions on SQLite: tombstone in, rows out; rows back, tombstone out."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import astuple
+from itertools import islice
+from typing import Final
+
+from ledger_server.store import sqlite_sql as q
+from ledger_server.store.base import ArchiveConflict, ShardRow, StoredEvent, Tombstone
+from ledger_server.store.sqlite_errors import translate
+from ledger_server.store.sqlite_tx import SqliteWriteTx, _write_rows, tombstone_of
+
+# Rows sent per statement batch while a restore writes, so its buffers stay bounded.
+_CHUNK: Final = 5000
+
+
+def check_head(tx: SqliteWriteTx, tombstone: Tombstone) -> Tombstone | None:
+    """Raises ArchiveConflict unless the run's head is the tombstone's; returns the standing one."""
+    head = tx.conn.execute(q.SQL_RUN_HEAD, (tombstone.run_pk,)).fetchone()
+    if head is None or (int(head[0]), bytes(head[1])) != (
+        tombstone.event_count,
+        tombstone.head_hash,
+    ):
+        raise ArchiveConflict(
+            "the run moved since its archive was written (its head is not the archived one)"
+        )
+    row = tx.conn.execute(q.SQL_GET_TOMBSTONE, (tombstone.run_pk,)).fetchone()
+    return tombstone_of(row) if row else None
+
+
+def archive(tx: SqliteWriteTx, tombstone: Tombstone, before_commit: Callable[[], None]) -> None:
+    """Writes the tombstone and deletes the run's events, shard and heartbeat rows."""
+    try:
+        if check_head(tx, tombstone) is not None:
+            raise ArchiveConflict("the run is archived already")
+        tx.conn.execute(q.SQL_INSERT_TOMBSTONE, astuple(tombstone))
+        for sql in q.SQL_ARCHIVE_DELETES:
+            tx.conn.execute(sql, (tombstone.run_pk,))
+    except sqlite3.Error as exc:
+        raise translate(exc) from exc
+    before_commit()
+
+
+def restore(
+    tx: SqliteWriteTx,
+    tombstone: Tombstone,
+    events: Iterable[StoredEvent],
+    projections: Callable[[], tuple[Collection[ShardRow], dict[str, int]]],
+) -> None:
+    """Puts the rows back under their sequences, rebuilds the projections, drops the tombstone."""
+    try:
+        if check_head(tx, tombstone) != tombstone:
+            raise ArchiveConflict("the run's tombstone is not the one its archive was read for")
+        rows = iter(events)
+        while chunk := list(islice(rows, _CHUNK)):
+            _write_rows(tx.conn, q.SQL_RESTORE_EVENTS, [tuple(e) for e in chunk])
+        tx.clear_projections(tombstone.run_pk)
+        shards, counters = projections()
+        for n, shard in enumerate(shards, 1):
+            tx.save_shard(tombstone.run_pk, shard)
+            if n % _CHUNK == 0:
+                tx.flush()
+        tx.add_counters(tombstone.run_pk, counters)
+        tx.flush()
+        tx.conn.execute(q.SQL_DELETE_TOMBSTONE, (tombstone.run_pk,))
+    except sqlite3.Error as exc:
+        raise translate(exc) from exc
