@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 # How often the server's probe retries a store that failed (store_health.StoreProbe), and so
 # the delay a refused caller is told to wait before resending (google.rpc.RetryInfo).
@@ -135,6 +135,17 @@ class ArchiveConflict(StoreError):
     """The run moved (or was archived or restored) since the archive read it; nothing changed."""
 
     reason = "ARCHIVE_CONFLICT"
+
+
+def require_archived_head(head: Sequence[Any] | None, tombstone: Tombstone) -> None:
+    """Raises ArchiveConflict unless a run's head row (event count, head hash) is the tombstone's."""
+    if head is None or (int(head[0]), bytes(head[1])) != (
+        tombstone.event_count,
+        tombstone.head_hash,
+    ):
+        raise ArchiveConflict(
+            "the run moved since its archive was written (its head is not the archived one)"
+        )
 
 
 class StoredEvent(NamedTuple):

@@ -7,7 +7,13 @@ from dataclasses import astuple
 from typing import Final
 
 from ledger_server.store import postgres_sql as q
-from ledger_server.store.base import ArchiveConflict, ShardRow, StoredEvent, Tombstone
+from ledger_server.store.base import (
+    ArchiveConflict,
+    ShardRow,
+    StoredEvent,
+    Tombstone,
+    require_archived_head,
+)
 from ledger_server.store.postgres_tx import PgWriteTx, edge, tombstone_of
 
 _CHUNK: Final = 5000
@@ -21,13 +27,7 @@ def check_head(tx: PgWriteTx, tombstone: Tombstone) -> Tombstone | None:
     """
     with edge():
         head = tx.conn.execute(q.SQL_LOCK_RUN_HEAD, (tombstone.run_pk,)).fetchone()
-        if head is None or (int(head[0]), bytes(head[1])) != (
-            tombstone.event_count,
-            tombstone.head_hash,
-        ):
-            raise ArchiveConflict(
-                "the run moved since its archive was written (its head is not the archived one)"
-            )
+        require_archived_head(head, tombstone)
         row = tx.conn.execute(q.SQL_GET_TOMBSTONE, (tombstone.run_pk,)).fetchone()
     return tombstone_of(row) if row else None
 

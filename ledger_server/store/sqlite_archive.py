@@ -9,7 +9,13 @@ from itertools import islice
 from typing import Final
 
 from ledger_server.store import sqlite_sql as q
-from ledger_server.store.base import ArchiveConflict, ShardRow, StoredEvent, Tombstone
+from ledger_server.store.base import (
+    ArchiveConflict,
+    ShardRow,
+    StoredEvent,
+    Tombstone,
+    require_archived_head,
+)
 from ledger_server.store.sqlite_errors import translate
 from ledger_server.store.sqlite_tx import SqliteWriteTx, _write_rows, tombstone_of
 
@@ -20,13 +26,7 @@ _CHUNK: Final = 5000
 def check_head(tx: SqliteWriteTx, tombstone: Tombstone) -> Tombstone | None:
     """Raises ArchiveConflict unless the run's head is the tombstone's; returns the standing one."""
     head = tx.conn.execute(q.SQL_RUN_HEAD, (tombstone.run_pk,)).fetchone()
-    if head is None or (int(head[0]), bytes(head[1])) != (
-        tombstone.event_count,
-        tombstone.head_hash,
-    ):
-        raise ArchiveConflict(
-            "the run moved since its archive was written (its head is not the archived one)"
-        )
+    require_archived_head(head, tombstone)
     row = tx.conn.execute(q.SQL_GET_TOMBSTONE, (tombstone.run_pk,)).fetchone()
     return tombstone_of(row) if row else None
 
