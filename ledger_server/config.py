@@ -57,6 +57,11 @@ class ServerConfig:
     # Seconds between background probes of the store while it takes writes (health follows
     # them); while it fails the probe runs every 0.25 s (store.base.PROBE_RETRY_S).
     store_probe_interval_s: float = 1.0
+    # PostgreSQL: a COMMIT still waiting (for its synchronous standby) after this many
+    # seconds is cancelled and not acknowledged; the replica reports it and refuses calls
+    # with UNAVAILABLE until a probe's write commits in time (store/pg_commit.py). 0: no
+    # bound (a COMMIT may wait forever). Equal to postgres.DEFAULT_COMMIT_WAIT_BOUND_S.
+    pg_commit_wait_bound_s: float = 5.0
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

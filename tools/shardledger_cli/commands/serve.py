@@ -152,6 +152,16 @@ def register(
         help="seconds between background checks that the database takes writes (health"
         " follows them; every 0.25 s while it does not)",
     )
+    p.add_argument(
+        "--pg-commit-wait-bound",
+        type=non_negative_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="PostgreSQL: cancel a COMMIT still waiting for its synchronous standby after"
+        " this long, answer its appends UNAVAILABLE (clients resend; event ids make that"
+        " safe), go NOT_SERVING and refuse appends until a probe's write commits in time"
+        " (0: no bound, a COMMIT may wait forever)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--port-file", default=None, help="write the bound port to this file once serving"
@@ -183,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         signing_key=args.signing_key,
         metrics_listen=args.metrics_listen,
         store_probe_interval_s=args.store_probe_interval,
+        pg_commit_wait_bound_s=args.pg_commit_wait_bound,
     )
 
     def ready(port: int) -> None:
