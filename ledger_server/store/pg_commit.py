@@ -27,6 +27,9 @@ so a connection whose COMMIT was cancelled is closed, never reused.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -162,11 +165,25 @@ class CommitWatch:
         try:
             wait.conn.cancel_safe(timeout=_CANCEL_TIMEOUT_S)
         except (psycopg.Error, OSError) as exc:
-            # The server is out of reach: TCP (tcp_user_timeout, keepalives) ends the COMMIT.
-            log.warning("store_commit_cancel_failed", error=str(exc))
+            # The server is out of reach (a partition): TCP's keepalives would end the COMMIT
+            # only after 11 s, past a client's deadline. Shutting the socket down makes the
+            # blocked read fail now, and the COMMIT's caller is answered (a lost connection).
+            log.warning("store_commit_cancel_failed", error=str(exc), action="socket_shutdown")
+            _shutdown(wait.conn)
 
     def close(self) -> None:
         """Stops the watch thread (COMMITs under way are no longer watched)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+
+def _shutdown(conn: Conn) -> None:
+    """Shuts down the connection's socket under its owner's blocked read (never closes its fd)."""
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.Error:
+        return  # already closed
+    # ENOTCONN: the connection ended meanwhile, which is the aim.
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as dup:
+        dup.shutdown(socket.SHUT_RDWR)
