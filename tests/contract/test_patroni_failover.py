@@ -58,7 +58,8 @@ class Topology:
     load_host: Host
     dbname: str
     workdir: Path
-    rounds: list[dict[str, Any]] = field(default_factory=list)
+    # What every load so far saw acknowledged: the tests share the ledger's database.
+    acked: dict[str, int] = field(default_factory=dict)
 
 
 @pytest.fixture(scope="module")
@@ -203,17 +204,23 @@ def figures(
     }
 
 
-def hold_to_acknowledged(topo: Topology, suite: str, lines: list[dict[str, Any]]) -> None:
+def hold_to_acknowledged(
+    topo: Topology, suite: str, lines: list[dict[str, Any]], rounds: list[dict[str, Any]]
+) -> None:
     """Asserts the leader holds every acknowledged event once at its sequence, and nothing else."""
     leader = topo.cluster.leader()
     assert leader is not None
-    acked = acknowledged(lines)
+    for event_id, seq in acknowledged(lines).items():
+        assert topo.acked.setdefault(event_id, seq) == seq, f"{event_id} moved"
     assert_ledger_holds_exactly(
         topo.cluster.nodes[leader].admin_url(topo.dbname),
-        acked,
+        topo.acked,
         suite=suite,
-        kills=len(topo.rounds),
-        rounds=topo.rounds,
+        kills=len(rounds),
+        rounds=rounds,
+        deadline_exceeded=sum(r["deadline_exceeded"] for r in rounds),
+        over_bound=sum(1 for r in rounds for s in r["first_ack_s"].values() if s > ACK_BOUND_S),
+        bound_s=ACK_BOUND_S,
     )
 
 
@@ -237,10 +244,11 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
     topo = topology
     load = LoadRun(topo, "sigkill")
     led: list[str] = []
-    rounds = max(3, ROUNDS)  # by the third round a rewound former primary leads again
+    rounds: list[dict[str, Any]] = []
     try:
         load.wait_acks(20)
-        for _ in range(rounds):
+        # By the third round a rewound former primary leads again.
+        for _ in range(max(3, ROUNDS)):
             old = topo.cluster.leader()
             assert old is not None
             led.append(old)
@@ -257,12 +265,12 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
             load.wait_acks(20, after=fault_at)
             wait_rejoined(topo, old)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
-            topo.rounds.append({"fault": "sigkill_postmaster", **got})
+            rounds.append({"fault": "sigkill_postmaster", **got})
             assert_round(got)
         led.append(str(topo.cluster.leader()))
     finally:
         lines = load.finish()
-    hold_to_acknowledged(topo, "patroni_sigkill", lines)
+    hold_to_acknowledged(topo, "patroni_sigkill", lines, rounds)
     # A former primary, rewound onto the new timeline, was promoted again.
     assert len(set(led)) < len(led), led
 
@@ -270,6 +278,7 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
 def test_switchover_under_load_loses_nothing(topology: Topology) -> None:
     topo = topology
     load = LoadRun(topo, "switchover")
+    rounds: list[dict[str, Any]] = []
     try:
         load.wait_acks(20)
         for _ in range(ROUNDS):
@@ -289,12 +298,12 @@ def test_switchover_under_load_loses_nothing(topology: Topology) -> None:
             load.wait_acks(20, after=fault_at)
             wait_rejoined(topo, old)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
-            topo.rounds.append({"fault": "switchover", **got})
+            rounds.append({"fault": "switchover", **got})
             assert got["new_leader"] == sync
             assert_round(got)
     finally:
         lines = load.finish()
-    hold_to_acknowledged(topo, "patroni_switchover", lines)
+    hold_to_acknowledged(topo, "patroni_switchover", lines, rounds)
 
 
 def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
@@ -303,6 +312,7 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
     topo = topology
     net, cluster = topo.net, topo.cluster
     load = LoadRun(topo, "partition")
+    rounds: list[dict[str, Any]] = []
     try:
         load.wait_acks(20)
         for _ in range(ROUNDS):
@@ -339,7 +349,7 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
             got["acked_through_reaching_replica_after_cut"] = sum(
                 len(line["events"]) for line in load.acks_after(fault_at, topo.ledgers[0].target)
             )
-            topo.rounds.append({"fault": "partition_primary", **got})
+            rounds.append({"fault": "partition_primary", **got})
             assert_round(got)
             # Nothing commits on a primary whose synchronous standby is cut off.
             leader_at = fault_at + got["new_leader_s"]
@@ -349,4 +359,4 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
             assert got["acked_after_cut_before_leader"] == 0, got
     finally:
         lines = load.finish()
-    hold_to_acknowledged(topo, "patroni_partition", lines)
+    hold_to_acknowledged(topo, "patroni_partition", lines, rounds)

@@ -141,6 +141,9 @@ def main() -> int:
     out, stop, *targets = sys.argv[1:]
     log = Log(Path(out))
     seed = [planned(run, "seed") for run in SHARED_RUNS]
+    for event in seed:
+        # Fixed ids: a later load on the same ledger resends the same plan, answered DUPLICATE.
+        event.event_id = f"seed-{event.run_id}"
     stubs = [(t, pb_grpc.LedgerServiceStub(grpc.insecure_channel(t))) for t in targets]
     append(log, stubs, seed, 0)
     log.write(kind="started")
