@@ -191,17 +191,22 @@ def patroni_faults(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for r in tally["rounds"]:
             fault = faults.setdefault(
                 r["fault"],
-                {"rounds": 0, "new_leader_s": [], "first_ack_s": [], "acked_during": 0},
+                {"rounds": 0, "new_leader_s": [], "first_ack_s": [], "longest_ack_gap_s": []},
             )
             fault["rounds"] += 1
-            fault["new_leader_s"].append(r["new_leader_s"])
+            # A fault that keeps the leader (a standby, an etcd member) has no new leader.
+            if "new_leader_s" in r:
+                fault["new_leader_s"].append(r["new_leader_s"])
+            if "longest_ack_gap_s" in r:
+                fault["longest_ack_gap_s"].append(r["longest_ack_gap_s"])
             fault["first_ack_s"].append(max(r["first_ack_s"].values(), default=0.0))
-            fault["acked_during"] += r["acked_between_fault_and_leader"]
+            during = r.get("acked_between_fault_and_leader", r.get("acked_during_fault", 0))
+            fault["acked_during"] = fault.get("acked_during", 0) + during
             for key in ("refused", "deadline_exceeded", "refused_without_retry_info"):
                 fault[key] = fault.get(key, 0) + r[key]
     for fault in faults.values():
-        fault["new_leader_s"] = _spread(fault["new_leader_s"])
-        fault["first_ack_s"] = _spread(fault["first_ack_s"])
+        for key in ("new_leader_s", "first_ack_s", "longest_ack_gap_s"):
+            fault[key] = _spread(fault[key])
     return faults
 
 
@@ -231,13 +236,23 @@ def print_summary(result: dict[str, Any]) -> None:
             f" events checked; {faults}" + (f"; {times}" if times else "")
         )
     for name, fault in result.get("patroni", {}).items():
-        leader, ack = fault["new_leader_s"], fault["first_ack_s"]
+        spread = {
+            key: "/".join(f"{fault[key][k]:.2f}" for k in ("min", "median", "max"))
+            for key in ("new_leader_s", "first_ack_s", "longest_ack_gap_s")
+            if fault[key]
+        }
+        leader = spread.get("new_leader_s")
         print(
-            f"patroni {name}: {fault['rounds']} rounds; new leader after"
-            f" {leader['min']:.1f}/{leader['median']:.1f}/{leader['max']:.1f} s"
-            f" (min/median/max), every replica acknowledging"
-            f" {ack['min']:.2f}/{ack['median']:.2f}/{ack['max']:.2f} s after it;"
-            f" {fault['acked_during']} acknowledged in between; {fault['refused']} refused,"
+            f"patroni {name}: {fault['rounds']} rounds"
+            + (f"; new leader after {leader} s (min/median/max)" if leader else "")
+            + f"; every replica acknowledging {spread['first_ack_s']} s after"
+            + (" it" if leader else " the fault")
+            + (
+                f"; longest gap between acks {spread['longest_ack_gap_s']} s"
+                if "longest_ack_gap_s" in spread
+                else ""
+            )
+            + f"; {fault['acked_during']} acknowledged during; {fault['refused']} refused,"
             f" {fault['deadline_exceeded']} DEADLINE_EXCEEDED"
         )
     if result["fuzz_codes"]:

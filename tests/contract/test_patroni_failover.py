@@ -34,7 +34,7 @@ import pytest
 
 from tests import campaign
 from tests.netns import HELPERS, Host, Ledgerd, Network, network, wait_for
-from tests.patroni import REST_PORT, PatroniCluster, skip_reason
+from tests.patroni import REST_PORT, TTL_S, PatroniCluster, skip_reason
 from tests.server.test_replicas import assert_ledger_holds_exactly
 
 pytestmark = [pytest.mark.patroni, pytest.mark.slow]
@@ -360,3 +360,106 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
     finally:
         lines = load.finish()
     hold_to_acknowledged(topo, "patroni_partition", lines, rounds)
+
+
+def steady_figures(
+    lines: list[dict[str, Any]], targets: list[str], *, fault_at: float, healed_at: float
+) -> dict[str, Any]:
+    """Returns what the clients saw of a fault that keeps the leader: acks during, the longest gap."""
+    acks = sorted(line["t"] for line in lines if line["kind"] == "ack" and line["t"] > fault_at)
+    gaps = [b - a for a, b in zip([fault_at, *acks], acks, strict=False)]
+    refused = [line for line in lines if line["kind"] == "refused" and line["t"] > fault_at]
+    return {
+        "acked_during_fault": sum(
+            len(line["events"])
+            for line in lines
+            if line["kind"] == "ack" and fault_at < line["t"] < healed_at
+        ),
+        "longest_ack_gap_s": round(max(gaps, default=0.0), 2),
+        "first_ack_s": {
+            t: round(
+                min(
+                    (
+                        line["t"]
+                        for line in lines
+                        if line["kind"] == "ack" and line["t"] > fault_at and line["target"] == t
+                    ),
+                    default=float("inf"),
+                )
+                - fault_at,
+                2,
+            )
+            for t in targets
+        },
+        "refused": len(refused),
+        "refused_codes": sorted({f"{r['code']}/{r['reason']}" for r in refused}),
+        "refused_without_retry_info": sum(
+            1 for r in refused if r["code"] == "UNAVAILABLE" and not r["retry_info"]
+        ),
+        "deadline_exceeded": sum(1 for r in refused if r["code"] == "DEADLINE_EXCEEDED"),
+    }
+
+
+def test_partitioned_etcd_member_changes_nothing_for_the_ledger(topology: Topology) -> None:
+    topo = topology
+    net, cluster = topo.net, topo.cluster
+    load = LoadRun(topo, "etcd")
+    rounds: list[dict[str, Any]] = []
+    try:
+        load.wait_acks(20)
+        for index in range(ROUNDS):
+            leader = cluster.leader()
+            member = cluster.etcd_hosts[index % len(cluster.etcd_hosts)]
+            others = [h for h in topo.net.hosts.values() if h is not member]
+            fault_at = time.time()
+            for other in others:
+                net.partition(member, other)
+            try:
+                # A whole ttl of leader-lock renewals with one member cut off.
+                load.wait_acks(20, after=fault_at)
+                time.sleep(TTL_S)
+            finally:
+                for other in others:
+                    net.heal(member, other)
+            healed_at = time.time()
+            got = steady_figures(load.lines(), load.targets, fault_at=fault_at, healed_at=healed_at)
+            rounds.append({"fault": "partition_etcd_member", "member": member.name, **got})
+            assert cluster.leader() == leader, "a minority etcd member moved the leader"
+            assert got["acked_during_fault"] > 0, got
+            assert got["deadline_exceeded"] == 0, got
+    finally:
+        lines = load.finish()
+    hold_to_acknowledged(topo, "patroni_etcd", lines, rounds)
+
+
+def test_synchronous_standby_killed_under_load_blocks_briefly_and_loses_nothing(
+    topology: Topology,
+) -> None:
+    topo = topology
+    cluster = topo.cluster
+    load = LoadRun(topo, "standby")
+    rounds: list[dict[str, Any]] = []
+    try:
+        load.wait_acks(20)
+        for _ in range(ROUNDS):
+            members = cluster.members()
+            leader = next(m["Member"] for m in members if m["Role"] == "Leader")
+            sync = next(m["Member"] for m in members if m["Role"] == "Sync Standby")
+            pid = cluster.nodes[sync].postmaster_pid()
+            assert pid is not None
+            fault_at = time.time()
+            os.kill(pid, signal.SIGKILL)
+            # The other standby becomes synchronous (or this one restarts): appends go on.
+            load.wait_acks(20, after=fault_at)
+            wait_rejoined(topo, sync)
+            got = steady_figures(
+                load.lines(), load.targets, fault_at=fault_at, healed_at=time.time()
+            )
+            rounds.append({"fault": "sigkill_sync_standby", "standby": sync, **got})
+            assert cluster.leader() == leader, "a standby's crash moved the leader"
+            assert got["deadline_exceeded"] == 0, got
+            assert got["refused_without_retry_info"] == 0, got
+            assert all(s <= ACK_BOUND_S for s in got["first_ack_s"].values()), got
+    finally:
+        lines = load.finish()
+    hold_to_acknowledged(topo, "patroni_standby", lines, rounds)
