@@ -139,9 +139,14 @@ def test_commit_waiting_for_a_stopped_standby_is_refused_at_the_bound_and_report
         )
         assert _sample(running, "shardledger_serving") == 0
         # The probe's write waits for the standby as an append's COMMIT does: still down.
-        time.sleep(3 * BOUND_S)
-        assert _status(channel) == NOT_SERVING
+        deadline = time.monotonic() + 10 * BOUND_S
+        while (
+            _sample(running, "shardledger_store_commit_wait_exceeded_total", source="probe") < 1
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
         assert _sample(running, "shardledger_store_commit_wait_exceeded_total", source="probe") >= 1
+        assert _status(channel) == NOT_SERVING
 
         # The cancelled COMMIT is on the primary only (it may or may not survive a failover).
         assert len(_rows(url, stuck.event_id)) == 1
@@ -210,6 +215,7 @@ def test_commit_whose_wait_an_operator_cancels_is_not_acknowledged(
                     if row == (True,):
                         return
                     time.sleep(0.02)
+            standby.start()  # never found waiting: release the COMMIT, so the test fails, not hangs
 
         canceller = threading.Thread(target=cancel_when_waiting)
         canceller.start()
@@ -218,7 +224,8 @@ def test_commit_whose_wait_an_operator_cancels_is_not_acknowledged(
             ledger.append([decode_event(started("r0", "s0"))])
         canceller.join()
     finally:
-        standby.start()
+        if standby.postmaster_pid() is None:
+            standby.start()
         ledger.close()
         store.close()
 
