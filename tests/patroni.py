@@ -12,7 +12,7 @@ timers so that a test fails over in seconds:
   may be promoted; with no standby left, writes stop rather than go unreplicated;
 * ``use_pg_rewind`` with ``wal_log_hints``: a demoted primary rejoins as a standby of the
   new timeline, its unreplicated tail discarded;
-* ``ttl`` 10 s, ``loop_wait`` 1 s, ``retry_timeout`` 3 s (Patroni's defaults are 30, 10, 10).
+* ``ttl`` 15 s, ``loop_wait`` 1 s, ``retry_timeout`` 5 s (Patroni's defaults are 30, 10, 10).
 
 The test process reaches each PostgreSQL through its Unix socket (a file, in no
 network namespace), and Patroni's REST API through processes it runs on the hosts.
@@ -41,9 +41,12 @@ REST_PORT: Final = 8008
 ETCD_CLIENT_PORT: Final = 2379
 ETCD_PEER_PORT: Final = 2380
 # Failover timers of the test cluster (docs/deployment.md gives the production ones).
-TTL_S: Final = 10
+# retry_timeout 3 s (Patroni's minimum) was too short on a loaded two-core machine: with
+# one etcd member silently cut off, the leader's Patroni missed its lock update and demoted
+# itself (then took the lock again, on a new timeline) in every round of a campaign.
+TTL_S: Final = 15
 LOOP_WAIT_S: Final = 1
-RETRY_TIMEOUT_S: Final = 3
+RETRY_TIMEOUT_S: Final = 5
 NODES: Final = ("pg1", "pg2", "pg3")
 
 
@@ -241,7 +244,7 @@ class PatroniCluster:
         wait_for("pg1 to bootstrap and lead", lambda: self.leader() == first.name, timeout_s=90)
         for node in rest:
             node.start()
-        wait_for("two streaming standbys, one synchronous", self.healthy, timeout_s=120)
+        wait_for("two streaming standbys, one synchronous", lambda: self.healthy(), timeout_s=120)
 
     def members(self) -> list[dict[str, Any]]:
         """Returns `patronictl list` as JSON: name, role, state, lag, timeline of each member."""
@@ -269,9 +272,9 @@ class PatroniCluster:
                 return str(member["Member"])
         return None
 
-    def healthy(self) -> bool:
+    def healthy(self, members: list[dict[str, Any]] | None = None) -> bool:
         """Returns whether one leader runs with one synchronous and one other streaming standby."""
-        members = self.members()
+        members = self.members() if members is None else members
         roles = sorted(str(m.get("Role")) for m in members)
         states = {str(m.get("State")) for m in members}
         return roles == ["Leader", "Replica", "Sync Standby"] and states <= {
