@@ -150,6 +150,10 @@ class PatroniNode:
                 "parameters": {"unix_socket_directories": str(self.root)},
                 "pg_hba": [
                     "local all all trust",
+                    # Patroni reads a stopped former primary's timeline over a local
+                    # replication connection before it decides to rewind.
+                    f"local replication {pg.REPLICATION_ROLE} trust",
+                    f"host replication {pg.REPLICATION_ROLE} 127.0.0.1/32 trust",
                     f"host replication {pg.REPLICATION_ROLE} 10.0.0.0/8 trust",
                     "host all all 10.0.0.0/8 trust",
                     "host all all 127.0.0.1/32 trust",

@@ -37,9 +37,14 @@ from tests.netns import HELPERS, Host, Ledgerd, Network, network, wait_for
 from tests.patroni import REST_PORT, TTL_S, PatroniCluster, skip_reason
 from tests.server.test_replicas import assert_ledger_holds_exactly
 
-pytestmark = [pytest.mark.patroni, pytest.mark.slow]
-
 ROUNDS: Final = campaign.patroni_rounds(1)
+# A round that rebuilds a former primary (pg_rewind failed) takes up to about 90 s here;
+# the first test also starts the cluster. The suite's 300 s would end a campaign's test.
+pytestmark = [
+    pytest.mark.patroni,
+    pytest.mark.slow,
+    pytest.mark.timeout(240 + 180 * max(3, ROUNDS)),
+]
 # A replica acknowledges again within this many seconds of the new leader's promotion
 # (docs/operations.md, "Failover under Patroni"): its probe retries every 0.25 s, and a
 # connect attempt to a host that never answers takes up to 2 s per host listed first.
@@ -438,7 +443,7 @@ def steady_figures(
     }
 
 
-def test_partitioned_etcd_member_changes_nothing_for_the_ledger(topology: Topology) -> None:
+def test_partitioned_etcd_member_keeps_the_leader_and_appends_go_on(topology: Topology) -> None:
     topo = topology
     net, cluster = topo.net, topo.cluster
     load = LoadRun(topo, "etcd")
@@ -463,9 +468,14 @@ def test_partitioned_etcd_member_changes_nothing_for_the_ledger(topology: Topolo
             got = steady_figures(load.lines(), load.targets, fault_at=fault_at, healed_at=healed_at)
             rounds.append({"fault": "partition_etcd_member", "member": member.name, **got})
             assert cluster.leader() == leader, "a minority etcd member moved the leader"
-            assert got["stopped_members"] == [], got  # nor made it demote itself
+            # Appends go on. Patroni 3.0's etcd client may still miss one lock update while
+            # it moves off the silent member, and the leader then demotes itself and takes
+            # the lock back (stopped_members; seen in 1 of 5 rounds on a loaded machine):
+            # refused meanwhile, never hung, nothing lost (docs/operations.md).
             assert got["acked_during_fault"] > 0, got
             assert got["deadline_exceeded"] == 0, got
+            assert got["refused_without_retry_info"] == 0, got
+            assert got["longest_ack_gap_s"] <= ACK_BOUND_S, got
     finally:
         lines = load.finish()
     hold_to_acknowledged(topo, "patroni_etcd", lines, rounds)
