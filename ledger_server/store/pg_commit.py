@@ -59,6 +59,7 @@ class CommitWait:
     began: float
     deadline: float
     report: bool
+    backend_pid: int
     cancelled: bool = False
     warnings: list[str] = field(default_factory=list)
 
@@ -95,7 +96,7 @@ class CommitWatch:
     def commit(self, conn: Conn, *, report: bool = True) -> Iterator[CommitWait]:
         """Watches the COMMIT sent inside the block; report: tell on_exceeded when it overruns."""
         now = time.monotonic()
-        wait = CommitWait(conn, now, now + self.bound_s, report)
+        wait = CommitWait(conn, now, now + self.bound_s, report, conn.info.backend_pid)
         conn.add_notice_handler(wait.note)
         if self.bound_s > 0:
             with self._cond:
@@ -146,7 +147,10 @@ class CommitWatch:
                     self._cond.wait(min(pending) - now if pending else None)
                     continue
             for wait in due:
-                self._cancel(wait)
+                try:
+                    self._cancel(wait)
+                except Exception:  # the watch must outlive one failed cancel
+                    log.exception("store_commit_cancel_failed", backend_pid=wait.backend_pid)
 
     def _cancel(self, wait: CommitWait) -> None:
         waited = time.monotonic() - wait.began
@@ -154,7 +158,7 @@ class CommitWatch:
             "store_commit_wait_exceeded",
             waited_s=round(waited, 3),
             bound_s=self.bound_s,
-            backend_pid=wait.conn.info.backend_pid,
+            backend_pid=wait.backend_pid,
             probe=not wait.report,
             # What PostgreSQL's pg_stat_activity shows for it: wait_event SyncRep while a
             # synchronous standby is missing, WALSync/WALWrite while the local disk stalls.
@@ -169,21 +173,30 @@ class CommitWatch:
             # only after 11 s, past a client's deadline. Shutting the socket down makes the
             # blocked read fail now, and the COMMIT's caller is answered (a lost connection).
             log.warning("store_commit_cancel_failed", error=str(exc), action="socket_shutdown")
-            _shutdown(wait.conn)
+            self._shutdown(wait)
+
+    def _shutdown(self, wait: CommitWait) -> None:
+        """Shuts down the COMMIT's socket under its owner's blocked read (never closes its fd)."""
+        with self._cond:
+            # The owner closes the connection only after its COMMIT left the watch: while
+            # the wait is here, the descriptor is still this connection's, not a reused one.
+            if wait not in self._waits:
+                return
+            try:
+                fd = os.dup(wait.conn.pgconn.socket)
+            except (psycopg.Error, OSError):
+                return  # closed by the server meanwhile: the COMMIT is answered already
+        try:
+            dup = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            raise
+        # ENOTCONN: the connection ended meanwhile, which is the aim.
+        with dup, contextlib.suppress(OSError):
+            dup.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Stops the watch thread (COMMITs under way are no longer watched)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-
-
-def _shutdown(conn: Conn) -> None:
-    """Shuts down the connection's socket under its owner's blocked read (never closes its fd)."""
-    try:
-        fd = conn.pgconn.socket
-    except psycopg.Error:
-        return  # already closed
-    # ENOTCONN: the connection ended meanwhile, which is the aim.
-    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as dup:
-        dup.shutdown(socket.SHUT_RDWR)
