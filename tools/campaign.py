@@ -191,12 +191,19 @@ def patroni_faults(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for r in tally["rounds"]:
             fault = faults.setdefault(
                 r["fault"],
-                {"rounds": 0, "new_leader_s": [], "first_ack_s": [], "longest_ack_gap_s": []},
+                {
+                    "rounds": 0,
+                    "new_leader_s": [],
+                    "writable_s": [],
+                    "first_ack_s": [],
+                    "longest_ack_gap_s": [],
+                },
             )
             fault["rounds"] += 1
             # A fault that keeps the leader (a standby, an etcd member) has no new leader.
             if "new_leader_s" in r:
                 fault["new_leader_s"].append(r["new_leader_s"])
+                fault["writable_s"].append(r.get("writable_s", r["new_leader_s"]))
             if "longest_ack_gap_s" in r:
                 fault["longest_ack_gap_s"].append(r["longest_ack_gap_s"])
             fault["first_ack_s"].append(max(r["first_ack_s"].values(), default=0.0))
@@ -205,7 +212,7 @@ def patroni_faults(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             for key in ("refused", "deadline_exceeded", "refused_without_retry_info"):
                 fault[key] = fault.get(key, 0) + r[key]
     for fault in faults.values():
-        for key in ("new_leader_s", "first_ack_s", "longest_ack_gap_s"):
+        for key in ("new_leader_s", "writable_s", "first_ack_s", "longest_ack_gap_s"):
             fault[key] = _spread(fault[key])
     return faults
 
@@ -238,15 +245,16 @@ def print_summary(result: dict[str, Any]) -> None:
     for name, fault in result.get("patroni", {}).items():
         spread = {
             key: "/".join(f"{fault[key][k]:.2f}" for k in ("min", "median", "max"))
-            for key in ("new_leader_s", "first_ack_s", "longest_ack_gap_s")
+            for key in ("new_leader_s", "writable_s", "first_ack_s", "longest_ack_gap_s")
             if fault[key]
         }
         leader = spread.get("new_leader_s")
         print(
             f"patroni {name}: {fault['rounds']} rounds"
             + (f"; new leader after {leader} s (min/median/max)" if leader else "")
+            + (f", taking writes after {spread['writable_s']} s" if leader else "")
             + f"; every replica acknowledging {spread['first_ack_s']} s after"
-            + (" it" if leader else " the fault")
+            + (" it took writes" if leader else " the fault")
             + (
                 f"; longest gap between acks {spread['longest_ack_gap_s']} s"
                 if "longest_ack_gap_s" in spread

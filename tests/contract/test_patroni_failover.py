@@ -45,9 +45,10 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240 + 180 * max(3, ROUNDS)),
 ]
-# A replica acknowledges again within this many seconds of the new leader's promotion
-# (docs/operations.md, "Failover under Patroni"): its probe retries every 0.25 s, and a
-# connect attempt to a host that never answers takes up to 2 s per host listed first.
+# A replica acknowledges again within this many seconds of the new leader taking writes
+# (promoted, and a synchronous standby streaming from it; docs/operations.md, "Failover
+# under Patroni"): its probe retries every 0.25 s, and a connect attempt to a host that
+# never answers takes up to 2 s per host listed first.
 ACK_BOUND_S: Final = 10.0
 # Leader roles as Patroni 3.0's REST API names them.
 LEADER_ROLES: Final = ("master", "primary")
@@ -183,7 +184,21 @@ def figures(
     """Returns what the clients saw of one fault: time to a new leader, to the acks after it."""
     found = promoted_at(lines, old, fault_at)
     assert found is not None, "no new leader was reported"
-    leader, at = found
+    leader, promoted = found
+    # Strict synchronous mode: the new leader takes writes once a standby streams from it
+    # as synchronous; the replicas' bound counts from then.
+    at = min(
+        (
+            float(line["t"])
+            for line in lines
+            if line["kind"] == "role"
+            and line["t"] >= promoted
+            and line["node"] == leader
+            and line["role"] in LEADER_ROLES
+            and line.get("sync", 0) >= 1
+        ),
+        default=promoted,
+    )
     first_ack = {
         target: min(
             (
@@ -200,12 +215,13 @@ def figures(
     return {
         "old_leader": old,
         "new_leader": leader,
-        "new_leader_s": round(at - fault_at, 2),
+        "new_leader_s": round(promoted - fault_at, 2),
+        "writable_s": round(at - fault_at, 2),
         "first_ack_s": {t: round(s, 2) for t, s in first_ack.items()},
         "acked_between_fault_and_leader": sum(
             len(line["events"])
             for line in lines
-            if line["kind"] == "ack" and fault_at < line["t"] < at
+            if line["kind"] == "ack" and fault_at < line["t"] < promoted
         ),
         "refused": len(refused),
         "refused_codes": sorted({f"{r['code']}/{r['reason']}" for r in refused}),

@@ -116,7 +116,7 @@ def watch_health(log: Log, targets: list[str], stop: Path) -> None:
 
 def watch_patroni(log: Log, nodes: dict[str, str], stop: Path) -> None:
     """Logs each change of a Patroni member's role and state (GET /patroni) with its time."""
-    last: dict[str, tuple[str, str, int]] = {}
+    last: dict[str, tuple[str, str, int, int]] = {}
     while not stop.exists():
         for name, address in nodes.items():
             try:
@@ -126,14 +126,24 @@ def watch_patroni(log: Log, nodes: dict[str, str], stop: Path) -> None:
                 state = json.loads(exc.read() or b"{}")
             except (OSError, ValueError):
                 state = {"role": "unreachable", "state": "unreachable"}
+            # A leader's synchronous standbys now streaming from it: in strict synchronous
+            # mode it commits nothing before the first.
+            sync = sum(
+                1
+                for r in state.get("replication") or []
+                if r.get("state") == "streaming" and r.get("sync_state") in ("sync", "quorum")
+            )
             seen = (
                 str(state.get("role")),
                 str(state.get("state")),
                 int(state.get("timeline") or 0),
+                sync,
             )
             if last.get(name) != seen:
                 last[name] = seen
-                log.write(kind="role", node=name, role=seen[0], state=seen[1], timeline=seen[2])
+                log.write(
+                    kind="role", node=name, role=seen[0], state=seen[1], timeline=seen[2], sync=sync
+                )
         time.sleep(0.1)
 
 
