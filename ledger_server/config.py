@@ -66,6 +66,11 @@ class ServerConfig:
     archive_every_s: float = 60.0
     # Per namespace: (namespace, seconds), or (namespace, None) to keep its runs hot.
     archive_namespaces: tuple[tuple[str, float | None], ...] = ()
+    # PostgreSQL: a COMMIT still waiting (for its synchronous standby) after this many
+    # seconds is cancelled and not acknowledged; the replica reports it and refuses calls
+    # with UNAVAILABLE until a probe's write commits in time (store/pg_commit.py). 0: no
+    # bound (a COMMIT may wait forever). Equal to postgres.DEFAULT_COMMIT_WAIT_BOUND_S.
+    pg_commit_wait_bound_s: float = 5.0
     extra_options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
 

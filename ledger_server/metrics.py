@@ -30,7 +30,7 @@ from ledger_server.config import split_listen
 from ledger_server.errors import LedgerError
 from ledger_server.run_metrics import RunCollector, RunExport
 from ledger_server.service import LedgerService
-from ledger_server.store.base import StoreError
+from ledger_server.store.base import StoreCommitWaitExceeded, StoreError
 
 __all__ = [
     "CALL_REJECT_REASONS",
@@ -162,6 +162,13 @@ class LedgerMetrics:
             "Unix time of the latest change of the store-driven health status (0: none yet).",
             registry=r,
         )
+        self.commit_wait_exceeded = Counter(
+            "shardledger_store_commit_wait_exceeded",
+            "Appends and probes whose COMMIT waited past --pg-commit-wait-bound (for a synchronous"
+            " standby) and was cancelled, so not acknowledged; by source (append or probe).",
+            ["source"],
+            registry=r,
+        )
         self.store_probe_failures = Counter(
             "shardledger_store_probe_failures",
             "Background probes of the store that found it unable to take a write, by kind.",
@@ -203,6 +210,8 @@ class LedgerMetrics:
         for kind in STORE_FAULTS:
             self.store_write_errors.labels(kind)
             self.store_probe_failures.labels(kind)
+        for source in ("append", "probe"):
+            self.commit_wait_exceeded.labels(source)
         for status in ("SERVING", "NOT_SERVING"):
             self.health_transitions.labels(status)
         # Bound once: labels() takes a lock and builds a key on every call of the hot path.
@@ -240,6 +249,8 @@ class LedgerMetrics:
         if error is not None:
             kind = error.reason if error.reason in STORE_FAULTS else "STORE_UNAVAILABLE"
             self.store_write_errors.labels(kind).inc()
+            if isinstance(error, StoreCommitWaitExceeded):
+                self.commit_wait_exceeded.labels("append").inc()
         self.store_writable.set(0 if error is not None else 1)
         if self.on_store_write is not None:
             self.on_store_write(error)
@@ -255,6 +266,8 @@ class LedgerMetrics:
         if error is not None:
             kind = error.reason if error.reason in STORE_FAULTS else "STORE_UNAVAILABLE"
             self.store_probe_failures.labels(kind).inc()
+            if isinstance(error, StoreCommitWaitExceeded):
+                self.commit_wait_exceeded.labels("probe").inc()
 
     def observe_archive(self, ok: bool, size_bytes: int, at: float) -> None:
         """Counts one archive the retention finished (ok) or that failed."""

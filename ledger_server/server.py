@@ -122,7 +122,7 @@ def create_server(config: ServerConfig) -> RunningServer:
     check_free(config.listen, "--listen")
     if config.metrics_listen:
         check_free(config.metrics_listen, "--metrics-listen")
-    store = open_database(config.database)
+    store = open_database(config.database, commit_wait_bound_s=config.pg_commit_wait_bound_s)
     try:
         try:
             store.claim_writer()  # a second server on one SQLite file refuses to start
@@ -333,6 +333,7 @@ def _start(
         auth="tokens" if require_tokens else "off",
         metrics_port=metrics_port,
         store_probe_interval_s=config.store_probe_interval_s,
+        pg_commit_wait_bound_s=config.pg_commit_wait_bound_s,
         engine=config.engine,
     )
     return RunningServer(

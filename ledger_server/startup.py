@@ -100,6 +100,12 @@ def check_config(config: ServerConfig) -> None:
         raise StartupError(
             f"--grace must be a number of seconds >= 0, not {config.grace_s}", usage=True
         )
+    if not (math.isfinite(config.pg_commit_wait_bound_s) and config.pg_commit_wait_bound_s >= 0):
+        raise StartupError(
+            "--pg-commit-wait-bound must be a number of seconds >= 0 (0: no bound),"
+            f" not {config.pg_commit_wait_bound_s}",
+            usage=True,
+        )
     if not (math.isfinite(config.store_probe_interval_s) and config.store_probe_interval_s > 0):
         raise StartupError(
             "--store-probe-interval must be a number of seconds above 0,"
@@ -151,7 +157,7 @@ _BIND_ADVICE: Final = {
 }
 
 
-def open_database(database: str) -> Store:
+def open_database(database: str, *, commit_wait_bound_s: float | None = None) -> Store:
     """Opens (creating when new) the ledger database, or raises StartupError."""
     shown = redact_url(database)
     path = sqlite_path(database)
@@ -169,7 +175,7 @@ def open_database(database: str) -> Store:
     if path not in (None, ":memory:"):
         _require_writable(path, shown)
     try:
-        return open_store(database)
+        return open_store(database, commit_wait_bound_s=commit_wait_bound_s)
     except ValueError as exc:
         raise StartupError(f"--database-url: {exc}", usage=True) from None
     except StoreError as exc:

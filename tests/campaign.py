@@ -3,7 +3,8 @@
 Unset, every knob leaves a test at its CI size. ``SHARDLEDGER_CAMPAIGN_KILLS`` sets
 the SIGKILLs of each kill loop, ``SHARDLEDGER_CAMPAIGN_FAILOVERS`` the stop-and-promote
 rounds of the PostgreSQL failover loop, ``SHARDLEDGER_CAMPAIGN_NETNS_ROUNDS`` how often
-each case of the network-namespace fault suite runs, ``SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS``
+each case of the network-namespace fault suite runs, ``SHARDLEDGER_CAMPAIGN_PATRONI_ROUNDS``
+how often each fault of the Patroni suite runs, ``SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS``
 the wall time the fuzz campaign keeps going after its quotas (shared among its tests),
 ``SHARDLEDGER_CAMPAIGN_FUZZ_SCALE`` multiplies the fuzz quotas, and
 ``SHARDLEDGER_CAMPAIGN_REPORT_DIR`` is where each test leaves a JSON tally of what
@@ -23,6 +24,7 @@ ENV_FUZZ_SCALE: Final = "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE"
 ENV_REPORT_DIR: Final = "SHARDLEDGER_CAMPAIGN_REPORT_DIR"
 ENV_FAILOVERS: Final = "SHARDLEDGER_CAMPAIGN_FAILOVERS"
 ENV_NETNS_ROUNDS: Final = "SHARDLEDGER_CAMPAIGN_NETNS_ROUNDS"
+ENV_PATRONI_ROUNDS: Final = "SHARDLEDGER_CAMPAIGN_PATRONI_ROUNDS"
 
 
 def _number(name: str, default: float, *, minimum: float) -> float:
@@ -51,6 +53,11 @@ def failovers(default: int) -> int:
 def netns_rounds(default: int) -> int:
     """Returns how many times each network-namespace fault case runs: the campaign's setting, else the default."""
     return int(_number(ENV_NETNS_ROUNDS, default, minimum=1))
+
+
+def patroni_rounds(default: int) -> int:
+    """Returns how many times each Patroni fault runs: the campaign's setting, else the default."""
+    return int(_number(ENV_PATRONI_ROUNDS, default, minimum=1))
 
 
 def fuzz_seconds() -> float:

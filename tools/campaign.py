@@ -4,6 +4,7 @@
     python -m tools.campaign --suites crash,fuzz --kills 5 --fuzz-seconds 60
     python -m tools.campaign --suites failover --failovers 50
     python -m tools.campaign --suites netns --netns-rounds 10
+    python -m tools.campaign --suites patroni --rounds 20
 
 It runs the suite's own fault tests under pytest with the knobs of tests/campaign.py:
 
@@ -18,6 +19,11 @@ It runs the suite's own fault tests under pytest with the knobs of tests/campaig
                                                   (partitions, a slow lossy link, skewed clocks,
                                                   watch on another host, PostgreSQL cut off),
                                                   each case R times (--netns-rounds; needs root)
+    patroni   tests/contract/test_patroni_failover.py  Patroni fails PostgreSQL over by itself
+                                                  (etcd, three nodes, two replicas, namespaces):
+                                                  SIGKILL of the primary's postmaster, a
+                                                  switchover under load, the primary cut off;
+                                                  each P times (--rounds; needs root)
 
 and prints kills made, acknowledged events checked, lost, moved and duplicated counts,
 and fuzz requests by status code; the JSON lands in bench-results/campaign.json
@@ -44,6 +50,7 @@ SUITES: Final = {
     "failover": ["tests/server/test_pg_failover.py"],
     "fuzz": ["tests/server/test_fuzz.py"],
     "netns": ["tests/contract/test_netns_faults.py"],
+    "patroni": ["tests/contract/test_patroni_failover.py"],
 }
 # The counts a kill suite's tally carries (tests/campaign.py); any nonzero is a data-safety fault,
 # or (the failover loop's last two) a replica that hung a call or came back past its bound.
@@ -82,6 +89,7 @@ def run_campaign(
     fuzz_scale: float,
     failovers: int = 50,
     netns_rounds: int = 10,
+    patroni_rounds: int = 20,
 ) -> dict[str, Any]:
     """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict."""
     with tempfile.TemporaryDirectory(prefix="shardledger-campaign-") as reports:
@@ -90,6 +98,7 @@ def run_campaign(
             "SHARDLEDGER_CAMPAIGN_KILLS": str(kills),
             "SHARDLEDGER_CAMPAIGN_FAILOVERS": str(failovers),
             "SHARDLEDGER_CAMPAIGN_NETNS_ROUNDS": str(netns_rounds),
+            "SHARDLEDGER_CAMPAIGN_PATRONI_ROUNDS": str(patroni_rounds),
             "SHARDLEDGER_CAMPAIGN_FUZZ_SECONDS": str(fuzz_seconds),
             "SHARDLEDGER_CAMPAIGN_FUZZ_SCALE": str(fuzz_scale),
             "SHARDLEDGER_CAMPAIGN_REPORT_DIR": reports,
@@ -135,6 +144,7 @@ def run_campaign(
             "kills": kills,
             "failovers": failovers,
             "netns_rounds": netns_rounds,
+            "patroni_rounds": patroni_rounds,
             "fuzz_seconds": fuzz_seconds,
             "fuzz_scale": fuzz_scale,
         },
@@ -146,6 +156,7 @@ def run_campaign(
         "fuzz_codes": fuzz.get("codes", {}),
         "suites": tallies,
         "netns": netns_cases(netns_tallies),
+        "patroni": patroni_faults([t for t in tallies.values() if "rounds" in t]),
         "pytest_output_tail": (done.stdout + done.stderr)[-4000:] if done.returncode else "",
     }
 
@@ -164,6 +175,46 @@ def netns_cases(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if key in tally:
                 case[f"max_{key}"] = max(case.get(f"max_{key}", 0.0), tally[key])
     return cases
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+
+def patroni_faults(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Returns each Patroni fault's figures over its rounds: times to a new leader and to acks."""
+    faults: dict[str, dict[str, Any]] = {}
+    for tally in tallies:
+        for r in tally["rounds"]:
+            fault = faults.setdefault(
+                r["fault"],
+                {
+                    "rounds": 0,
+                    "new_leader_s": [],
+                    "writable_s": [],
+                    "first_ack_s": [],
+                    "longest_ack_gap_s": [],
+                },
+            )
+            fault["rounds"] += 1
+            # A fault that keeps the leader (a standby, an etcd member) has no new leader.
+            if "new_leader_s" in r:
+                fault["new_leader_s"].append(r["new_leader_s"])
+                fault["writable_s"].append(r.get("writable_s", r["new_leader_s"]))
+            if "longest_ack_gap_s" in r:
+                fault["longest_ack_gap_s"].append(r["longest_ack_gap_s"])
+            fault["first_ack_s"].append(max(r["first_ack_s"].values(), default=0.0))
+            during = r.get("acked_between_fault_and_leader", r.get("acked_during_fault", 0))
+            fault["acked_during"] = fault.get("acked_during", 0) + during
+            for key in ("refused", "deadline_exceeded", "refused_without_retry_info"):
+                fault[key] = fault.get(key, 0) + r[key]
+    for fault in faults.values():
+        for key in ("new_leader_s", "writable_s", "first_ack_s", "longest_ack_gap_s"):
+            fault[key] = _spread(fault[key])
+    return faults
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -190,6 +241,27 @@ def print_summary(result: dict[str, Any]) -> None:
         print(
             f"netns {name}: {case['rounds']} rounds, {case['acknowledged']} acknowledged"
             f" events checked; {faults}" + (f"; {times}" if times else "")
+        )
+    for name, fault in result.get("patroni", {}).items():
+        spread = {
+            key: "/".join(f"{fault[key][k]:.2f}" for k in ("min", "median", "max"))
+            for key in ("new_leader_s", "writable_s", "first_ack_s", "longest_ack_gap_s")
+            if fault[key]
+        }
+        leader = spread.get("new_leader_s")
+        print(
+            f"patroni {name}: {fault['rounds']} rounds"
+            + (f"; new leader after {leader} s (min/median/max)" if leader else "")
+            + (f", taking writes after {spread['writable_s']} s" if leader else "")
+            + f"; every replica acknowledging {spread['first_ack_s']} s after"
+            + (" it took writes" if leader else " the fault")
+            + (
+                f"; longest gap between acks {spread['longest_ack_gap_s']} s"
+                if "longest_ack_gap_s" in spread
+                else ""
+            )
+            + f"; {fault['acked_during']} acknowledged during; {fault['refused']} refused,"
+            f" {fault['deadline_exceeded']} DEADLINE_EXCEEDED"
         )
     if result["fuzz_codes"]:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(result["fuzz_codes"].items()))
@@ -226,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
         help="times each case of the network-namespace fault suite runs (10)",
     )
     parser.add_argument(
+        "--rounds",
+        "--patroni-rounds",
+        dest="patroni_rounds",
+        type=int,
+        default=20,
+        help="times each fault of the Patroni suite runs (20)",
+    )
+    parser.add_argument(
         "--fuzz-seconds", type=float, default=1800.0, help="fuzzing past the quotas (1800)"
     )
     parser.add_argument(
@@ -239,9 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-results/campaign.json", help="JSON file to write")
     args = parser.parse_args(argv)
-    if args.kills < 1 or args.failovers < 1 or args.netns_rounds < 1 or args.fuzz_seconds < 0:
+    counts = (args.kills, args.failovers, args.netns_rounds, args.patroni_rounds)
+    if min(counts) < 1 or args.fuzz_seconds < 0:
         parser.error(
-            "--kills, --failovers and --netns-rounds must be at least 1"
+            "--kills, --failovers, --netns-rounds and --rounds must be at least 1"
             " and --fuzz-seconds at least 0"
         )
     result = run_campaign(
@@ -251,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         args.fuzz_scale,
         failovers=args.failovers,
         netns_rounds=args.netns_rounds,
+        patroni_rounds=args.patroni_rounds,
     )
     print_summary(result)
     out = Path(args.out)

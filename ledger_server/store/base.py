@@ -77,6 +77,14 @@ class StoreUnreachable(StoreError):
         self.retry_after_s = retry_after_s
 
 
+class StoreCommitWaitExceeded(StoreUnreachable):
+    """A COMMIT waited past --pg-commit-wait-bound (for its synchronous standby) and was cancelled.
+
+    Its outcome is unknown: it may be committed on the primary only. It is never
+    acknowledged; the caller resends with the same event ids (store/pg_commit.py).
+    """
+
+
 class ConcurrentWriteError(StoreError):
     """Another writer (a replica) won a race; the transaction was rolled back and may be retried."""
 

@@ -23,6 +23,14 @@ that waited in the pool until their deadline. Here instead:
   attempt left over from the outage decides when writes resume;
 * a checkout checks the connection itself and moves to the next at once, never sleeping.
 
+The probe writes: a transactional WAL record (``pg_logical_emit_message``, no table and
+no row to bloat) committed with the session's ``synchronous_commit = on``, so it passes
+only where an append's COMMIT would: the session is not read-only, the WAL can be written
+and flushed, and the synchronous standby confirms it within ``--pg-commit-wait-bound``
+(pg_commit.py). ``pg_is_in_recovery()`` alone says SERVING on a primary whose standby is
+gone, while every COMMIT on it waits forever. A COMMIT of an append that overruns the
+bound closes the pool at once, as a failed probe does.
+
 Without a probe (the CLI's direct database commands) nothing is ever refused early.
 """
 
@@ -37,7 +45,13 @@ from typing import Final
 import psycopg
 from psycopg_pool import ConnectionPool, PoolClosed
 
-from ledger_server.store.base import StoreError, StoreReadOnly, StoreUnreachable
+from ledger_server.store.base import (
+    StoreCommitWaitExceeded,
+    StoreError,
+    StoreReadOnly,
+    StoreUnreachable,
+)
+from ledger_server.store.pg_commit import CommitWatch
 from ledger_server.store.postgres_tx import Conn, edge, translate
 
 __all__ = ["PgPool"]
@@ -45,6 +59,10 @@ __all__ = ["PgPool"]
 # One round trip that says whether this session could write: not a standby in recovery,
 # and not read-only by default_transaction_read_only (what target_session_attrs checks).
 SQL_PROBE: Final = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+# The probe's write: one WAL record in a transaction (so its COMMIT waits for the synchronous
+# standby as an append's does), readable by any role, leaving no row behind. Logical
+# decoding consumers, if any, see it with this prefix.
+SQL_PROBE_WRITE: Final = "SELECT pg_logical_emit_message(true, 'shardledger-probe', '')"
 # How long a closed pool's threads may take to stop before the close stops waiting for them.
 _CLOSE_WAIT_S: Final = 0.1
 
@@ -62,6 +80,7 @@ class PgPool:
         configure: Callable[[Conn], None],
         probe_timeout_ms: int,
         retry_after_s: float,
+        commit_wait_bound_s: float,
     ) -> None:
         self._conninfo = conninfo
         self._sizes = (min_size, max_size)
@@ -77,6 +96,9 @@ class PgPool:
         self._closed = False
         # Wakes the server's probe when a call meets a dead connection (None: nobody probes).
         self.on_fault: Callable[[], None] | None = None
+        self.watch = CommitWatch(
+            commit_wait_bound_s, retry_after_s=retry_after_s, on_exceeded=self._exceeded
+        )
 
     def _new_pool(self) -> ConnectionPool[Conn]:
         return ConnectionPool(
@@ -148,6 +170,15 @@ class PgPool:
         if self.on_fault is not None:
             self.on_fault()
 
+    def _exceeded(self, error: StoreCommitWaitExceeded) -> None:
+        # An append's COMMIT overran the bound: the calls behind it are refused at once
+        # from now on (not after the cancelled COMMIT returns), and the probe looks now.
+        # Without a probe nothing would bring the pool back: each call meets the bound.
+        if self.on_fault is None:
+            return
+        self._go_down(error)
+        self._fault()
+
     @contextmanager
     def connection(self) -> Iterator[Conn]:
         """Lends a checked connection for the block, as ConnectionPool.connection() does."""
@@ -161,6 +192,11 @@ class PgPool:
     def probe(self) -> StoreError | None:
         """Checks that a session can write now; closes or renews the pool to match."""
         with self._probe_lock:
+            stalled = self.watch.stalled()
+            if stalled is not None:
+                # The cancel has not reached the server yet (it may be out of reach).
+                self._go_down(stalled)
+                return stalled
             error = self._check()
             if isinstance(error, StoreUnreachable):
                 self._go_down(error)
@@ -176,21 +212,34 @@ class PgPool:
                     self._probe_conn = conn
                     conn.execute(f"SET statement_timeout = {int(self._probe_timeout_ms)}")
                     conn.execute("SET application_name = 'shardledger-probe'")
+                    # As an append's session (postgres._configure), whatever the server's default.
+                    conn.execute("SET synchronous_commit = on")
                 row = self._probe_conn.execute(SQL_PROBE).fetchone()
+                if row is not None and not row[0] and row[1] == "off":
+                    return self._write(self._probe_conn)
             except psycopg.Error as exc:
                 self._close_probe()
                 if stale:
                     continue  # the probe's own connection died: one fresh attempt decides
                 message = exc.diag.message_primary or str(exc).strip()
                 return StoreUnreachable(f"PostgreSQL: {message}", retry_after_s=self._retry_after_s)
-            if row is not None and not row[0] and row[1] == "off":
-                return None
             return StoreReadOnly(
                 "PostgreSQL: the session the URL reached cannot write (a standby in recovery,"
                 " or default_transaction_read_only); add target_session_attrs=read-write"
                 " and list the primary's hosts"
             )
         raise AssertionError("unreachable")
+
+    def _write(self, conn: Conn) -> StoreError | None:
+        """Commits the probe's write; the fault when its COMMIT overran the bound."""
+        conn.execute("BEGIN")
+        conn.execute(SQL_PROBE_WRITE)
+        with self.watch.commit(conn, report=False) as wait:
+            conn.execute("COMMIT")
+        if not wait.unknown:
+            return None
+        self._close_probe()  # a late cancel must not reach the next probe
+        return self.watch.exceeded(wait)
 
     def _go_down(self, error: StoreError) -> None:
         with self._lock:
@@ -235,6 +284,7 @@ class PgPool:
 
     def close(self) -> None:
         """Closes the pool and the probe's connection."""
+        self.watch.close()
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None

@@ -58,7 +58,7 @@ from ledger_server.store.pg_pool import PgPool
 from ledger_server.store.postgres_tx import Conn, PgReadView, PgWriteTx, edge
 from ledger_server.store.urls import redact_url, split_libpq
 
-__all__ = ["PostgresStore", "split_url"]
+__all__ = ["DEFAULT_COMMIT_WAIT_BOUND_S", "PostgresStore", "split_url"]
 
 # Query parameters the store reads itself (libpq would refuse them). pool_timeout: how long
 # a call waits for a free connection; write_timeout: the statement_timeout of each statement
@@ -69,6 +69,10 @@ POOL_OPTIONS: Final = {
     "pool_timeout": 5.0,
     "write_timeout": 4.0,
 }
+# How long a COMMIT may wait (for its synchronous standby) before it is cancelled and not
+# acknowledged: under the SDK's 10 s call deadline, so a caller is answered UNAVAILABLE
+# rather than DEADLINE_EXCEEDED; far above a healthy COMMIT (milliseconds).
+DEFAULT_COMMIT_WAIT_BOUND_S: Final = 5.0
 # libpq's connect_timeout applies to each host of a multi-host URL in turn, so with the old
 # primary's host silently gone a connection takes up to this long per host it tries first.
 CONNECT_TIMEOUT_S: Final = 2
@@ -140,11 +144,18 @@ class PostgresStore:
     # Other replicas write the same rows, so nothing may be kept between transactions.
     exclusive_writer = False
 
-    def __init__(self, url: str, *, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        read_only: bool = False,
+        commit_wait_bound_s: float = DEFAULT_COMMIT_WAIT_BOUND_S,
+    ) -> None:
         """Opens the database (migrating it), or with read_only in read-only sessions.
 
         read_only never migrates: a database without the ledger's tables, or of an
-        older schema, raises StoreError.
+        older schema, raises StoreError. A COMMIT still waiting after commit_wait_bound_s
+        (0: no bound) is cancelled and not acknowledged (pg_commit.py).
         """
         self.url = url
         self.read_only = read_only
@@ -160,6 +171,7 @@ class PostgresStore:
             ),
             probe_timeout_ms=int(CONNECT_TIMEOUT_S * 1000),
             retry_after_s=PROBE_RETRY_S,
+            commit_wait_bound_s=commit_wait_bound_s,
         )
         self._pool.open()
         try:
@@ -234,12 +246,14 @@ class PostgresStore:
                 yield tx
                 with edge():
                     tx.flush()
-                    with conn.pipeline():
-                        # Never the COMMIT: a COMMIT cancelled while it waits for the
-                        # synchronous standby returns success with a mere WARNING, and the
-                        # append would be acknowledged without being on the standby.
-                        conn.execute("SET LOCAL statement_timeout = 0")
+                    # statement_timeout cannot bound the COMMIT's wait for the synchronous
+                    # standby (PostgreSQL disarms it first); the watch does, and a COMMIT it
+                    # cancelled, or that anyone else cancelled, is never acknowledged.
+                    with self._pool.watch.commit(conn) as wait:
                         conn.execute("COMMIT")
+                if wait.unknown:
+                    conn.close()  # a late cancel must not reach this session's next statement
+                    raise self._pool.watch.exceeded(wait)
             except BaseException:
                 if (
                     not conn.closed

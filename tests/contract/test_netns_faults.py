@@ -750,10 +750,12 @@ def test_appends_wait_for_a_cut_off_synchronous_standby_and_resume_when_healed(
     """Primary ↔ standby partition under synchronous replication.
 
     Expectation: while the synchronous standby is cut off, no append is acknowledged:
-    each COMMIT waits for the standby (the client's deadline answers, in doubt; the job
-    spools and keeps running); every event a job saw acknowledged before the heal is
-    already on the standby. Healed, the waiting COMMITs complete, the spool drains, the
-    resends land exactly once: nothing acknowledged is lost or counted twice.
+    each COMMIT waits for the standby, and past --pg-commit-wait-bound (5 s) the replica
+    cancels it without acknowledging it, says NOT_SERVING, and answers UNAVAILABLE (not
+    DEADLINE_EXCEEDED) to a call whose deadline is longer than the bound; the job spools
+    and keeps running; every event a job saw acknowledged before the heal is already on
+    the standby. Healed, the probe's write commits, the spool drains, the resends land
+    exactly once: nothing acknowledged is lost or counted twice.
     """
     if pg.find_bin_dir() is None:
         pytest.skip(pg.SKIP_REASON)
@@ -779,7 +781,17 @@ def test_appends_wait_for_a_cut_off_synchronous_standby_and_resume_when_healed(
     net.partition(primary_host, standby_host)
     job.go("j1-s0")
     blocked = observer.call("probe_append", target=target, run=run, shard="probe", deadline_s=2.0)
-    health = observer.call("health", target=target)
+    # A deadline past the bound: answered UNAVAILABLE once the bound cancels the COMMIT.
+    bounded = observer.call(
+        "probe_append", target=target, run=run, shard="probe", deadline_s=10.0, timeout_s=30
+    )
+    wait_for(
+        "the replica to say NOT_SERVING",
+        lambda: observer.call("health", target=target) == "NOT_SERVING",
+        timeout_s=10,
+    )
+    to_not_serving = time.monotonic() - cut
+    health = "NOT_SERVING"
     job.reached("j1-s2")  # the job went on, spooling
     on_standby = {
         row[0]
@@ -814,6 +826,8 @@ def test_appends_wait_for_a_cut_off_synchronous_standby_and_resume_when_healed(
         ),
         "probe_during_partition": blocked,
         "health_during_partition": health,
+        "to_not_serving_s": round(to_not_serving, 2),
+        "probe_past_the_bound": bounded,
         "recover_s": round(to_recover, 2),
         "longest_ack_gap_s": round(longest_ack_gap(truth), 2),
     }
@@ -821,5 +835,6 @@ def test_appends_wait_for_a_cut_off_synchronous_standby_and_resume_when_healed(
     assert recovered
     assert counts == {**counts, "lost": 0, "moved": 0, "duplicated": 0, "pending": 0}
     assert not blocked["ok"], blocked
+    assert not bounded["ok"] and "LedgerUnavailable: UNAVAILABLE" in bounded["error"], bounded
     assert result["acked_before_heal_not_on_standby"] == 0
     assert result["acked_during_partition"] == 0

@@ -225,6 +225,16 @@ def register(
         help="look for a run to archive this often; one run per look (default 60s)",
     )
     p.add_argument(
+        "--pg-commit-wait-bound",
+        type=non_negative_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="PostgreSQL: cancel a COMMIT still waiting for its synchronous standby after"
+        " this long, answer its appends UNAVAILABLE (clients resend; event ids make that"
+        " safe), go NOT_SERVING and refuse appends until a probe's write commits in time"
+        " (0: no bound, a COMMIT may wait forever)",
+    )
+    p.add_argument(
         "--port-file", default=None, help="write the bound port to this file once serving"
     )
     p.set_defaults(func=run)
@@ -259,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         archive_after_s=args.archive_after,
         archive_every_s=args.archive_every,
         archive_namespaces=tuple(args.archive_namespace),
+        pg_commit_wait_bound_s=args.pg_commit_wait_bound,
     )
 
     def ready(port: int) -> None:
