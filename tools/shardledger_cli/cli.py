@@ -58,7 +58,7 @@ COMMANDS: Final = (
         "watch",
         _C + "watch",
         "find stale attempts; with --kill-stale, diagnose and stop them (signals, scancel,"
-        " kubectl) and record failed(timeout)",
+        " kubectl, Ray) and record failed(timeout)",
     ),
     (
         "demo",
