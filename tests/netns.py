@@ -209,13 +209,18 @@ class Host:
         faketime: str = "",
         stdin: int | None = subprocess.DEVNULL,
         stdout: int | IO[Any] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Starts argv on this host, its output in log (stdout: a pipe instead, if given)."""
+        """Starts argv on this host, its output in log (stdout: a pipe instead, if given).
+
+        ``cwd``: where it runs (default: the checkout). A process that drops to another user
+        needs a directory that user may enter: a checkout may lie in a 0700 folder.
+        """
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 self.argv(argv, env=env, faketime=faketime),
-                cwd=ROOT,
+                cwd=ROOT if cwd is None else cwd,
                 env=self.network.env,
                 stdin=stdin,
                 stdout=out if stdout is None else stdout,

@@ -171,8 +171,12 @@ class PatroniNode:
 
     def start(self) -> None:
         """Starts Patroni (it starts, promotes, demotes and rewinds PostgreSQL itself)."""
+        # In its own directory: PostgreSQL's tools fail to find themselves from a working
+        # directory the postgres user may not enter (a checkout in a 0700 folder).
         self.proc = self.host.popen(
-            ["runuser", "-u", "postgres", "--", "patroni", str(self.config)], log=self.log
+            ["runuser", "-u", "postgres", "--", "patroni", str(self.config)],
+            log=self.log,
+            cwd=self.cluster.root,
         )
 
     def admin_url(self, dbname: str = "postgres") -> str:
