@@ -43,6 +43,7 @@ from ledger_server.interceptor import (
     refuse_malformed,
 )
 from ledger_server.servicer import LedgerServicer, finish
+from ledger_server.stream_append import STREAM_METHOD, STREAM_WINDOW, Pending, answer, begin
 from shard_client.api.shardledger.v1 import ledger_pb2
 
 APPEND_METHOD: Final = (
@@ -162,6 +163,9 @@ class AioInterceptor(_ServerInterceptor):
         self.append_on_loop = append_on_loop
         # method -> (the handler gRPC found, our adaptation of it), built once per method.
         self._adapted: dict[str, tuple[Any, Any]] = {}
+        # The open StreamAppendEvents streams, each (its reader, its window): a stop ends them.
+        self._streams: set[tuple[asyncio.Task[None], asyncio.Queue[Any]]] = set()
+        self._stopping = False
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = await continuation(details)
@@ -178,6 +182,12 @@ class AioInterceptor(_ServerInterceptor):
         method: str = details.method
         if method.startswith(OPEN_PREFIXES):
             return _open(handler)
+        if method == STREAM_METHOD:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream_append,
+                request_deserializer=lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
         if method == APPEND_METHOD and self.append_on_loop:
             return grpc.unary_unary_rpc_method_handler(
                 self._append,
@@ -233,6 +243,75 @@ class AioInterceptor(_ServerInterceptor):
         finally:
             interceptor.handled(APPEND_METHOD, sync.as_grpc(), start, failed, principal)
 
+    async def _stream_append(self, requests: AsyncIterator[Any], context: AioContext) -> None:
+        """StreamAppendEvents on the loop: a reader submits batches, this task answers them in order."""
+        sync = SyncContext(context)
+        interceptor = self.interceptor
+        try:
+            principal = interceptor.authenticated(sync.as_grpc(), STREAM_METHOD)
+        except Aborted as aborted:
+            await _abort(context, aborted)
+        if self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the ledger is stopping")
+        CURRENT_PRINCIPAL.set(principal)  # the reader task copies this context
+        CURRENT_METHOD.set(STREAM_METHOD)
+        # Submitted batches (Pending) and refusals, in request order; room for STREAM_WINDOW
+        # uncommitted batches, then the reader stops reading and HTTP/2 holds the client.
+        window: asyncio.Queue[Any] = asyncio.Queue()
+        room = asyncio.Semaphore(STREAM_WINDOW)
+        servicer, grpc_context = self.servicer, sync.as_grpc()
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    refuse_malformed(request, grpc_context)
+                    await room.acquire()
+                    window.put_nowait(begin(servicer, request, grpc_context))
+            except Aborted as aborted:
+                window.put_nowait(aborted)
+                return
+            window.put_nowait(_END)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        stream = (reader, window)
+        self._streams.add(stream)
+        start, failed = time.perf_counter(), True
+        try:
+            while True:
+                item = await window.get()
+                if item is _END:
+                    break
+                if isinstance(item, Aborted):
+                    await _abort(context, item)
+                if isinstance(item, Pending):
+                    try:
+                        results = await _committed(item.future)
+                    except asyncio.CancelledError:
+                        _release_when_committed(item)
+                        raise
+                    except Exception as exc:  # the commit's error: the steps map it to a status
+                        item = answer(servicer, item, error=exc)
+                    else:
+                        item = answer(servicer, item, results=results)
+                await context.write(item)
+                room.release()
+            failed = False
+        finally:
+            self._streams.discard(stream)
+            reader.cancel()
+            while not window.empty():  # read, never answered: give admission its room back
+                left = window.get_nowait()
+                if isinstance(left, Pending):
+                    _release_when_committed(left)
+            interceptor.handled(STREAM_METHOD, grpc_context, start, failed, principal)
+
+    def end_streams(self) -> None:
+        """Stops reading every open stream (on the loop): each answers what it read, then ends."""
+        self._stopping = True
+        for reader, window in list(self._streams):
+            reader.cancel()
+            window.put_nowait(_END)
+
     def _in_pool(self, behavior: Callable[[Any, Any], Any]) -> Callable[..., Any]:
         pool = self.pool
 
@@ -278,6 +357,11 @@ class AioInterceptor(_ServerInterceptor):
                 # under it); the generator sees is_active() false and ends there.
 
         return stream
+
+
+def _release_when_committed(pending: Pending) -> None:
+    """Closes a batch's steps once its commit ends, which gives admission its room back."""
+    pending.future.add_done_callback(lambda _done: pending.steps.close())
 
 
 async def _refuse_malformed(request: Any, context: AioContext) -> None:
@@ -377,6 +461,8 @@ class AioServer:
         self._thread.start()
         self.server: grpc.aio.Server | None = None
         self._stopped = threading.Event()
+        # Run on the loop when a stop begins, before grpc.aio's graceful stop waits for calls.
+        self.before_stop: list[Callable[[], None]] = []
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -410,6 +496,8 @@ class AioServer:
             return done
 
         async def stop() -> None:
+            for hook in self.before_stop:
+                hook()
             await server.stop(grace)
             done.set()
 

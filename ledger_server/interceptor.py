@@ -244,6 +244,18 @@ def _wrap(handler: Any, make: Callable[[Callable[..., Any], bool], Callable[...,
             request_deserializer=lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+    if handler.stream_stream is not None:
+        bidi = handler.stream_stream
+
+        # Authenticated once, at the stream's start; each request checked as it arrives.
+        def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return bidi(_checked(requests, context), context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            make(checked, True),
+            request_deserializer=lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
     return handler
 
 

@@ -277,13 +277,12 @@ def _start(
         pool = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc")
         server = AioServer()
 
+        adapter = AioInterceptor(interceptor, servicer, pool, append_on_loop=config.engine == "aio")
+        server.before_stop.append(adapter.end_streams)
+
         def build() -> Any:
             aio = grpc.aio.server(
-                interceptors=[
-                    AioInterceptor(
-                        interceptor, servicer, pool, append_on_loop=config.engine == "aio"
-                    )
-                ],
+                interceptors=[adapter],
                 options=options,
                 maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             )

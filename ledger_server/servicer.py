@@ -214,6 +214,13 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         steps = self.append_steps(request, context)
         return drive(steps, next(steps))
 
+    def StreamAppendEvents(
+        self, requests: Iterator[pb.StreamAppendEventsRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.StreamAppendEventsResponse]:
+        from ledger_server.stream_append import serve_sync  # it builds on this module
+
+        return serve_sync(self, requests, context)
+
     def append_steps(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext
     ) -> AppendSteps:

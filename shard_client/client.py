@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -17,6 +18,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.errors import (
     LedgerClientError,
+    LedgerRejected,
     LedgerUnavailable,
     NotFound,
     Overloaded,
@@ -25,6 +27,11 @@ from shard_client.errors import (
 
 DEFAULT_TARGET: Final = "127.0.0.1:50551"
 ENV_TARGET: Final = "SHARDLEDGER_SERVER"
+# "0" sends every append as a unary AppendEvents call instead of on a stream.
+ENV_APPEND_STREAM: Final = "SHARDLEDGER_APPEND_STREAM"
+# After a ledger answered UNIMPLEMENTED to the stream (an older server), appends go unary
+# for this long, then the stream is tried again (the ledger may have been upgraded).
+STREAM_RECHECK_S: Final = 300.0
 # Keepalive every 30 s; the server permits pings every 10 s without calls.
 CHANNEL_OPTIONS: Final = (
     ("grpc.keepalive_time_ms", 30_000),
@@ -43,6 +50,8 @@ CHANNEL_OPTIONS: Final = (
 
 if TYPE_CHECKING:
     from datetime import datetime
+
+    from shard_client.stream import AppendStream
 
 T = TypeVar("T")
 
@@ -198,6 +207,7 @@ class LedgerClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        stream_appends: bool | None = None,
     ) -> None:
         self.target = channel_target(target or default_target())
         if credentials is None:
@@ -214,6 +224,18 @@ class LedgerClient:
         self._pid = -1
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.LedgerServiceStub | None = None
+        if stream_appends is None:
+            stream_appends = os.environ.get(ENV_APPEND_STREAM, "1").strip().lower() not in (
+                "0",
+                "false",
+                "no",
+                "off",
+            )
+        # Appends go on one StreamAppendEvents stream per process (shard_client.stream).
+        self.stream_appends = stream_appends
+        self._stream: AppendStream | None = None
+        self._unary_until = 0.0
+        _CLIENTS.add(self)
 
     @property
     def stub(self) -> pb_grpc.LedgerServiceStub:
@@ -237,7 +259,8 @@ class LedgerClient:
         return self._stub
 
     def close(self) -> None:
-        """Closes this process's channel."""
+        """Closes this process's append stream and channel."""
+        self.end_stream()
         with self._lock:
             if self._channel is not None and self._pid == os.getpid():
                 self._channel.close()
@@ -260,9 +283,11 @@ class LedgerClient:
                 return fn(self.timeout_s)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-                wait = backoff.retry_wait(error.retry_after_s, delay, cap_s=self.max_backoff_s)
-                if not retry or not _retryable(error) or time.monotonic() + wait > give_up:
-                    raise error from None
+            except LedgerClientError as exc:  # a batch's answer on the append stream
+                error = exc
+            wait = backoff.retry_wait(error.retry_after_s, delay, cap_s=self.max_backoff_s)
+            if not retry or not _retryable(error) or time.monotonic() + wait > give_up:
+                raise error from None
             self.sleep(wait)
             delay = backoff.grown(delay, self.max_backoff_s)
 
@@ -275,12 +300,50 @@ class LedgerClient:
         retry: bool = True,
         deadline_s: float | None = None,
     ) -> list[pb.AppendResult]:
-        """Appends a batch atomically; retries reuse the same event ids, so they are idempotent."""
+        """Appends a batch atomically; retries reuse the same event ids, so they are idempotent.
+
+        The batch goes on this process's append stream, or as a unary AppendEvents call
+        when streaming is off or the ledger lacks the stream (UNIMPLEMENTED).
+        """
+        if self.stream_appends and time.monotonic() >= self._unary_until:
+            try:
+                return self.call(
+                    lambda t: self._append_stream().append(events, t),
+                    retry=retry,
+                    deadline_s=deadline_s,
+                )
+            except LedgerRejected as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                # Nothing was stored: the same batch goes unary, and so do the next ones.
+                self._unary_until = time.monotonic() + STREAM_RECHECK_S
+                self.end_stream()
         request = pb.AppendEventsRequest(events=list(events))
         response = self.call(
             lambda t: self.stub.AppendEvents(request, timeout=t), retry=retry, deadline_s=deadline_s
         )
         return list(response.results)
+
+    def _append_stream(self) -> AppendStream:
+        """Returns this process's open append stream, opening one if there is none."""
+        stream = self._stream
+        if stream is not None and not stream.ended and self._pid == os.getpid():
+            return stream
+        stub = self.stub  # (re)creates the channel after a fork
+        from shard_client.stream import AppendStream  # only a process that appends pays for it
+
+        with self._lock:
+            stream = self._stream
+            if stream is None or stream.ended or stream.pid != os.getpid():
+                stream = self._stream = AppendStream(stub)
+        return stream
+
+    def end_stream(self) -> None:
+        """Ends this process's append stream, if open (the next append opens another)."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None and stream.pid == os.getpid():
+            stream.close()
 
     def _pages(self, rpc: Callable[..., Any], request: Any, field: str) -> Iterator[Any]:
         """Yields the items of every page of a paginated RPC (AIP-158 page tokens)."""
@@ -452,3 +515,17 @@ class EventTail:
         """Ends the stream; iteration then stops without an error. Idempotent."""
         self._cancelled.set()
         self._call.cancel()
+
+
+_CLIENTS: weakref.WeakSet[LedgerClient] = weakref.WeakSet()
+
+
+def _end_streams_before_fork() -> None:
+    """Ends every append stream of this process: no gRPC call may be active across a fork."""
+    for client in list(_CLIENTS):
+        client.end_stream()
+
+
+# Registered before the sender's hook (this module is imported first), so it runs after
+# it: the sender has waited for its append in flight by then.
+os.register_at_fork(before=_end_streams_before_fork)

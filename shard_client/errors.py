@@ -107,17 +107,26 @@ RETRYABLE: Final = frozenset(
 def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
     """Maps a grpc.RpcError to the SDK's hierarchy (the one place that does)."""
     # Only a failed call pays for the status protos: a read that succeeds never imports them.
-    from google.rpc import error_details_pb2
     from grpc_status import rpc_status
 
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    message = exc.details() if hasattr(exc, "details") else str(exc)
-    reason, metadata, retry_after_s = code.name, dict[str, str](), None
+    message = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
     try:
         status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
     except ValueError:  # a status whose details disagree with the call's own code
         status = None
-    details: list[Any] = list(status.details) if status is not None else []
+    return from_status(code, message, list(status.details) if status is not None else [])
+
+
+def from_status(code: grpc.StatusCode, message: str, details: list[Any]) -> LedgerClientError:
+    """Maps a status (its code, message and google.protobuf.Any details) to the SDK's hierarchy.
+
+    A failed call's status and a refused batch's on a StreamAppendEvents stream
+    (AppendError, google.rpc.Status's fields) both come here.
+    """
+    from google.rpc import error_details_pb2
+
+    reason, metadata, retry_after_s = code.name, dict[str, str](), None
     for detail in details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
@@ -139,3 +148,11 @@ def from_rpc_error(exc: grpc.RpcError) -> LedgerClientError:
         error = cls(message or code.name, code=code, reason=reason, metadata=metadata)
     error.retry_after_s = retry_after_s
     return error
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """Returns the gRPC status code of a google.rpc.Code number (UNKNOWN for one it lacks)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+_CODES: Final = {code.value[0]: code for code in grpc.StatusCode}

@@ -34,6 +34,7 @@ from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import channel_credentials
+from shard_client.errors import status_code
 from shardledger_cli.cli import main as cli_main
 from tests.builders import committed, planned, started
 
@@ -51,6 +52,7 @@ DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 RPCS = (
     "AppendEvents",
+    "StreamAppendEvents",
     "ListEvents",
     "TailEvents",
     "ListRuns",
@@ -64,6 +66,8 @@ RPCS = (
     "GetRunReport",
     "CompareRuns",
 )
+# A stream's batch is refused what AppendEvents is (within the stream: the batch's answer).
+APPENDS = ("AppendEvents", "StreamAppendEvents")
 # The token failures the interceptor answers before any handler runs.
 UNAUTHENTICATED_CALLERS = {
     "no_token": "TOKEN_MISSING",
@@ -102,7 +106,7 @@ def expected(caller: str, rpc: str) -> Expect:
         return Expect(OK)  # the verification key is public; any valid token may fetch it
     if caller == "other_tenant":
         return Expect(DENIED, "NAMESPACE_FORBIDDEN")
-    if rpc == "AppendEvents":
+    if rpc in APPENDS:
         if caller in ("reader", "auditor"):
             return Expect(DENIED, "ROLE_FORBIDDEN")
         if caller == "writer_other_prefix":
@@ -229,9 +233,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 def _request(world: World, rpc: str, *, run_id: str = RUN, namespace: str = NS) -> Message:
-    if rpc == "AppendEvents":
+    if rpc in APPENDS:
         shard = f"s-{uuid.uuid4().hex[:12]}"
-        return pb.AppendEventsRequest(events=[_in(namespace, planned(run_id, shard))])
+        events = [_in(namespace, planned(run_id, shard))]
+        if rpc == "StreamAppendEvents":
+            return pb.StreamAppendEventsRequest(batch_id=7, events=events)
+        return pb.AppendEventsRequest(events=events)
     if rpc == "ListRuns":
         return pb.ListRunsRequest(namespace=namespace)
     if rpc == "GetPublicKey":
@@ -259,6 +266,8 @@ def _invoke(stub: pb_grpc.LedgerServiceStub, rpc: str, request: Message) -> list
             call.cancel()
     if rpc == "StreamResumeList":
         return list(method(request, timeout=10))
+    if rpc == "StreamAppendEvents":
+        return list(method(iter([request]), timeout=10))
     return [method(request, timeout=10)]
 
 
@@ -268,14 +277,21 @@ def _answer(stub: pb_grpc.LedgerServiceStub, rpc: str, request: Message) -> tupl
         responses = _invoke(stub, rpc, request)
     except grpc.RpcError as exc:
         return Expect(exc.code(), _reason(exc)), b""
+    if rpc == "StreamAppendEvents":
+        (answer,) = responses
+        assert answer.batch_id == 7
+        if answer.HasField("error"):  # the batch refused, the stream ended OK
+            return Expect(status_code(answer.error.code), _info_reason(answer.error.details)), b""
     return Expect(OK), b"".join(r.SerializeToString() for r in responses)
 
 
 def _reason(exc: grpc.RpcError) -> str:
     status = rpc_status.from_call(exc)  # type: ignore[arg-type]
-    if status is None:
-        return ""
-    for detail in status.details:
+    return "" if status is None else _info_reason(status.details)
+
+
+def _info_reason(details: Any) -> str:
+    for detail in details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
@@ -321,7 +337,7 @@ def test_caller_gets_the_answer_its_token_allows_and_no_other_tenant_rows(
     assert got == want
     assert LEAK_MARK.encode() not in body
     assert after[OTHER_NS] == before[OTHER_NS]
-    if rpc == "AppendEvents" and want.code == OK:
+    if rpc in APPENDS and want.code == OK:
         # Exactly the one planned event, in alpha, and nowhere else.
         assert after[NS][1] == before[NS][1] + 1
         assert after[NS][3] == before[NS][3] + 1
@@ -335,7 +351,7 @@ def test_matrix_covers_every_rpc_of_the_service() -> None:
 
 
 @pytest.mark.parametrize(
-    "rpc", [r for r in RPCS if r not in ("ListRuns", "GetPublicKey", "AppendEvents")]
+    "rpc", [r for r in RPCS if r not in ("ListRuns", "GetPublicKey", *APPENDS)]
 )
 def test_other_tenant_gets_the_same_refusal_whether_or_not_the_run_exists(
     world: World, rpc: str

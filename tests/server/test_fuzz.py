@@ -53,6 +53,7 @@ from ledger_server.server import RunningServer, create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from shard_client.client import channel_credentials
+from shard_client.errors import status_code
 from tests import campaign as knobs
 from tests.builders import DIGEST_A, DIGEST_B, committed, planned, started
 
@@ -116,15 +117,23 @@ class Campaign:
         path = f"/{SERVICE.full_name}/{method}"
         channel = channel or self.admin
         before = self.rows()
-        code, responses = _send(channel, path, payload, METHODS[method].server_streaming, metadata)
+        code, responses = _send(channel, path, payload, METHODS[method], metadata)
         after = self.rows()
         self.requests += 1
+        reply: Any = None
+        if code == grpc.StatusCode.OK and method == "AppendEvents":
+            reply = pb.AppendEventsResponse.FromString(responses[0])
+        elif code == grpc.StatusCode.OK and method == "StreamAppendEvents" and responses:
+            answer = pb.StreamAppendEventsResponse.FromString(responses[0])
+            if answer.HasField("error"):  # the batch's own status, the stream's was OK
+                code = status_code(answer.error.code)
+            else:
+                reply = answer.appended
         self.codes[code.name] += 1
         assert code not in FORBIDDEN_CODES, f"{method} answered {code.name}"
-        if code != grpc.StatusCode.OK or method != "AppendEvents":
+        if reply is None:
             assert after == before, f"{method} answered {code.name} but the rows changed"
         else:
-            reply = pb.AppendEventsResponse.FromString(responses[0])
             appended = sum(r.outcome == pb.APPEND_OUTCOME_APPENDED for r in reply.results)
             assert after[0] - before[0] == appended
         return code, responses
@@ -134,11 +143,14 @@ def _send(
     channel: grpc.Channel,
     path: str,
     payload: bytes,
-    streaming: bool,
+    method: Any,
     metadata: tuple[tuple[str, str], ...],
 ) -> tuple[grpc.StatusCode, list[bytes]]:
     try:
-        if not streaming:
+        if method.client_streaming:  # StreamAppendEvents: one batch, then the stream's end
+            bidi = channel.stream_stream(path, request_serializer=None, response_deserializer=None)
+            return grpc.StatusCode.OK, list(bidi(iter([payload]), timeout=10, metadata=metadata))
+        if not method.server_streaming:
             unary = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
             return grpc.StatusCode.OK, [unary(payload, timeout=10, metadata=metadata)]
         stream = channel.unary_stream(path, request_serializer=None, response_deserializer=None)
@@ -612,6 +624,9 @@ def _valid_request(method: str) -> bytes:
     fields: dict[str, Any] = {"run_id": SEED_RUN}
     if method == "AppendEvents":
         return pb.AppendEventsRequest(events=[planned(SEED_RUN, "raw")]).SerializeToString()
+    if method == "StreamAppendEvents":
+        events = [planned(SEED_RUN, "raw-stream")]
+        return pb.StreamAppendEventsRequest(batch_id=1, events=events).SerializeToString()
     if method in ("ListRuns", "GetPublicKey"):
         fields = {}
     if method == "GetInclusionProof":
@@ -853,7 +868,9 @@ def test_bytes_that_are_not_a_message_get_malformed_request(
     path = f"/{SERVICE.full_name}/{method}"
     raw: dict[str, Any] = {"request_serializer": None, "response_deserializer": None}
     with pytest.raises(grpc.RpcError) as refused:
-        if METHODS[method].server_streaming:
+        if METHODS[method].client_streaming:
+            list(campaign.admin.stream_stream(path, **raw)(iter([NOT_A_MESSAGE]), timeout=10))
+        elif METHODS[method].server_streaming:
             list(campaign.admin.unary_stream(path, **raw)(NOT_A_MESSAGE, timeout=10))
         else:
             campaign.admin.unary_unary(path, **raw)(NOT_A_MESSAGE, timeout=10)

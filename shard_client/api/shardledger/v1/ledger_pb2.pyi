@@ -1,5 +1,6 @@
 import datetime
 
+from google.protobuf import any_pb2 as _any_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -385,6 +386,34 @@ class AppendEventsResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[AppendResult]
     def __init__(self, results: _Optional[_Iterable[_Union[AppendResult, _Mapping]]] = ...) -> None: ...
+
+class StreamAppendEventsRequest(_message.Message):
+    __slots__ = ("batch_id", "events")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    events: _containers.RepeatedCompositeFieldContainer[ShardEvent]
+    def __init__(self, batch_id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[ShardEvent, _Mapping]]] = ...) -> None: ...
+
+class AppendError(_message.Message):
+    __slots__ = ("code", "message", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    details: _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., details: _Optional[_Iterable[_Union[_any_pb2.Any, _Mapping]]] = ...) -> None: ...
+
+class StreamAppendEventsResponse(_message.Message):
+    __slots__ = ("batch_id", "appended", "error")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    appended: AppendEventsResponse
+    error: AppendError
+    def __init__(self, batch_id: _Optional[int] = ..., appended: _Optional[_Union[AppendEventsResponse, _Mapping]] = ..., error: _Optional[_Union[AppendError, _Mapping]] = ...) -> None: ...
 
 class ListEventsRequest(_message.Message):
     __slots__ = ("namespace", "run_id", "after_sequence", "page_size", "page_token")

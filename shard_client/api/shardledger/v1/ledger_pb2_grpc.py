@@ -40,6 +40,11 @@ class LedgerServiceStub:
                 request_serializer=shardledger_dot_v1_dot_ledger__pb2.AppendEventsRequest.SerializeToString,
                 response_deserializer=shardledger_dot_v1_dot_ledger__pb2.AppendEventsResponse.FromString,
                 _registered_method=True)
+        self.StreamAppendEvents = channel.stream_stream(
+                '/shardledger.v1.LedgerService/StreamAppendEvents',
+                request_serializer=shardledger_dot_v1_dot_ledger__pb2.StreamAppendEventsRequest.SerializeToString,
+                response_deserializer=shardledger_dot_v1_dot_ledger__pb2.StreamAppendEventsResponse.FromString,
+                _registered_method=True)
         self.ListEvents = channel.unary_unary(
                 '/shardledger.v1.LedgerService/ListEvents',
                 request_serializer=shardledger_dot_v1_dot_ledger__pb2.ListEventsRequest.SerializeToString,
@@ -111,6 +116,22 @@ class LedgerServiceServicer:
         An event whose event_id was already stored with the same content is
         acknowledged again with its original sequence and stored nothing. The content
         compared is every client field but client_time (see ShardEvent.event_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamAppendEvents(self, request_iterator, context):
+        """StreamAppendEvents appends batches sent as messages on one long-lived stream:
+        each request is one atomic batch, exactly as an AppendEvents request (same
+        outcomes, idempotency, limits and errors), and each is answered by one
+        response naming its batch_id, in request order, only after its commit. A
+        refused batch is answered with the status AppendEvents would have ended with
+        (AppendError) and the stream goes on. The stream itself ends with a status
+        only for what concerns every batch: UNAUTHENTICATED at its start, a request
+        that does not parse (INVALID_ARGUMENT MALFORMED_REQUEST), a server stopping
+        (UNAVAILABLE; resend what was not answered, on a new stream). A server
+        without it answers UNIMPLEMENTED: send AppendEvents instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -212,6 +233,11 @@ def add_LedgerServiceServicer_to_server(servicer, server):
                     request_deserializer=shardledger_dot_v1_dot_ledger__pb2.AppendEventsRequest.FromString,
                     response_serializer=shardledger_dot_v1_dot_ledger__pb2.AppendEventsResponse.SerializeToString,
             ),
+            'StreamAppendEvents': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamAppendEvents,
+                    request_deserializer=shardledger_dot_v1_dot_ledger__pb2.StreamAppendEventsRequest.FromString,
+                    response_serializer=shardledger_dot_v1_dot_ledger__pb2.StreamAppendEventsResponse.SerializeToString,
+            ),
             'ListEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEvents,
                     request_deserializer=shardledger_dot_v1_dot_ledger__pb2.ListEventsRequest.FromString,
@@ -301,6 +327,33 @@ class LedgerService:
             '/shardledger.v1.LedgerService/AppendEvents',
             shardledger_dot_v1_dot_ledger__pb2.AppendEventsRequest.SerializeToString,
             shardledger_dot_v1_dot_ledger__pb2.AppendEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamAppendEvents(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shardledger.v1.LedgerService/StreamAppendEvents',
+            shardledger_dot_v1_dot_ledger__pb2.StreamAppendEventsRequest.SerializeToString,
+            shardledger_dot_v1_dot_ledger__pb2.StreamAppendEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
