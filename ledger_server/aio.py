@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, cast
 import grpc
 from grpc_health.v1 import health_pb2
 
+from ledger_server.errors import StreamsExhausted
 from ledger_server.framework import HEALTH_SERVICE_NAME, LedgerHealth
 from ledger_server.interceptor import (
     CURRENT_METHOD,
@@ -42,6 +43,7 @@ from ledger_server.interceptor import (
     lenient,
     refuse_malformed,
 )
+from ledger_server.rpc_status import rich_status
 from ledger_server.servicer import LedgerServicer, finish
 from ledger_server.stream_append import STREAM_METHOD, STREAM_WINDOW, Pending, answer, begin
 from shard_client.api.shardledger.v1 import ledger_pb2
@@ -253,6 +255,23 @@ class AioInterceptor(_ServerInterceptor):
             await _abort(context, aborted)
         if self._stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the ledger is stopping")
+        slots = self.servicer.stream_slots
+        if not slots.take():
+            start = time.perf_counter()
+            try:
+                sync.abort_with_status(rich_status(StreamsExhausted(slots.limit)))
+            except Aborted as aborted:
+                interceptor.handled(STREAM_METHOD, sync.as_grpc(), start, True, principal)
+                await _abort(context, aborted)
+        try:
+            await self._stream_batches(requests, context, sync, principal)
+        finally:
+            slots.give_back()
+
+    async def _stream_batches(
+        self, requests: AsyncIterator[Any], context: AioContext, sync: SyncContext, principal: Any
+    ) -> None:
+        interceptor = self.interceptor
         CURRENT_PRINCIPAL.set(principal)  # the reader task copies this context
         CURRENT_METHOD.set(STREAM_METHOD)
         # Submitted batches (Pending) and refusals, in request order; room for STREAM_WINDOW

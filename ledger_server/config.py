@@ -34,6 +34,12 @@ class ServerConfig:
     # many in flight, RESOURCE_EXHAUSTED without a delay, before any handler runs.
     # Above max_workers, so that admission acts first; bounded, so that memory is.
     max_concurrent_rpcs: int = 2048
+    # StreamAppendEvents streams held open at once (one per job process that appends);
+    # past it a new stream is refused RESOURCE_EXHAUSTED STREAMS_EXHAUSTED and the SDK
+    # sends unary. The asyncio engines let gRPC hold this many calls on top of
+    # max_concurrent_rpcs; the threaded engine holds a thread per stream, so it takes at
+    # most a quarter of max_workers.
+    max_append_streams: int = 20_000
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # "aio": grpc.aio, appends awaited on the event loop, reads on max_workers threads;
     # "aio-executor": the same with appends on those threads too; "threads": grpcio's

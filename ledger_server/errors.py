@@ -166,6 +166,19 @@ class Overloaded(LedgerError):
         self.retry_after_s = retry_after_s
 
 
+class StreamsExhausted(LedgerError):
+    """The ledger holds its most StreamAppendEvents streams: send AppendEvents instead."""
+
+    reason = "STREAMS_EXHAUSTED"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the ledger holds its most append streams ({limit}, serve --max-append-streams);"
+            " send the batch as AppendEvents",
+            limit=limit,
+        )
+
+
 class EventRejected(LedgerError):
     """Wraps the first rejected event of a batch with its index; nothing was written."""
 

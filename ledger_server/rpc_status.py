@@ -24,6 +24,7 @@ from ledger_server.errors import (
     Overloaded,
     RunNotFound,
     SigningKeyMissing,
+    StreamsExhausted,
 )
 from ledger_server.store.base import StoreError
 
@@ -42,6 +43,7 @@ ERROR_CODES: Final[list[tuple[type[Exception], grpc.StatusCode]]] = [
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (LifecycleViolation, grpc.StatusCode.FAILED_PRECONDITION),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StreamsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
     (LedgerError, grpc.StatusCode.UNAVAILABLE),
 ]

@@ -47,6 +47,7 @@ from ledger_server.store import Store
 from ledger_server.store.base import StoreError
 from ledger_server.store.urls import redact_url
 from ledger_server.store_health import StoreHealth, StoreProbe
+from ledger_server.stream_append import StreamSlots
 from ledger_server.upgrade import stale_runs, upgrade_projections
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -257,6 +258,10 @@ def _start(
         *config.extra_options,
     ]
     servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor, metrics=metrics)
+    streams = config.max_append_streams
+    if config.engine == "threads":  # a thread per stream: reads keep the rest
+        streams = min(streams, max(1, config.max_workers // 4))
+    servicer.stream_slots = StreamSlots(streams)
     health_servicer = LedgerHealth()
     server: grpc.Server | AioServer
     pool = None
@@ -284,7 +289,8 @@ def _start(
             aio = grpc.aio.server(
                 interceptors=[adapter],
                 options=options,
-                maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                # Each open append stream is a call in flight for its whole life.
+                maximum_concurrent_rpcs=config.max_concurrent_rpcs + config.max_append_streams,
             )
             ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, aio)
             aio.add_generic_rpc_handlers([health_handler(health_servicer)])

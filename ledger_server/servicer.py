@@ -148,6 +148,9 @@ def _page_size(value: int) -> int:
     return min(value or 1000, MAX_PAGE_SIZE)
 
 
+# A servicer built without a server's config (tests, tools) holds this many streams.
+DEFAULT_STREAM_SLOTS: Final = 256
+
 AppendSteps = Generator["Future[list[AppendResult]]", list[AppendResult], pb.AppendEventsResponse]
 
 
@@ -193,6 +196,10 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self.signing_key = signing_key
         self.interceptor = interceptor
         self.metrics = metrics or LedgerMetrics()
+        # How many StreamAppendEvents streams may be open at once (the server sets it).
+        from ledger_server.stream_append import StreamSlots
+
+        self.stream_slots = StreamSlots(DEFAULT_STREAM_SLOTS)
 
     def _scope(
         self, context: grpc.ServicerContext, action: str, namespace: str, run_id: str

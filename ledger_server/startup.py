@@ -87,6 +87,7 @@ def check_config(config: ServerConfig) -> None:
     for option, value in (
         ("--max-workers", config.max_workers),
         ("--max-concurrent-rpcs", config.max_concurrent_rpcs),
+        ("--max-append-streams", config.max_append_streams),
         ("--admission-min-events", config.admission_min_events),
     ):
         if value < 1:

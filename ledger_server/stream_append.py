@@ -19,6 +19,7 @@ the threaded engine answers one batch before it reads the next.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -26,7 +27,9 @@ from typing import Any, Final, NoReturn
 
 import grpc
 
+from ledger_server.errors import StreamsExhausted
 from ledger_server.interceptor import CURRENT_PRINCIPAL, RequestInterceptor
+from ledger_server.rpc_status import rich_status
 from ledger_server.servicer import AppendSteps, LedgerServicer, finish
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 
@@ -36,6 +39,7 @@ __all__ = [
     "BatchAborted",
     "BatchContext",
     "Pending",
+    "StreamSlots",
     "answer",
     "begin",
     "refused",
@@ -50,6 +54,27 @@ STREAM_METHOD: Final = (
 # waits in HTTP/2 flow control rather than in the ledger's memory.
 STREAM_WINDOW: Final = 32
 _DETAILS_KEY: Final = "grpc-status-details-bin"
+
+
+class StreamSlots:
+    """Counts the open streams against the limit (serve --max-append-streams)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Takes a slot for a new stream; False when every slot is taken."""
+        with self._lock:
+            if self.open >= self.limit:
+                return False
+            self.open += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.open -= 1
 
 
 class BatchAborted(Exception):
@@ -173,6 +198,20 @@ def serve_sync(
     context: grpc.ServicerContext,
 ) -> Iterator[pb.StreamAppendEventsResponse]:
     """The threaded engine's stream: each batch answered after its commit, then the next read."""
+    slots = servicer.stream_slots
+    if not slots.take():
+        context.abort_with_status(rich_status(StreamsExhausted(slots.limit)))
+    try:
+        yield from _serve_sync(servicer, requests, context)
+    finally:
+        slots.give_back()
+
+
+def _serve_sync(
+    servicer: LedgerServicer,
+    requests: Iterator[pb.StreamAppendEventsRequest],
+    context: grpc.ServicerContext,
+) -> Iterator[pb.StreamAppendEventsResponse]:
     for request in requests:
         pending = begin(servicer, request, context)
         if isinstance(pending, pb.StreamAppendEventsResponse):

@@ -29,8 +29,8 @@ DEFAULT_TARGET: Final = "127.0.0.1:50551"
 ENV_TARGET: Final = "SHARDLEDGER_SERVER"
 # "0" sends every append as a unary AppendEvents call instead of on a stream.
 ENV_APPEND_STREAM: Final = "SHARDLEDGER_APPEND_STREAM"
-# After a ledger answered UNIMPLEMENTED to the stream (an older server), appends go unary
-# for this long, then the stream is tried again (the ledger may have been upgraded).
+# After a ledger refused the stream (UNIMPLEMENTED: an older server; STREAMS_EXHAUSTED: it
+# holds its most), appends go unary for this long, then the stream is tried again.
 STREAM_RECHECK_S: Final = 300.0
 # Keepalive every 30 s; the server permits pings every 10 s without calls.
 CHANNEL_OPTIONS: Final = (
@@ -313,9 +313,10 @@ class LedgerClient:
                     deadline_s=deadline_s,
                 )
             except LedgerRejected as exc:
-                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED and exc.reason != "STREAMS_EXHAUSTED":
                     raise
-                # Nothing was stored: the same batch goes unary, and so do the next ones.
+                # An older ledger, or one holding its most streams: nothing was stored, the
+                # same batch goes unary, and so do the next ones for a while.
                 self._unary_until = time.monotonic() + STREAM_RECHECK_S
                 self.end_stream()
         request = pb.AppendEventsRequest(events=list(events))

@@ -9,6 +9,7 @@ by timing.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -323,3 +324,46 @@ def test_plan_waits_the_advised_delay_and_plans_every_shard_once(
     client = LedgerClient(target)
     assert len(list(client.list_events("run-2"))) == 3  # each shard planned once
     client.close()
+
+
+def test_a_flood_on_one_stream_is_refused_batch_by_batch_with_a_delay_and_the_stream_goes_on(
+    tight: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _plan(_target(tight))
+    gate = WriterGate(tight, monkeypatch)
+    held = _hold_one_append(tight, gate)
+    with grpc.insecure_channel(_target(tight)) as channel:
+        stub = pb_grpc.LedgerServiceStub(channel)
+        outgoing: queue.SimpleQueue[pb.StreamAppendEventsRequest | None] = queue.SimpleQueue()
+        answers = stub.StreamAppendEvents(iter(outgoing.get, None), timeout=120)
+        flood = []
+        for batch_id, shard in enumerate(SHARDS[1:] * 5, start=1):
+            outgoing.put(
+                pb.StreamAppendEventsRequest(batch_id=batch_id, events=[started(RUN, shard)])
+            )
+            flood.append(next(answers))  # each answered while the commit queue stays full
+        gate.opened.set()
+        held.join(60)
+        outgoing.put(pb.StreamAppendEventsRequest(batch_id=99, events=[started(RUN, SHARDS[1])]))
+        last = next(answers)
+        outgoing.put(None)
+        assert list(answers) == []
+    assert [a.batch_id for a in flood] == list(range(1, 36))
+    reasons, delays = set(), []
+    for answer in flood:
+        assert answer.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        for detail in answer.error.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reasons.add(info.reason)
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                delays.append(retry.retry_delay.ToNanoseconds() / 1e9)
+    assert reasons == {"OVERLOADED"}
+    assert len(delays) == 35 and all(0 < d <= MAX_RETRY_S for d in delays), delays
+    # Room again: the same stream takes the next batch.
+    assert last.batch_id == 99 and last.appended.results[0].outcome == pb.APPEND_OUTCOME_APPENDED
+    assert tight.ledger.admission is not None
+    assert tight.ledger.admission.refused_calls == 35

@@ -117,6 +117,14 @@ def register(
         " RESOURCE_EXHAUSTED from gRPC, with no delay",
     )
     p.add_argument(
+        "--max-append-streams",
+        type=positive_int,
+        default=20_000,
+        help="StreamAppendEvents streams held at once (one per job process that appends);"
+        " past it a new one is refused STREAMS_EXHAUSTED and the SDK sends unary"
+        " (the threaded engine holds at most a quarter of --max-workers)",
+    )
+    p.add_argument(
         "--no-reflection", action="store_true", help="do not serve gRPC server reflection"
     )
     p.add_argument(
@@ -252,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         engine=args.engine,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_append_streams=args.max_append_streams,
         admission_delay_s=args.admission_delay,
         admission_min_events=args.admission_min_events,
         reflection=not args.no_reflection,
