@@ -712,6 +712,13 @@ def main(argv: list[str] | None = None) -> int:
         " real cadence, whose rate 10,000 real jobs would send)",
     )
     parser.add_argument(
+        "--fleet-paths",
+        default="unary,stream",
+        help="fleet: how jobs send, each path on a fresh server at every level: unary"
+        " (AppendEvents per event) and stream (one StreamAppendEvents stream per job, the"
+        " SDK's default); default both, the stream compared with unary at each level",
+    )
+    parser.add_argument(
         "--fleet-client",
         choices=("aio", "threads"),
         default="aio",
@@ -781,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["client"] = args.fleet_client
             kwargs["pin"] = not args.no_pin
             kwargs["engine"] = args.engine
+            kwargs["paths"] = tuple(args.fleet_paths.split(","))
         if name in ("unary", "batched"):
             kwargs["engine"] = args.engine
         report[key] = BENCHES[name](**kwargs)

@@ -49,12 +49,16 @@ from ledger_server.server import raise_fd_limit
 from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from shard_client.errors import from_rpc_error
+from shard_client.errors import from_rpc_error, status_code
 
 DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 CLIENT_PROCS = 4
 CLIENTS = ("aio", "threads")
 APPEND = "/shardledger.v1.LedgerService/AppendEvents"
+STREAM_APPEND = "/shardledger.v1.LedgerService/StreamAppendEvents"
+# How a job sends: a unary AppendEvents call per event, or messages on one open
+# StreamAppendEvents stream per job (the SDK's default).
+PATHS = ("stream", "unary")
 RUN = "fleet"
 # The SDK's deadline per call (LedgerClient.timeout_s).
 CALL_TIMEOUT_S = 10.0
@@ -76,29 +80,31 @@ def _pct(samples: list[float], q: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
 
 
-def _request(run: str, shard: str, seq: int, **payload: Any) -> bytes:
+def _request(run: str, shard: str, seq: int, stream: bool = False, **payload: Any) -> bytes:
     event = pb.ShardEvent(event_id=f"{shard}-{seq}", run_id=run, shard_id=shard, **payload)
     if "planned" not in payload:
         event.attempt_id = "a"
     event.client_time.GetCurrentTime()
+    if stream:
+        return pb.StreamAppendEventsRequest(batch_id=seq, events=[event]).SerializeToString()
     return pb.AppendEventsRequest(events=[event]).SerializeToString()
 
 
-def _body(run: str, kind: str, shard: str, seq: int, k: int) -> bytes:
+def _body(run: str, kind: str, shard: str, seq: int, k: int, stream: bool = False) -> bytes:
     """Returns the request of a job's k-th event of this kind."""
     if kind == "started":
         started = pb.AttemptStarted(host="h", pid=1, heartbeat_timeout={"seconds": 60})
-        return _request(run, shard, seq, started=started)
+        return _request(run, shard, seq, stream, started=started)
     if kind == "commit":
         committed = pb.ArtifactCommitted(
             name="out", path=f"/out/{shard}", size_bytes=1, blake3_hex="ab" * 32
         )
-        return _request(run, shard, seq, artifact_committed=committed)
+        return _request(run, shard, seq, stream, artifact_committed=committed)
     if kind == "checkpoint":
         saved = pb.CheckpointSaved(step=k, path=f"/ck/{shard}", size_bytes=1, blake3_hex="cd" * 32)
-        return _request(run, shard, seq, checkpoint=saved)
+        return _request(run, shard, seq, stream, checkpoint=saved)
     beat = pb.Heartbeat(step=k, progress=0.5, metrics={"loss": 0.1})
-    return _request(run, shard, seq, heartbeat=beat)
+    return _request(run, shard, seq, stream, heartbeat=beat)
 
 
 class _Job:
@@ -253,17 +259,24 @@ def _advised_s(exc: Any) -> float | None:
     ``from_rpc_error`` reads it through ``grpc.Call``, which an asyncio error is not; the
     details travel the same way, as ``grpc-status-details-bin``.
     """
-    from google.rpc import error_details_pb2, status_pb2
+    from google.rpc import status_pb2
 
     trailers: list[tuple[str, Any]] = list(exc.trailing_metadata() or ())
     for key, value in trailers:
-        if key != "grpc-status-details-bin":
-            continue
-        for detail in status_pb2.Status.FromString(bytes(value)).details:
-            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                retry = error_details_pb2.RetryInfo()
-                detail.Unpack(retry)
-                return max(float(retry.retry_delay.ToNanoseconds()) / 1e9, 0.0)
+        if key == "grpc-status-details-bin":
+            return _retry_delay_s(status_pb2.Status.FromString(bytes(value)).details)
+    return None
+
+
+def _retry_delay_s(details: Any) -> float | None:
+    """Returns the RetryInfo delay among a status's details (None: none)."""
+    from google.rpc import error_details_pb2
+
+    for detail in details:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            return max(float(retry.retry_delay.ToNanoseconds()) / 1e9, 0.0)
     return None
 
 
@@ -275,6 +288,7 @@ def _aio_client(
     seconds: float,
     out: Any,
     cpus: list[int] | None = None,
+    path: str = "unary",
 ) -> None:
     """One asyncio client process for every job: a channel each, one event loop for all.
 
@@ -289,11 +303,11 @@ def _aio_client(
     raise_fd_limit()
     if cpus:
         os.sched_setaffinity(0, cpus)
-    out.put(asyncio.run(_aio_fleet(target, run, shards, interval, seconds)))
+    out.put(asyncio.run(_aio_fleet(target, run, shards, interval, seconds, path)))
 
 
 async def _aio_fleet(
-    target: str, run: str, shards: list[str], interval: float, seconds: float
+    target: str, run: str, shards: list[str], interval: float, seconds: float, path: str
 ) -> tuple[Any, ...]:
     import asyncio
 
@@ -348,7 +362,69 @@ async def _aio_fleet(
             k += 1
             due += interval
 
-    await asyncio.gather(*(job(i, s) for i, s in enumerate(shards)))
+    async def stream_job(index: int, shard: str) -> None:
+        """The same job on one StreamAppendEvents stream, as the SDK sends: a batch, its answer."""
+        channel = aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        channels.append(channel)
+        open_stream = channel.stream_stream(STREAM_APPEND, None, None)
+        call: Any = None
+        due = begin + interval * index / len(shards)
+        k = seq = 0
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            seq += 1
+            kind = (
+                "started"
+                if k == 0
+                else "commit"
+                if due - begin >= seconds
+                else "checkpoint"
+                if k % 4 == 0
+                else "heartbeat"
+            )
+            body, first, failures = _body(run, kind, shard, seq, k, True), time.monotonic(), 0
+            counts["sent"] += 1
+            while True:
+                code, details, advised = None, "", None
+                try:
+                    if call is None:
+                        call = open_stream()  # type: ignore[call-arg]  # long-lived: no deadline
+                    await call.write(body)
+                    raw = await asyncio.wait_for(call.read(), CALL_TIMEOUT_S)
+                except TimeoutError:  # the SDK ends the stream and sends again
+                    code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the stream"
+                    call.cancel()
+                    call = None
+                except aio.AioRpcError as exc:
+                    code, details, advised = exc.code(), exc.details() or "", _advised_s(exc)
+                    call = None
+                else:
+                    if raw is aio.EOF:  # type: ignore[attr-defined]
+                        code, details, call = grpc.StatusCode.UNAVAILABLE, "stream ended", None
+                    else:
+                        answer = pb.StreamAppendEventsResponse.FromString(raw)
+                        if answer.HasField("error"):
+                            code = status_code(answer.error.code)
+                            details = answer.error.message
+                            advised = _retry_delay_s(answer.error.details)
+                if code is None:
+                    lat[kind].append(1000 * (time.monotonic() - first))
+                    break
+                if code not in _RETRIED:
+                    errors.append(str(code))
+                    break
+                wait = _resend_wait(counts, samples, code, details, advised, failures)
+                failures += 1
+                await asyncio.sleep(wait)
+            if kind == "commit":
+                if call is not None:
+                    await call.done_writing()
+                return
+            k += 1
+            due += interval
+
+    each = stream_job if path == "stream" else job
+    await asyncio.gather(*(each(i, s) for i, s in enumerate(shards)))
     end = time.monotonic()
     await asyncio.gather(*(c.close() for c in channels))
     return lat, errors, counts, begin, end, samples
@@ -476,6 +552,7 @@ def drive(
     interval: float,
     client_cpus: Sequence[int] | None = None,
     client: str = "aio",
+    path: str = "unary",
 ) -> dict[str, Any]:
     """Runs ``connections`` jobs of one run against a served ledger; returns their figures.
 
@@ -494,13 +571,16 @@ def drive(
     cpus = list(client_cpus) if client_cpus else None
     if client not in CLIENTS:
         raise ValueError(f"client {client!r}: one of {', '.join(CLIENTS)}")
+    if path not in PATHS or (path == "stream" and client != "aio"):
+        raise ValueError(f"path {path!r}: one of {', '.join(PATHS)} (stream: the aio client)")
     # One asyncio process, or as many as the descriptor limit needs (a channel is one).
     per_process = max(1, int(0.9 * resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
     count = math.ceil(connections / per_process) if client == "aio" else CLIENT_PROCS
     procs = [
         ctx.Process(
             target=_aio_client if client == "aio" else _client,
-            args=(server.target, run, shards[p::count], interval, seconds, results_queue, cpus),
+            args=(server.target, run, shards[p::count], interval, seconds, results_queue, cpus)
+            + ((path,) if client == "aio" else ()),
         )
         for p in range(count)
     ]
@@ -568,6 +648,7 @@ def drive(
             "p99": _pct(lat["heartbeat"], 0.99),
         },
         "client": f"{client} ({len(procs)} process{'es' if len(procs) > 1 else ''})",
+        "path": path,
         "client_cpu_cores": round((sum(load_cpu.values()) - load_cpu0) / wall, 2),
         "server_cpu_cores": round((cpu1 - cpu0) / wall, 2),
         "server_cpu_us_per_event": round(1e6 * (cpu1 - cpu0) / max(events, 1)),
@@ -592,8 +673,9 @@ def _level(
     client: str,
     pin: tuple[list[int], list[int]] | None,
     engine: str,
+    path: str = "unary",
 ) -> dict[str, Any]:
-    args: list[str] = ["--engine", engine]
+    args: list[str] = ["--engine", engine, "--max-append-streams", str(max(connections, 1) + 64)]
     if max_workers is not None:
         # Overload is measured by latency and retries, not by refusals at the door.
         args += ["--max-workers", str(max_workers), "--max-concurrent-rpcs", str(8 * max_workers)]
@@ -607,6 +689,7 @@ def _level(
             interval=interval,
             client_cpus=client_cpus,
             client=client,
+            path=path,
         )
 
 
@@ -638,8 +721,12 @@ def bench_fleet(
     client: str = "aio",
     pin: bool = True,
     engine: str = ENGINES[0],
+    paths: tuple[str, ...] = PATHS,
 ) -> dict[str, Any]:
     """Commit latency, server CPU and RSS as open channels grow, SDK cadence compressed.
+
+    paths: each level runs once per path (a fresh server each), the stream's figures
+    beside the unary ones of the same run as its baseline.
 
     pin: on a machine of two or more cores, the server on core 0 and the load (client
     processes, readers, this process) on core 1 (taskset / sched_setaffinity), so the
@@ -668,7 +755,8 @@ def bench_fleet(
         "server_max_workers": max_workers or "default (1024)",
         "server_engine": engine,
         "levels": [],
-        "target": "10,000 connections: p99 commit ack <= 250 ms, server RSS <= 1 GB",
+        "target": "10,000 connections at 1x: p99 commit ack <= 250 ms, server CPU <= 0.3 ms per"
+        " acknowledged event, server RSS <= 1 GB",
     }
     for n in connections:
         if n + FD_MARGIN > fds:
@@ -683,11 +771,32 @@ def bench_fleet(
             )
             print(out["levels"][-1], flush=True)
             continue
-        level = _level(
-            n, seconds, interval, max_workers, client=client, pin=placement, engine=engine
-        )
-        print(level, flush=True)
-        out["levels"].append(level)
+        by_path = {}
+        for path in paths if client == "aio" else ("unary",):
+            level = _level(
+                n,
+                seconds,
+                interval,
+                max_workers,
+                client=client,
+                pin=placement,
+                engine=engine,
+                path=path,
+            )
+            print(level, flush=True)
+            out["levels"].append(level)
+            by_path[path] = level
+        if "stream" in by_path and "unary" in by_path:
+            stream, unary = by_path["stream"], by_path["unary"]
+            stream["vs_unary_same_level"] = {
+                "server_cpu_per_event": round(
+                    stream["server_cpu_us_per_event"] / max(unary["server_cpu_us_per_event"], 1), 2
+                ),
+                "commit_p99": round(
+                    stream["commit_ack_ms"]["p99"] / max(unary["commit_ack_ms"]["p99"], 0.01), 2
+                ),
+                "events_per_s": round(stream["events_per_s"] / max(unary["events_per_s"], 1), 2),
+            }
     measured = [level for level in out["levels"] if "skipped" not in level]
     if not measured:
         return out

@@ -64,6 +64,7 @@ def measure(
     seconds: float,
     speedups: list[float],
     pin: bool,
+    path: str = "stream",
 ) -> dict[str, Any]:
     """Runs every speedup against one server of the checkout at src; returns the phases and ratio."""
     cpus = os.sched_getaffinity(0)
@@ -80,12 +81,15 @@ def measure(
                 seconds=seconds,
                 interval=DEFAULT_INTERVAL_S / speedup,
                 client_cpus=client_cpus,
+                path=path,
             )
             phase = {"speedup": speedup, "load_average_before": load, **phase}
             print(json.dumps(phase), flush=True)
             phases.append(phase)
     first, last = phases[0], phases[-1]
     ratio = round(last["events_per_s"] / max(first["events_per_s"], 1), 3)
+    # The most acknowledged per second in any phase: the capacity this run showed.
+    capacity = max(p["events_per_s"] for p in phases)
     return {
         "server_src": str(Path(src).resolve()),
         "server_commit": _git(src, "rev-parse", "--short", "HEAD"),
@@ -93,7 +97,22 @@ def measure(
         "server_args": server_args,
         "pinned": {"server": server_cpus, "clients": client_cpus},
         "phases": phases,
+        "path": path,
         "acknowledged_ratio_last_to_first": ratio,
+        "capacity_events_per_s": capacity,
+        "phases_vs_capacity": [
+            {
+                "speedup": p["speedup"],
+                "offered_vs_capacity": round(p["offered_events_per_s"] / max(capacity, 1), 2),
+                "acknowledged_vs_capacity": round(p["events_per_s"] / max(capacity, 1), 2),
+                "acknowledged_vs_offered": round(
+                    p["events_per_s"] / max(p["offered_events_per_s"], 1), 2
+                ),
+                "resent": p["resent_unavailable"],
+                "refused_with_retry_info": p["refused_overloaded"],
+            }
+            for p in phases
+        ],
         "met": ratio >= TARGET_RATIO and first["refused"] == 0,
     }
 
@@ -120,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a checkout whose server to run, with extra serve flags (repeatable; default: .)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="run every server this many times")
+    parser.add_argument(
+        "--path",
+        choices=("stream", "unary"),
+        default="stream",
+        help="how jobs send: one StreamAppendEvents stream each (the SDK's default), or a"
+        " unary AppendEvents per event (run both for a same-run comparison)",
+    )
     parser.add_argument(
         "--pin", action="store_true", help="server on CPU 0, the client processes on the rest"
     )
@@ -154,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=args.seconds,
                 speedups=speedups,
                 pin=args.pin,
+                path=args.path,
             )
             run["round"] = round_
             print(json.dumps({k: v for k, v in run.items() if k != "phases"}), flush=True)
