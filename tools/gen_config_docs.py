@@ -70,6 +70,11 @@ ENVIRONMENT: Final[dict[str, tuple[str, str]]] = {
         "where jobs spool events while the ledger is away (default"
         " ~/.cache/shardledger/spool/<target>); put it on node-local disk",
     ),
+    "SHARDLEDGER_APPEND_STREAM": (
+        "SDK",
+        "0 sends every append as a unary AppendEvents call; by default a process's appends"
+        " go on one StreamAppendEvents stream (unary when the ledger lacks it)",
+    ),
     "SHARDLEDGER_EXIT_WAIT": (
         "SDK",
         "seconds a job waits at exit for the ledger to acknowledge its events (default 10)",

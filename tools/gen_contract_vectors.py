@@ -509,6 +509,88 @@ def _event_rows() -> list[dict[str, Any]]:
     return out
 
 
+def _stream_event(event_id: str, shard: str, **fields: Any) -> dict[str, Any]:
+    event = {"event_id": event_id, "run_id": "stream-night", "shard_id": shard, **fields}
+    json_format.ParseDict(event, pb.ShardEvent())  # it parses as the proto says
+    return event
+
+
+def _stream_appends() -> dict[str, Any]:
+    """One StreamAppendEvents exchange on a fresh ledger: the batches sent, the answers due.
+
+    Answers name their batch_id and come in request order; a refused batch is answered
+    with an AppendError (google.rpc.Status's fields: code, message, details) and the
+    stream goes on. The message text is prose: a client compares code, reason, metadata.
+    """
+    plan = {
+        "input_ref": "/in/a.bin",
+        "input_bytes": "10",
+        "input_blake3": "ab" * 32,
+        "expected_outputs": ["out"],
+    }
+    first = _stream_event("stream-plan-a", "shard-a", planned=plan)
+    second = _stream_event("stream-plan-b", "shard-b", planned={**plan, "plan_index": 1})
+    started = _stream_event(
+        "stream-start-a",
+        "shard-a",
+        attempt_id="att-1",
+        started={"host": "h", "pid": 7, "heartbeat_timeout": "60s"},
+    )
+    no_payload = _stream_event("stream-empty", "shard-a", attempt_id="att-1")
+    appended, duplicate = "APPEND_OUTCOME_APPENDED", "APPEND_OUTCOME_DUPLICATE"
+
+    def results(*pairs: tuple[str, int, str]) -> dict[str, Any]:
+        return {
+            "appended": {
+                "results": [
+                    {"event_id": eid, "sequence": str(seq), "outcome": outcome}
+                    for eid, seq, outcome in pairs
+                ]
+            }
+        }
+
+    exchange = [
+        (
+            {"batch_id": "1", "events": [first, second]},
+            results(("stream-plan-a", 1, appended), ("stream-plan-b", 2, appended)),
+        ),
+        ({"batch_id": "2", "events": [first]}, results(("stream-plan-a", 1, duplicate))),
+        (
+            {"batch_id": "3", "events": [started, no_payload]},
+            {
+                "error": {
+                    "code": 3,
+                    "reason": "INVALID_FIELD",
+                    "metadata": {"field": "payload", "event_index": "1"},
+                }
+            },
+        ),
+        (
+            {"batch_id": "18446744073709551615", "events": [started]},
+            results(("stream-start-a", 3, appended)),
+        ),
+    ]
+    for request, _ in exchange:  # every request parses as the proto says
+        json_format.ParseDict(request, pb.StreamAppendEventsRequest())
+    status = pb.AppendError(
+        code=3, message="event 1: payload: exactly one payload kind must be set"
+    )
+    return {
+        "note": "send each request on one stream to a fresh ledger; each answer, in order,"
+        " carries the request's batch_id and this outcome (error: code, ErrorInfo reason"
+        " and metadata; the message is prose)",
+        "exchange": [
+            {"request": request, "answer": {"batch_id": request["batch_id"], **answer}}
+            for request, answer in exchange
+        ],
+        "append_error_is_google_rpc_status": {
+            "append_error_hex": status.SerializeToString().hex(),
+            "note": "the same bytes decode as google.rpc.Status (fields 1 code, 2 message,"
+            " 3 details)",
+        },
+    }
+
+
 def build() -> dict[str, Any]:
     """Returns the vectors document."""
     jcs = [
@@ -627,6 +709,7 @@ def build() -> dict[str, Any]:
             }
         ],
         "event_rows": _event_rows(),
+        "stream_appends": _stream_appends(),
     }
 
 
