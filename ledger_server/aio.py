@@ -315,6 +315,9 @@ class AioInterceptor(_ServerInterceptor):
                 await context.write(item)
                 room.release()
             failed = False
+        except asyncio.CancelledError:
+            sync.active = False  # the client went away: logged as CANCELLED
+            raise
         finally:
             self._streams.discard(stream)
             reader.cancel()

@@ -344,6 +344,10 @@ class Sender:
                 lost += sum(not item.ack.acknowledged for item in self._inflight)
         if lost:
             log.error("events_lost count=%d reason=ledger unreachable at exit", lost)
+        thread_done = thread is None or not thread.is_alive()
+        if thread_done and (self.orphans is None or self.orphans.join(0)):
+            # Nothing of ours appends any more: the stream ends now, not at interpreter exit.
+            self.client.end_stream()
         if spool is not None:
             with self._gate:
                 left = spool.pending_count()
