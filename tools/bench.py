@@ -11,6 +11,7 @@
     python -m tools.bench overload  10,000 channels at 1x then 2x the cadence (tools.bench_overload)
     python -m tools.bench cli       CPU of `--help`, `status`, `resume` vs `python -c pass` (tools.bench_cli)
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
+    python -m tools.bench stream    server CPU of a streamed append vs a unary one, with echo baselines (tools.bench_stream)
     python -m tools.bench job       what the SDK costs a job: per process, shard, heartbeat, commit (tools.bench_job)
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
     python -m tools.bench retention a compressed year with and without archiving (tools.bench_retention)
@@ -54,6 +55,7 @@ from tools.bench_job import report as show_job
 from tools.bench_peers import bench_peers
 from tools.bench_projections import save_result
 from tools.bench_report import bench_report
+from tools.bench_stream import bench_stream
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -650,6 +652,7 @@ BENCHES: dict[str, Callable[..., dict[str, Any]]] = {
     "peers": bench_peers,
     "report": bench_report,
     "job": bench_job,
+    "stream": bench_stream,
 }
 # How long each driven benchmark runs unless --seconds says otherwise.
 DEFAULT_SECONDS = {
@@ -660,6 +663,7 @@ DEFAULT_SECONDS = {
     "engines": 5.0,
     "overload": 30.0,
     "peers": 5.0,
+    "stream": 5.0,
 }
 
 
