@@ -14,6 +14,9 @@ falls back to AppendEvents when the ledger lacks the method (UNIMPLEMENTED).
   Waiting on a stream that does not answer never sends the same batch twice on it.
 - The stream ending (the ledger stopping or gone, a broken connection) fails every
   batch waiting on it with ``LedgerUnavailable``; the next append opens a new one.
+- A batch answered UNAVAILABLE or with a store fault (this replica cannot write) ends
+  the stream too: the retry's new stream goes through the channel's balancer, which
+  may pick another replica, as a unary call's retry would. An OVERLOADED answer keeps it.
 - A fork ends the stream first (``LedgerClient``'s fork hook): no gRPC call is
   active across a fork, and each process opens its own.
 """
@@ -34,6 +37,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.errors import (
     LedgerClientError,
     LedgerUnavailable,
+    StoreFault,
     from_rpc_error,
     from_status,
     status_code,
@@ -106,8 +110,15 @@ class AppendStream:
                     raise self._ended  # type: ignore[misc]
                 self._cond.wait(left)
         if answer.HasField("error"):
-            error = answer.error
-            raise from_status(status_code(error.code), error.message, list(error.details))
+            status = answer.error
+            error = from_status(status_code(status.code), status.message, list(status.details))
+            if isinstance(error, (LedgerUnavailable, StoreFault)):
+                # This replica cannot write now (its store away, cut off, read-only): the
+                # retry opens a new stream, which the channel's balancer may give to another
+                # replica, as it would a unary call.
+                with self._cond:
+                    self._end_locked(error)
+            raise error
         return list(answer.appended.results)
 
     def _end_locked(self, error: LedgerClientError) -> None:
