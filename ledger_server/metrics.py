@@ -175,6 +175,16 @@ class LedgerMetrics:
             ["kind"],
             registry=r,
         )
+        self.append_streams = Gauge(
+            "shardledger_append_streams",
+            "StreamAppendEvents streams open now (one per job process that appends).",
+            registry=r,
+        )
+        self.append_streams_limit = Gauge(
+            "shardledger_append_streams_limit",
+            "The most append streams this server holds (--max-append-streams).",
+            registry=r,
+        )
         self.archive_runs = Counter(
             "shardledger_archive_runs",
             "Runs this server's retention archived (serve --archive-after).",

@@ -261,7 +261,9 @@ def _start(
     streams = config.max_append_streams
     if config.engine == "threads":  # a thread per stream: reads keep the rest
         streams = min(streams, max(1, config.max_workers // 4))
-    servicer.stream_slots = StreamSlots(streams)
+    slots = servicer.stream_slots = StreamSlots(streams)
+    metrics.append_streams.set_function(lambda: slots.open)
+    metrics.append_streams_limit.set(slots.limit)
     health_servicer = LedgerHealth()
     server: grpc.Server | AioServer
     pool = None

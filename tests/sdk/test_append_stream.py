@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -223,5 +224,37 @@ def test_past_the_most_streams_a_new_one_is_refused_and_the_sdk_sends_unary(
         assert UNARY in _methods(logs)
         holder.close()
         latecomer.close()
+    finally:
+        running.stop(0.5)
+
+
+def test_metrics_count_the_open_streams_against_the_limit(tmp_path: Path) -> None:
+    config = ServerConfig(
+        database=str(tmp_path / "ledger.db"),
+        listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+        max_append_streams=7,
+    )
+    running = create_server(config)
+    try:
+
+        def scrape() -> dict[str, float]:
+            url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=30) as page:
+                text = page.read().decode()
+            return {
+                line.split()[0]: float(line.split()[1])
+                for line in text.splitlines()
+                if line.startswith("shardledger_append_streams")
+            }
+
+        client = LedgerClient(f"127.0.0.1:{running.port}")
+        client.append([planned(RUN, "s0")])
+        while_open = scrape()
+        client.close()
+        assert while_open == {
+            "shardledger_append_streams": 1.0,
+            "shardledger_append_streams_limit": 7.0,
+        }
     finally:
         running.stop(0.5)
