@@ -62,6 +62,7 @@ REJECT_REASONS: Final = (
     *("LEDGER_ERROR", "SHUTTING_DOWN", "RESOURCE_EXHAUSTED", "OVERLOADED", *STORE_FAULTS),
     *("MALFORMED_REQUEST", "EVENT_NOT_FOUND", "LEDGER_CORRUPT", "SIGNING_KEY_MISSING"),
     "ARCHIVE_BROKEN",  # an archived run whose bundle differs from its tombstone (archive.py)
+    "STREAMS_EXHAUSTED",  # a new append stream past --max-append-streams (stream_append.py)
     # A response that cannot hold a recorded value (servicer.built).
     "RESPONSE_FIELD_OUT_OF_RANGE",
     # Authentication and authorization refusals (auth.py), counted per call.

@@ -278,6 +278,7 @@ def _answer(stub: pb_grpc.LedgerServiceStub, rpc: str, request: Message) -> tupl
     except grpc.RpcError as exc:
         return Expect(exc.code(), _reason(exc)), b""
     if rpc == "StreamAppendEvents":
+        answer: Any
         (answer,) = responses
         assert answer.batch_id == 7
         if answer.HasField("error"):  # the batch refused, the stream ended OK
