@@ -1,3 +1,4 @@
+# Over 450 lines on purpose: one engine, read top to bottom — the adapter of every threaded handler to the loop, the append and the append stream awaited on it, health, and the server driving the loop.
 """The asyncio ledger (grpc.aio): appends awaited on the event loop, reads on a thread pool.
 
 gRPC's threaded server hands every call to a pool thread, and an append then waits on
