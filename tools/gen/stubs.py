@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 OUT_ROOT = ROOT / "shard_client" / "api"
 # The generated modules import each other as `shardledger.v1...`; both the SDK

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shardledger_cli.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "cli.md"
 HEADER = """# The `shardledger` command line
 

@@ -46,14 +46,14 @@ from ledger_server.config import ENGINES, ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
-from tools.bench_cli import bench_cli
-from tools.bench_coalesce import bench_coalesce
-from tools.bench_fleet import bench_fleet
-from tools.bench_job import bench_job
-from tools.bench_job import report as show_job
-from tools.bench_peers import bench_peers
-from tools.bench_projections import save_result
-from tools.bench_report import bench_report
+from tools.bench.cli import bench_cli
+from tools.bench.coalesce import bench_coalesce
+from tools.bench.fleet import bench_fleet
+from tools.bench.job import bench_job
+from tools.bench.job import report as show_job
+from tools.bench.peers import bench_peers
+from tools.bench.projections import save_result
+from tools.bench.report import bench_report
 
 RESULTS = Path("bench-results")
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -628,7 +628,7 @@ def bench_engines(seconds: float = 5.0, rounds: int = 2) -> dict[str, Any]:
 def bench_overload_both(seconds: float = 30.0) -> dict[str, Any]:
     """10,000 channels at 1x then 2x the SDK's cadence against one server (tools/bench_overload.py)."""
     from ledger_server.server import raise_fd_limit
-    from tools.bench_overload import measure
+    from tools.bench.overload import measure
 
     raise_fd_limit()
     result: dict[str, Any] = measure(
@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     id_style = args.ids
     if args.which == "retention":
         # Its own file and its own knobs (python -m tools.bench_retention --help).
-        from tools.bench_retention import main as bench_retention_main
+        from tools.bench.retention import main as bench_retention_main
 
         code: int = bench_retention_main(["-o", args.output] if args.output else [])
         return code

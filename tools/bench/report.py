@@ -40,8 +40,8 @@ from typing import Any, Final
 import grpc
 
 from ledger_server.store.sqlite import SqliteStore
-from tools.bench_projections import save_result, shard_id
-from tools.bench_replay import DIGEST, RUN, rebuild, write_night
+from tools.bench.projections import save_result, shard_id
+from tools.bench.replay import DIGEST, RUN, rebuild, write_night
 
 TARGET_S: Final = 1.0
 TARGET_RSS_MB: Final = 200

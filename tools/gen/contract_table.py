@@ -37,7 +37,7 @@ from ledger_server.events import (
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.vocabulary import SCHEDULER_FIELDS
 
-ROOT: Final = Path(__file__).resolve().parent.parent
+ROOT: Final = Path(__file__).resolve().parents[2]
 DOC: Final = ROOT / "docs" / "contract.md"
 VECTORS: Final = ROOT / "tests" / "data" / "contract_vectors.json"
 SECTIONS: Final = ("fields", "examples")

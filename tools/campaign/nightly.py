@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-ROOT: Final = Path(__file__).resolve().parents[1]
+ROOT: Final = Path(__file__).resolve().parents[2]
 SUITES: Final = {
     "crash": ["tests/server/test_crash_safety.py"],
     "replicas": ["tests/server/test_replicas.py"],

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-REPO: Final = Path(__file__).resolve().parents[1]
+REPO: Final = Path(__file__).resolve().parents[2]
 DOCS: Final = (REPO / "docs" / "tutorial.md", REPO / "README.md")
 INCLUDE: Final = re.compile(
     r"(?P<open><!-- include: (?P<path>[^ ]+) -->\n```(?P<lang>\w*)\n)"

@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from ledger_server.server import raise_fd_limit
-from tools.bench_fleet import CLIENT_PROCS, DEFAULT_INTERVAL_S, drive, served
+from tools.bench.fleet import CLIENT_PROCS, DEFAULT_INTERVAL_S, drive, served
 
 RESULTS = Path("bench-results")
 TARGET_RATIO = 0.9

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mib < 1 or args.repeat < 1:
         parser.error("--mib and --repeat must be at least 1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from shardledger_cli.s3local import local_s3
 
     # Unversioned, so a deleted object frees the endpoint's memory (the version id

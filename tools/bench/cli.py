@@ -93,7 +93,7 @@ def bench_cli(repeat: int = 15) -> dict[str, Any]:
         client = LedgerClient(target)
         client.append(plan_events("bench-cli", entries))
         client.close()
-        from tools.bench_job import _child_env
+        from tools.bench.job import _child_env
 
         env = _child_env()
         cli = [sys.executable, "-m", "shardledger_cli"]
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 else f"  grpc + 60 ms: {row['within_60ms_of_grpc']}"
             )
         )
-    from tools.bench_projections import save_result
+    from tools.bench.projections import save_result
 
     save_result(args.output, result)
     return 0

@@ -5,7 +5,7 @@
 # Exits non-zero on any failure; exits 0 with a message only when promtool is not
 # installed (apt-get install prometheus).
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root/deploy/prometheus"
 
 if ! command -v promtool >/dev/null 2>&1; then
@@ -18,5 +18,5 @@ promtool test rules alerts_test.yml
 
 scaled="$(mktemp --suffix=.yml)"
 trap 'rm -f "$scaled"' EXIT
-(cd "$root" && python3 -m tools.alert_windows --scale 0.01 deploy/prometheus/alerts.yml -o "$scaled")
+(cd "$root" && python3 -m tools.alerts.windows --scale 0.01 deploy/prometheus/alerts.yml -o "$scaled")
 promtool check rules "$scaled"

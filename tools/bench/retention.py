@@ -45,7 +45,7 @@ from ledger_server.service import LedgerService
 from ledger_server.signing import SigningKey
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.canonical import fingerprint_digest
-from tools.bench_projections import save_result
+from tools.bench.projections import save_result
 
 DAY_US: Final = 86_400 * 1_000_000
 START_US: Final = 1_767_225_600_000_000  # 2026-01-01T00:00:00Z

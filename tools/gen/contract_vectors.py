@@ -32,7 +32,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import canonical_json, digest_fields, fingerprint_digest
 from shard_client.ids import PlanEntry, plan_event_id, shard_id_for
 
-OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "contract_vectors.json"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "contract_vectors.json"
 
 # (name, JSON text as another language would receive it)
 JCS_CASES = [

@@ -53,7 +53,7 @@ from ledger_server.store.sqlite import SqliteStore
 from ledger_server.validation import check_namespace, validate
 from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
-from tools.bench_projections import save_result, shard_id
+from tools.bench.projections import save_result, shard_id
 
 RUN: Final = "night"
 NAMESPACE: Final = check_namespace("")  # the default namespace, as the server stores it

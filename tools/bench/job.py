@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-REPO: Final = Path(__file__).resolve().parents[1]
+REPO: Final = Path(__file__).resolve().parents[2]
 GRPC_FLOOR: Final = (
     "import grpc; from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc"
 )
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.beat_seconds <= 0:
         parser.error("--beat-seconds must be positive")
     from ledger_server.server import configure_logging
-    from tools.bench_projections import save_result
+    from tools.bench.projections import save_result
 
     configure_logging("warning")
     result = bench_job(args.repeat, args.beat_seconds)

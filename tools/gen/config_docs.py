@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Final
 
-ROOT: Final = Path(__file__).resolve().parent.parent
+ROOT: Final = Path(__file__).resolve().parents[2]
 DOC: Final = ROOT / "docs" / "configuration.md"
 # Where the product reads its environment (the test campaigns' own knobs are not product).
 SOURCES: Final = ("shard_client", "ledger_server", "tools/shardledger_cli")
