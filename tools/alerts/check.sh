@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the Prometheus alert rules: syntax (promtool check rules), behaviour (promtool test
 # rules, a case for every situation docs/alerts.md lists), and that the shortened-window
-# copy the live Prometheus test loads (python -m tools.alert_windows) is valid too.
+# copy the live Prometheus test loads (python -m tools.alerts.windows) is valid too.
 # Exits non-zero on any failure; exits 0 with a message only when promtool is not
 # installed (apt-get install prometheus).
 set -euo pipefail

@@ -1,6 +1,6 @@
 """Rewrites the time windows of an alert rule file by a factor: tests and demos in seconds.
 
-    python -m tools.alert_windows --scale 0.01 deploy/prometheus/alerts.yml -o fast.yml
+    python -m tools.alerts.windows --scale 0.01 deploy/prometheus/alerts.yml -o fast.yml
 
 Every window in deploy/prometheus/alerts.yml is written in one of three forms,
 and each is multiplied by --scale (never below one second):
@@ -70,7 +70,7 @@ def scale_rules(text: str, scale: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Writes the scaled rule file to -o (or stdout)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.alert_windows",
+        prog="python -m tools.alerts.windows",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Canonical JSON on the write path: RFC 8785 (fast path) against its same-run baselines.
 
-    python -m tools.bench_canonical [-o bench-results/canonical.json]
+    python -m tools.bench.canonical [-o bench-results/canonical.json]
 
 For each event kind of a busy night (heartbeats most of all) it times the content's
 encoding three ways in one run: Python's json (row format 1, the encoder before RFC

@@ -1,6 +1,6 @@
 """CLI start-up: CPU per call of `shardledger --help` and the reads `status`, `resume`, `shards`, `events`.
 
-    python -m tools.bench_cli [--repeat N] [-o bench-results/cli.json]
+    python -m tools.bench.cli [--repeat N] [-o bench-results/cli.json]
 
 Each command runs N times as a fresh process (as a script calling it once per shard
 would) against a ledger started here with a small run; the figure is the child's user +
@@ -10,7 +10,7 @@ each row gives its ratio to the first, its CPU over the second, and the import t
 modules the call loaded (`python -X importtime`, the largest first), which is where a
 missed target's time goes. Targets: each under 150 ms of CPU on a 2-core machine (issue
 34); each read within 60 ms of CPU of `import grpc` (issue 46). The checkout's bytecode is
-compiled first and read by the children, as an installed wheel's is (see tools/bench_job.py).
+compiled first and read by the children, as an installed wheel's is (see tools/bench/job.py).
 Nothing here is asserted in the test suite.
 """
 
@@ -147,7 +147,7 @@ def bench_cli(repeat: int = 15) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_cli",
+        prog="python -m tools.bench.cli",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -8,12 +8,12 @@
     python -m tools.bench coalesce  events per shard-hour, progress() every step, coalesced or not
     python -m tools.bench fleet     1,000 / 5,000 / 10,000 open channels at the SDK's cadence + readers
     python -m tools.bench engines   unary and batched on each engine (aio, aio-executor, threads)
-    python -m tools.bench overload  10,000 channels at 1x then 2x the cadence (tools.bench_overload)
-    python -m tools.bench cli       CPU of `--help`, `status`, `resume` vs `python -c pass` (tools.bench_cli)
+    python -m tools.bench overload  10,000 channels at 1x then 2x the cadence (tools.bench.overload)
+    python -m tools.bench cli       CPU of `--help`, `status`, `resume` vs `python -c pass` (tools.bench.cli)
     python -m tools.bench peers     in process: the ledger vs eventsourcing (bench extra) and raw SQLite
-    python -m tools.bench job       what the SDK costs a job: per process, shard, heartbeat, commit (tools.bench_job)
+    python -m tools.bench job       what the SDK costs a job: per process, shard, heartbeat, commit (tools.bench.job)
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
-    python -m tools.bench retention a compressed year with and without archiving (tools.bench_retention)
+    python -m tools.bench retention a compressed year with and without archiving (tools.bench.retention)
     python -m tools.bench all       everything but report, job and retention; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
@@ -626,7 +626,7 @@ def bench_engines(seconds: float = 5.0, rounds: int = 2) -> dict[str, Any]:
 
 
 def bench_overload_both(seconds: float = 30.0) -> dict[str, Any]:
-    """10,000 channels at 1x then 2x the SDK's cadence against one server (tools/bench_overload.py)."""
+    """10,000 channels at 1x then 2x the SDK's cadence against one server (tools/bench/overload.py)."""
     from ledger_server.server import raise_fd_limit
     from tools.bench.overload import measure
 
@@ -746,13 +746,13 @@ def main(argv: list[str] | None = None) -> int:
     global id_style
     id_style = args.ids
     if args.which == "retention":
-        # Its own file and its own knobs (python -m tools.bench_retention --help).
+        # Its own file and its own knobs (python -m tools.bench.retention --help).
         from tools.bench.retention import main as bench_retention_main
 
         code: int = bench_retention_main(["-o", args.output] if args.output else [])
         return code
     if args.which == "report":
-        # Its own file, as `python -m tools.bench_report` writes it (not a key of ingest.json).
+        # Its own file, as `python -m tools.bench.report` writes it (not a key of ingest.json).
         result = bench_report()
         print(json.dumps(result, indent=2), flush=True)
         save_result(args.output or str(RESULTS / "report.json"), result)

@@ -1,10 +1,10 @@
 """Overload: the fleet at 1x and 2x the SDK's cadence against one server, in one run.
 
-    python -m tools.bench_overload [--connections 10000] [--seconds 30] [--speedups 1,2]
+    python -m tools.bench.overload [--connections 10000] [--seconds 30] [--speedups 1,2]
                                    [--server SRC[:ARGS]] ... [--rounds N] [--pin] [-o FILE]
 
 Each server (`shardledger serve` in its own process, a fresh ledger) takes the
-fleet of tools.bench_fleet (one channel per job, started, a heartbeat per interval,
+fleet of tools.bench.fleet (one channel per job, started, a heartbeat per interval,
 a checkpoint every fourth beat, the commit after --seconds) at each speedup in turn,
 one run of its own per speedup: 1 is the SDK's real 15 s heartbeat interval, 2 is
 twice its rate. Reported per phase: offered and acknowledged events/s, refusals
@@ -101,7 +101,7 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     """Measures each server at each speedup, prints and saves the JSON."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_overload",
+        prog="python -m tools.bench.overload",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Benchmarks batched ingest on PostgreSQL: one and two replicas against raw inserts.
 
-    python -m tools.bench_pg [--database-url postgresql://USER@HOST/postgres] [--seconds 6]
+    python -m tools.bench.pg [--database-url postgresql://USER@HOST/postgres] [--seconds 6]
 
 Each phase runs in a fresh database on the same server:
 
@@ -231,7 +231,7 @@ def _versions(url: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints and saves its figures."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_pg", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.pg", description=__doc__)
     parser.add_argument("--database-url", default=None, help="admin URL (CREATE DATABASE)")
     parser.add_argument("--seconds", type=float, default=6.0, help="per phase")
     parser.add_argument("--out", default="bench-results/bench_pg.json")

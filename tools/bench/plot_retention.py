@@ -1,6 +1,6 @@
 """Draws the retention benchmark's year: the hot store's size by night, with and without archiving.
 
-    python -m tools.plot_retention [bench-results/retention.json] [-o docs/img/retention-year.png]
+    python -m tools.bench.plot_retention [bench-results/retention.json] [-o docs/img/retention-year.png]
 
 Pillow only (no plotting library): two lines on labelled axes, the figure
 docs/performance.md shows ("Retention: a year of nights").
@@ -66,7 +66,9 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Reads the benchmark's JSON and writes the plot."""
-    parser = argparse.ArgumentParser(prog="python -m tools.plot_retention", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.plot_retention", description=__doc__
+    )
     parser.add_argument("result", nargs="?", default="bench-results/retention.json")
     parser.add_argument("-o", "--output", default="docs/img/retention-year.png")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Where the server's CPU per event goes: one 100-heartbeat append at a time, profiled.
 
-    python -m tools.profile_ingest [--batches N] [--top K] [--stages]
+    python -m tools.bench.profile_ingest [--batches N] [--top K] [--stages]
 
 The servicer's path runs in this thread (parse the request, decode, validate,
 queue) and the writer's in its own (fold, rows, statements, commit); each gets
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("warning")
     parser = argparse.ArgumentParser(
-        prog="python -m tools.profile_ingest",
+        prog="python -m tools.bench.profile_ingest",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

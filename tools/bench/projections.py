@@ -1,7 +1,7 @@
 # Over 400 lines on purpose: one benchmark script (populate, measure, report) read top to bottom.
 """Benchmarks the read side at scale: `status` latency and resume-list streaming rate.
 
-    python -m tools.bench_projections --shards 1000000 [--via-grpc] [--profile]
+    python -m tools.bench.projections --shards 1000000 [--via-grpc] [--profile]
 
 Plans N shards into a LedgerService on a temp SQLite file (batched appends straight
 into the LedgerService, or through gRPC with --via-grpc), moves a fraction of them
@@ -381,7 +381,7 @@ def report(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and saves the JSON result."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_projections", description=__doc__.split("\n")[0]
+        prog="python -m tools.bench.projections", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--shards", type=int, default=100_000, help="shards to plan")
     parser.add_argument("--via-grpc", action="store_true", help="plan through gRPC")

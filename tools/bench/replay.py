@@ -1,6 +1,6 @@
 """Benchmarks the ledger at the size of a big night: a full replay rebuild, RSS, bytes/event.
 
-    python -m tools.bench_replay --shards 1000000 --events 10000000
+    python -m tools.bench.replay --shards 1000000 --events 10000000
 
 1. Writes a run of N shards and M events into a temp SQLite ledger through the
    store's own write path (validated events, canonical rows, the hash chain):
@@ -239,7 +239,7 @@ def serve_checks(db: str, shards: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and saves bench-results/replay.json."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_replay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.replay", description=__doc__)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--shards", type=int, default=100_000, help="shards in the run")
     parser.add_argument("--events", type=int, default=1_000_000, help="events in the run")

@@ -1,9 +1,9 @@
 """Benchmarks `shardledger report` on a big night against `status` in the same run.
 
     python -m tools.bench report                       # 1,000,000 shards, 8,800,000 events
-    python -m tools.bench_report --shards 100000 --events 880000
+    python -m tools.bench.report --shards 100000 --events 880000
 
-1. Writes tools.bench_replay's night (every shard planned, started and beating; nine
+1. Writes tools.bench.replay's night (every shard planned, started and beating; nine
    in ten commit and pass verification, one in ten still runs) into a temp SQLite
    ledger and builds its projections with `db rebuild`'s replay. The ledger's clock
    spreads the night over the two hours that ended five minutes before the run, so
@@ -236,7 +236,7 @@ def bench_report(
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and saves bench-results/report.json."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.report", description=__doc__)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--shards", type=int, default=1_000_000, help="shards in the run")
     parser.add_argument("--events", type=int, default=8_800_000, help="events in the run")

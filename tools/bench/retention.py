@@ -1,7 +1,7 @@
 """A compressed year of nights, with and without retention: does the hot store plateau?
 
     python -m tools.bench retention                     # 365 nights of 50 shards, each way
-    python -m tools.bench_retention --shards 100        # docs/performance.md's run (~13 min here)
+    python -m tools.bench.retention --shards 100        # docs/performance.md's run (~13 min here)
 
 Each configuration plays the same year into its own SQLite ledger, in process (the
 ledger service, its group committer and the store; no gRPC), on a clock that moves
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("warning")
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_retention",
+        prog="python -m tools.bench.retention",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -12,8 +12,8 @@ Ratios are to ``raw`` (target for ``commit``: at most 1.25). The ledger append
 that follows a commit (one small gRPC call) is not part of either figure.
 
 examples:
-  python -m tools.bench_storage                       # 256 MiB, 5 repeats
-  python -m tools.bench_storage --mib 8 --repeat 1 --out /tmp/storage.json
+  python -m tools.bench.storage                       # 256 MiB, 5 repeats
+  python -m tools.bench.storage --mib 8 --repeat 1 --out /tmp/storage.json
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _measure(args: argparse.Namespace, staging: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and writes its JSON result."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_storage",
+        prog="python -m tools.bench.storage",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,7 +1,7 @@
 """Nightly coverage-guided fuzzing of the in-process decode and validate path with atheris.
 
     pip install atheris                      # Linux, CPython 3.11+
-    python -m tools.fuzz_atheris -atheris_runs=500000 [CORPUS_DIR ...] [libFuzzer flags]
+    python -m tools.campaign.fuzz_atheris -atheris_runs=500000 [CORPUS_DIR ...] [libFuzzer flags]
 
 Each input's first byte picks the shape and the rest is parsed as protobuf:
 
@@ -37,9 +37,9 @@ except ImportError:  # the harness imports (and its target runs) without atheris
     atheris = None
 
 INSTALL_HINT: Final = (
-    "tools.fuzz_atheris needs atheris, which is not installed.\n"
+    "tools.campaign.fuzz_atheris needs atheris, which is not installed.\n"
     "  pip install atheris        # Linux, CPython 3.11+\n"
-    "  python -m tools.fuzz_atheris -atheris_runs=100000"
+    "  python -m tools.campaign.fuzz_atheris -atheris_runs=100000"
 )
 EXIT_NO_ATHERIS: Final = 2
 RUN_ID: Final = "fuzz-run"

@@ -1,8 +1,8 @@
 # Over 400 lines on purpose: two thirds are the vectors' inputs, kept beside the code that computes what each must give.
 """Writes tests/data/contract_vectors.json: the contract's test vectors (docs/contract.md).
 
-    python -m tools.gen_contract_vectors            # rewrite the file
-    python -m tools.gen_contract_vectors --check    # exit 1 when the file differs
+    python -m tools.gen.contract_vectors            # rewrite the file
+    python -m tools.gen.contract_vectors --check    # exit 1 when the file differs
 
 Every expected output is computed here by the Python implementation and, for RFC 8785,
 checked against the `rfc8785` package on the way; tests/sdk/test_canonical.py,

@@ -5,7 +5,7 @@
 Run it with that release on the path, not this checkout's code, e.g.:
 
     git worktree add /tmp/v010 eaca5b1
-    PYTHONPATH=/tmp/v010 python tools/gen_old_ledger.py tests/data/ledger-0.1.0.db
+    PYTHONPATH=/tmp/v010 python tools/gen/old_ledger.py tests/data/ledger-0.1.0.db
 
 The night it records exercises what the upgrade must carry over: a verified shard,
 a shard whose commit failed verification and was rerun with identical bytes (0.1.0

@@ -1,6 +1,6 @@
 """Regenerates the committed protobuf/gRPC stubs under shard_client/api.
 
-Run `python -m tools.gen_stubs` after editing proto/; `--check` exits 1 when
+Run `python -m tools.gen.stubs` after editing proto/; `--check` exits 1 when
 the committed stubs differ from what the generator produces (CI runs it).
 """
 
@@ -53,7 +53,7 @@ def generate(out_root: Path) -> list[Path]:
         init = folder / "__init__.py"
         if not init.exists():
             init.write_text(
-                '"""Generated code: never edit by hand; run python -m tools.gen_stubs."""\n'
+                '"""Generated code: never edit by hand; run python -m tools.gen.stubs."""\n'
             )
             written.append(init)
     return written
@@ -69,7 +69,7 @@ def _tree(root: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Regenerates the stubs, or with --check reports whether they are stale."""
-    parser = argparse.ArgumentParser(prog="python -m tools.gen_stubs", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.gen.stubs", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if the stubs are stale")
     args = parser.parse_args(argv)
     if args.check:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if stale:
             print("stale generated stubs: " + ", ".join(stale), file=sys.stderr)
-            print("run: python -m tools.gen_stubs", file=sys.stderr)
+            print("run: python -m tools.gen.stubs", file=sys.stderr)
             return 1
         print("generated stubs are fresh")
         return 0

@@ -1,4 +1,4 @@
-"""Copies included files into the docs' include regions: python -m tools.sync_docs [--check].
+"""Copies included files into the docs' include regions: python -m tools.gen.sync_docs [--check].
 
 A region is ``<!-- include: PATH -->``, a fenced code block, ``<!-- end include -->``;
 the block's body is PATH's text (relative to the repository root), byte for byte.

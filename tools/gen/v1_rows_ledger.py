@@ -5,7 +5,7 @@ of Python's `json` module (sorted keys, no spaces, UTF-8 kept, Python's float re
 It was made with commit 4cbfae0 (main before RFC 8785 was adopted), e.g.:
 
     git worktree add /tmp/v1rows 4cbfae0
-    PYTHONPATH=/tmp/v1rows python tools/gen_v1_rows_ledger.py tests/data/ledger-v1-rows.db
+    PYTHONPATH=/tmp/v1rows python tools/gen/v1_rows_ledger.py tests/data/ledger-v1-rows.db
 
 Its events hold what format 1 and RFC 8785 encode differently: floats (1.0, 1e-07,
 1e+22, 0.1), non-ASCII and astral text, keys that sort differently by UTF-16 code
