@@ -113,7 +113,7 @@ class CompactRecords(dict[str, ShardRecord]):
         self._spilled_total: Counter[str] = Counter()
         self._db = sqlite3.connect("", isolation_level=None, check_same_thread=False)
         # Before the first table: 16 KiB pages hold a dozen spilled rows (~1.3 KB) each,
-        # where 4 KiB ones held three; inserts cost less than half as much (tools/bench_replay).
+        # where 4 KiB ones held three; inserts cost less than half as much (tools/bench/replay).
         self._db.execute(f"PRAGMA page_size = {_PAGE_BYTES}")
         self._db.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
         self._db.execute("PRAGMA journal_mode = OFF")

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: the server assembled in the order it starts (store and upgrade, retention, engine, bind, TLS, logging, fd limit) and serve() with its drain, read top to bottom.
 """Server assembly: create_server(config) and serve() with a clean SIGTERM drain."""
 
 from __future__ import annotations

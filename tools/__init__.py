@@ -1,1 +1,1 @@
-"""The `shardledger` CLI's source (shardledger_cli/, installed as shardledger_cli) and the scripts a checkout runs as `python -m tools.X`, never installed: benchmarks, generators, campaigns, fuzzing (tools/README.md)."""
+"""The `shardledger` CLI's source (shardledger_cli/, installed as shardledger_cli) and, in folders of their own, the scripts a checkout runs: bench/, gen/, campaign/, alerts/ (tools/README.md)."""

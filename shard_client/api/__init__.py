@@ -1,1 +1,1 @@
-"""Generated code: never edit by hand; run python -m tools.gen_stubs."""
+"""Generated code: never edit by hand; run python -m tools.gen.stubs."""

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tools.alert_windows import format_duration, parse_duration, scale_rules
+from tools.alerts.windows import format_duration, parse_duration, scale_rules
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT / "tools" / "check_alerts.sh"
+CHECK = ROOT / "tools" / "alerts" / "check.sh"
 RULES_DIR = ROOT / "deploy" / "prometheus"
 
 

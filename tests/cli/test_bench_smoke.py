@@ -26,7 +26,7 @@ def _bench(module: str, *args: str, timeout: float = 300) -> subprocess.Complete
 def test_bench_replay_writes_rebuilds_and_serves_the_night_it_describes(tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
     done = _bench(
-        "tools.bench_replay",
+        "tools.bench.replay",
         *("--shards", "50", "--events", "500", "--dir", str(tmp_path), "--out", str(out)),
     )
     assert done.returncode == 0, done.stderr
@@ -43,7 +43,7 @@ def test_bench_replay_writes_rebuilds_and_serves_the_night_it_describes(tmp_path
 def test_bench_replay_refuses_too_few_events(tmp_path: Path) -> None:
     out = tmp_path / "x.json"
     done = _bench(
-        "tools.bench_replay",
+        "tools.bench.replay",
         *("--shards", "10", "--events", "20", "--dir", str(tmp_path), "--out", str(out)),
         timeout=60,
     )
@@ -75,7 +75,7 @@ def test_bench_storage_commits_and_uploads_the_same_bytes_and_reports_ratios(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "storage.json"
-    done = _bench("tools.bench_storage", "--mib", "2", "--repeat", "1", "--out", str(out))
+    done = _bench("tools.bench.storage", "--mib", "2", "--repeat", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["artifact_mib"] == 2
@@ -135,7 +135,7 @@ def test_bench_overload_drives_each_speedup_against_one_server_and_reports_the_r
 ) -> None:
     out = tmp_path / "overload.json"
     done = _bench(
-        "tools.bench_overload",
+        "tools.bench.overload",
         *("--connections", "20", "--seconds", "1", "--speedups", "10,20", "-o", str(out)),
     )
     assert done.returncode == 0, done.stderr
@@ -154,7 +154,7 @@ def test_bench_job_runs_every_job_and_the_sdk_keeps_torch_out_and_exits_at_once(
 ) -> None:
     out = tmp_path / "job.json"
     done = _bench(
-        "tools.bench_job", "--repeat", "1", "--beat-seconds", "1", "-o", str(out), timeout=600
+        "tools.bench.job", "--repeat", "1", "--beat-seconds", "1", "-o", str(out), timeout=600
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
@@ -172,7 +172,7 @@ def test_bench_retention_archives_every_night_past_the_policy_and_only_those(
 ) -> None:
     out = tmp_path / "retention.json"
     done = _bench(
-        "tools.bench_retention",
+        "tools.bench.retention",
         *("--nights", "12", "--shards", "10", "--after", "3", "-o", str(out)),
     )
     assert done.returncode == 0, done.stderr

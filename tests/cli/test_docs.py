@@ -8,12 +8,13 @@ import subprocess
 import sys
 
 from shardledger_cli.cli import COMMAND_MODULES, build_parser
-from tools import gen_cli_docs, gen_config_docs
+from tools.gen import cli_docs as gen_cli_docs
+from tools.gen import config_docs as gen_config_docs
 
 
 def test_cli_reference_is_generated_from_the_current_help_texts() -> None:
     assert gen_cli_docs.DOC.read_text() == gen_cli_docs.render(), (
-        "run: python -m tools.gen_cli_docs"
+        "run: python -m tools.gen.cli_docs"
     )
 
 
@@ -41,9 +42,9 @@ def test_console_script_help_lists_commands_and_exit_codes() -> None:
 
 
 def test_configuration_page_is_generated_from_the_parser_and_the_sources() -> None:
-    assert gen_config_docs.problems() == [], "describe each variable in tools/gen_config_docs.py"
+    assert gen_config_docs.problems() == [], "describe each variable in tools/gen/config_docs.py"
     assert gen_config_docs.DOC.read_text() == gen_config_docs.render(), (
-        "run: python -m tools.gen_config_docs"
+        "run: python -m tools.gen.config_docs"
     )
 
 

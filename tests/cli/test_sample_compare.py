@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import structlog
 
+from ledger_server.reference import wilson_interval
 from shard_client import LedgerClient
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_REJECTED, EXIT_USAGE
-from shardledger_cli.commands.compare import wilson_interval
 from tests.builders import run_cli
 from tests.nights import play_night
 

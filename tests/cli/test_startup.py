@@ -6,7 +6,7 @@ structlog, prometheus, cryptography and gRPC (1.2 s of CPU); every call paid it.
 module, and the other commands stand in the parser as their name and help line
 (cli.COMMANDS). These tests hold that table to what the modules register, so the
 help a stand-in gives is the help the command gives. CPU figures are in
-`python -m tools.bench_cli`, never asserted here.
+`python -m tools.bench.cli`, never asserted here.
 """
 
 from __future__ import annotations

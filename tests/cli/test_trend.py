@@ -9,12 +9,12 @@ import pytest
 import structlog
 from google.protobuf.duration_pb2 import Duration
 
+from ledger_server.drift import ShardArtifacts, compare_rulers
 from ledger_server.server import RunningServer
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.canonical import fingerprint_digest
 from shard_client.client import LedgerClient
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, build_parser
-from shardledger_cli.commands.trend import ShardArtifacts, compare_rulers
 from tests.builders import FINGERPRINT_DIGEST, committed, event, planned, started
 
 FP_OLD = fingerprint_digest({"driver": "550"})  # the fingerprint group of every ruler run so far

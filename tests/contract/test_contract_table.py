@@ -30,8 +30,8 @@ from ledger_server.errors import InvalidEvent
 from ledger_server.events import Event, Heartbeat, payload_dict
 from ledger_server.validation import validate
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from tools import gen_contract_table
-from tools.gen_contract_vectors import EVENT_CASES
+from tools.gen import contract_table as gen_contract_table
+from tools.gen.contract_vectors import EVENT_CASES
 
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).parents[1] / "data" / "contract_vectors.json").read_text(encoding="utf-8")
@@ -56,7 +56,7 @@ def test_every_proto_field_has_a_rule_and_every_rule_a_field() -> None:
 
 def test_the_page_is_the_generated_one() -> None:
     text = gen_contract_table.DOC.read_text(encoding="utf-8")
-    assert gen_contract_table.render(text) == text, "run: python -m tools.gen_contract_table"
+    assert gen_contract_table.render(text) == text, "run: python -m tools.gen.contract_table"
 
 
 def _set_case(kind: str) -> pb.ShardEvent:

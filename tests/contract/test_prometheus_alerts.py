@@ -3,7 +3,7 @@
 Prometheus (Debian's `prometheus`, the package that also ships promtool) runs on
 loopback with a temp config: scrape and rule evaluation every second, and the
 rules of deploy/prometheus/alerts.yml with their windows scaled by 0.01
-(`python -m tools.alert_windows`, the documented override). `shardledger serve
+(`python -m tools.alerts.windows`, the documented override). `shardledger serve
 --metrics-listen` runs as a subprocess; SDK jobs run as subprocesses too, one is
 SIGKILLed. At each phase the test asks Prometheus's HTTP API which alerts are
 pending or firing.
@@ -31,7 +31,7 @@ import pytest
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from tests.builders import event, planned, run_cli
-from tools.alert_windows import scale_rules
+from tools.alerts.windows import scale_rules
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "alerts.yml"

@@ -3,7 +3,7 @@
 Rules the docs follow, so that this file can run them:
 
 * ``<!-- include: PATH -->`` before a code block and ``<!-- end include -->``
-  after it: the block is PATH's text, byte for byte (``python -m tools.sync_docs``).
+  after it: the block is PATH's text, byte for byte (``python -m tools.gen.sync_docs``).
 * ``<!-- not run: WHY -->`` on the line before a block: the test skips it.
 * ``<!-- on a terminal -->`` on the line before a block: it runs with its output on a
   pseudo-terminal, 100 columns wide, as a reader's shell has it (tables drawn, colours
@@ -41,7 +41,7 @@ from ledger_server.server import RunningServer
 from shard_client import Ledger, LedgerClient
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from tests.builders import run_cli
-from tools import sync_docs
+from tools.gen import sync_docs
 
 REPO: Final = Path(__file__).resolve().parents[2]
 TUTORIAL: Final = REPO / "docs" / "tutorial.md"
@@ -178,7 +178,9 @@ def reader_env(tmp_path: Path, server: RunningServer) -> dict[str, str]:
 def test_the_tutorial_shows_the_example_job_byte_for_byte() -> None:
     for doc in (TUTORIAL, README):
         text = doc.read_text(encoding="utf-8")
-        assert sync_docs.render(text) == text, f"{doc.name} is stale: run python -m tools.sync_docs"
+        assert sync_docs.render(text) == text, (
+            f"{doc.name} is stale: run python -m tools.gen.sync_docs"
+        )
     shown = dict(sync_docs.includes(TUTORIAL.read_text(encoding="utf-8")))
     assert shown["examples/torch_train.py"] == (REPO / "examples/torch_train.py").read_text()
 

@@ -35,7 +35,7 @@ from shard_client.canonical import (
     legacy_json,
 )
 from shard_client.ids import PlanEntry, plan_event_id, shard_id_for
-from tools.gen_contract_vectors import render
+from tools.gen.contract_vectors import render
 
 VECTORS_PATH = Path(__file__).parents[1] / "data" / "contract_vectors.json"
 VECTORS: dict[str, Any] = json.loads(VECTORS_PATH.read_text(encoding="utf-8"))

@@ -1,7 +1,7 @@
 """Row format 1 ledgers keep verifying after RFC 8785 was adopted; new rows are of format 2.
 
 `tests/data/ledger-v1-rows.db` was written by main before the change
-(tools/gen_v1_rows_ledger.py): its rows hold floats (1.0, 1e-07), non-ASCII and astral
+(tools/gen/v1_rows_ledger.py): its rows hold floats (1.0, 1e-07), non-ASCII and astral
 text in Python's encoding, which RFC 8785 writes differently. Its rows are never
 rewritten: they are verified with the encoding that wrote them, and the run goes on
 with rows of format 2 in the same chain.

@@ -72,7 +72,7 @@ QUOTAS: Final = {
     "reads": 2600,
     "auth_headers": 800,
 }
-# The nightly campaign (tools/campaign.py) scales the quotas and adds wall time past them,
+# The nightly campaign (tools/campaign/nightly.py) scales the quotas and adds wall time past them,
 # shared among the raw-bytes tests (one per method) and the three other quota tests.
 WANT: Final = {name: max(1, round(n * knobs.fuzz_scale())) for name, n in QUOTAS.items()}
 SHARE_S: Final = knobs.fuzz_seconds() / (len(METHODS) + 3)
@@ -894,7 +894,7 @@ def test_bytes_that_are_not_a_message_without_a_token_are_unauthenticated(
 
 
 def test_atheris_harness_target_survives_mutated_seeds(tmp_path: Path) -> None:
-    from tools.fuzz_atheris import make_target, seed_inputs
+    from tools.campaign.fuzz_atheris import make_target, seed_inputs
 
     target = make_target(str(tmp_path))
     seeds = seed_inputs()
@@ -910,10 +910,10 @@ def test_atheris_harness_target_survives_mutated_seeds(tmp_path: Path) -> None:
 
 
 def test_atheris_harness_without_atheris_says_how_to_install_and_exits_2() -> None:
-    # Runs the module as `python -m tools.fuzz_atheris` would, with atheris made unimportable.
+    # Runs the module as `python -m tools.campaign.fuzz_atheris` would, with atheris made unimportable.
     code = (
         "import runpy, sys; sys.modules['atheris'] = None; "
-        "runpy.run_module('tools.fuzz_atheris', run_name='__main__')"
+        "runpy.run_module('tools.campaign.fuzz_atheris', run_name='__main__')"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, "-atheris_runs=1"],

@@ -1,6 +1,6 @@
 """A ledger written by release 0.1.0 keeps verifying after the upgrade, and its night reads right.
 
-`tests/data/ledger-0.1.0.db` was written by release 0.1.0 (tools/gen_old_ledger.py):
+`tests/data/ledger-0.1.0.db` was written by release 0.1.0 (tools/gen/old_ledger.py):
 its shard records are of format 1, which kept verdicts per (path, digest) for the
 whole shard. The events are untouched by the upgrade; the records are rebuilt from
 them, when a server starts or by `shardledger db migrate`.

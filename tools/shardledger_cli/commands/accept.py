@@ -17,10 +17,12 @@ listed as skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ledger_server.acceptance import AcceptanceRun, Step, Thresholds, accept
+from ledger_server.drift import shard_artifacts
 from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -29,14 +31,11 @@ from shardledger_cli.cli import (
     at_least,
     client_from,
 )
-from shardledger_cli.commands.trend import ShardArtifacts, consistency_of, shard_artifacts
 from shardledger_cli.local_ledger import serve_db_option
-from shardledger_cli.output import count_shards, print_json, print_table
+from shardledger_cli.output import print_json, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
 __all__ = ["register", "run_accept"]
-
-ID_SET_REASONS: Final = ("id_set_mismatch", "id_set_unreadable")
 
 EXAMPLES: Final = """
 Examples:
@@ -85,137 +84,10 @@ def register(
     serve_db_option(p, run_accept)
 
 
-@dataclass(slots=True)
-class Step:
-    """One acceptance step: its outcome, why, and the numbers it judged."""
-
-    number: int
-    name: str
-    status: str = "pass"
-    reasons: list[str] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def fail(self, reason: str) -> None:
-        """Marks the step failed for this reason."""
-        self.status = "fail"
-        self.reasons.append(reason)
-
-
-@dataclass(frozen=True, slots=True)
-class _Run:
-    run_id: str
-    summary: dict[str, Any]
-    shards: dict[str, ShardArtifacts]
-
-
-def _load(client: Any, run_id: str, namespace: str) -> _Run:
+def _load(client: Any, run_id: str, namespace: str) -> AcceptanceRun:
     summary = json.loads(client.summary(run_id, namespace=namespace))
     views = (json.loads(v.view_json) for v in client.shards(run_id, namespace=namespace))
-    return _Run(run_id, summary, shard_artifacts(views))
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f} %"
-
-
-def _rounds(rounds: list[_Run], min_rounds: int) -> Step:
-    step = Step(1, "ruler sample over rounds")
-    sets = [frozenset(r.shards) for r in rounds]
-    step.details = {"rounds": len(rounds), "shards": [len(s) for s in sets]}
-    if len(rounds) < min_rounds:
-        step.fail(f"{len(rounds)} rounds, fewer than {min_rounds}")
-    if len(set(sets)) > 1:
-        step.fail("the rounds are not the same shards (a ruler sample never changes)")
-    return step
-
-
-def _metrics(rounds: list[_Run], args: argparse.Namespace) -> Step:
-    step = Step(2, "the four metrics of every round")
-    per_round = []
-    for i, r in enumerate(rounds):
-        s = r.summary
-        row: dict[str, Any] = {
-            "run_id": r.run_id,
-            "completion_rate": s["completion_rate"],
-            "silent_error_rate": s["silent_error_rate"],
-            "resume_misses": s["submitted"] - s["verified"],
-            "consistency_rate": None,
-        }
-        if s["completion_rate"] < args.min_completion:
-            step.fail(
-                f"{r.run_id}: completion {_pct(s['completion_rate'])} < {_pct(args.min_completion)}"
-            )
-        if s["silent_error_rate"] > args.max_silent:
-            step.fail(
-                f"{r.run_id}: silent errors {_pct(s['silent_error_rate'])} > {_pct(args.max_silent)}"
-            )
-        if i:
-            c = consistency_of(rounds[i - 1].shards, r.shards)
-            row["consistency_rate"] = c["consistency_rate"]
-            if c["consistency_rate"] is None:
-                step.fail(
-                    f"{r.run_id}: no output in the same fingerprint group as the round before"
-                )
-            elif c["consistency_rate"] < args.min_consistency:
-                step.fail(
-                    f"{r.run_id}: consistency {_pct(c['consistency_rate'])}"
-                    f" < {_pct(args.min_consistency)}"
-                )
-        per_round.append(row)
-    step.details = {"rounds": per_round}
-    return step
-
-
-def _interruption(run: _Run | None) -> Step:
-    step = Step(3, "interruption test: duplicates and gaps")
-    if run is None:
-        step.status = "skipped"
-        step.reasons.append("no --interruption run")
-        return step
-    s = run.summary
-    duplicates, gaps = s["duplicates"]["wasted"], s["submitted"] - s["verified"]
-    step.details = {"run_id": run.run_id, "duplicates": duplicates, "gaps": gaps}
-    if duplicates:
-        step.fail(f"{count_shards(duplicates)} with a second result (duplicated work)")
-    if gaps:
-        step.fail(f"{count_shards(gaps)} with no verified result after the resume (gaps)")
-    return step
-
-
-def _environment(rounds: list[_Run], reference: _Run | None) -> Step:
-    step = Step(4, "environment comparison with the reference")
-    if reference is None:
-        step.status = "skipped"
-        step.reasons.append("no --reference run")
-        return step
-    known = set(reference.summary["fingerprint_groups"])
-    seen = {fp for r in rounds for fp in r.summary["fingerprint_groups"]}
-    step.details = {"reference": reference.run_id, "new_fingerprints": sorted(seen - known)}
-    if seen - known:
-        step.fail(
-            f"{len(seen - known)} fingerprint(s) the reference never had: the environment drifted"
-        )
-    return step
-
-
-def _multi_gpu(run: _Run | None) -> Step:
-    step = Step(5, "multi-GPU result ID-set completeness")
-    if run is None:
-        step.status = "skipped"
-        step.reasons.append("no --multi-gpu run")
-        return step
-    s = run.summary
-    mismatched = sum(s["verify_failures"].get(r, 0) for r in ID_SET_REASONS)
-    step.details = {
-        "run_id": run.run_id,
-        "id_set_mismatches": mismatched,
-        "unverified": s["submitted"] - s["verified"],
-    }
-    if mismatched:
-        step.fail(f"{mismatched} result sets do not hold exactly their input ids")
-    if s["submitted"] != s["verified"]:
-        step.fail(f"{count_shards(s['submitted'] - s['verified'])} not verified")
-    return step
+    return AcceptanceRun(run_id, summary, shard_artifacts(views))
 
 
 def run_accept(args: argparse.Namespace) -> int:
@@ -229,23 +101,18 @@ def run_accept(args: argparse.Namespace) -> int:
         key: _load(client, getattr(args, key), args.namespace) if getattr(args, key) else None
         for key in ("interruption", "reference", "multi_gpu")
     }
-    steps = [
-        _rounds(rounds, args.min_rounds),
-        _metrics(rounds, args),
-        _interruption(optional["interruption"]),
-        _environment(rounds, optional["reference"]),
-        _multi_gpu(optional["multi_gpu"]),
-    ]
+    thresholds = Thresholds(
+        min_rounds=args.min_rounds,
+        min_completion=args.min_completion,
+        max_silent=args.max_silent,
+        min_consistency=args.min_consistency,
+    )
+    steps = accept(rounds, thresholds, **optional)
     accepted = all(s.status != "fail" for s in steps)
     verdict = "accept" if accepted else "reject"
     report: dict[str, Any] = {
         "verdict": verdict,
-        "thresholds": {
-            "min_rounds": args.min_rounds,
-            "min_completion": args.min_completion,
-            "max_silent": args.max_silent,
-            "min_consistency": args.min_consistency,
-        },
+        "thresholds": dataclasses.asdict(thresholds),
         "steps": [
             {
                 "step": s.number,

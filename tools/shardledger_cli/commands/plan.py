@@ -1,10 +1,9 @@
-# Over 400 lines on purpose: `plan` in the order it runs (flags, close/reopen, re-plan rules, delivery, report); inputs are plan_entries.py.
+# Over 400 lines on purpose: `plan` in the order it runs (flags, close/reopen, re-plan checks, delivery, report); inputs are plan_entries.py, the re-plan rules shard_client/replan.py.
 """`shardledger plan RUN`: register a run's shards from a manifest or a directory of inputs."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -17,7 +16,6 @@ from typing import Any, Final
 from ledger_server.validation import MAX_EXPECTED_SHARDS
 from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
-from shard_client.canonical import canonical_json
 from shard_client.client import LedgerClient
 from shard_client.delivery import deliver
 from shard_client.errors import LedgerClientError, LedgerRejected
@@ -27,6 +25,7 @@ from shard_client.ids import (
     plan_events,
 )
 from shard_client.labels import labels_from_env, merged_labels, parse_label
+from shard_client.replan import StoredPlan, other_params, plan_differences, renumbered
 from shardledger_cli.cli import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -413,14 +412,6 @@ def _close(
     return EXIT_OK
 
 
-@dataclass(frozen=True, slots=True)
-class StoredPlan:
-    """A shard the run already has: its plan index and, from a ledger that says, its plan."""
-
-    plan_index: int
-    plan: pb.ShardPlanView | None
-
-
 def stored_plans(
     client: LedgerClient, run_id: str, *, namespace: str = ""
 ) -> dict[str, StoredPlan]:
@@ -438,11 +429,6 @@ def stored_plans(
         raise
 
 
-def _params_key(params_json: str) -> str:
-    """Returns a params object's RFC 8785 text (stored rows of format 1 used Python's)."""
-    return canonical_json(json.loads(params_json or "{}"))
-
-
 def _sets(keys: Sequence[str], limit: int = 3) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
@@ -457,39 +443,16 @@ def refuse_other_params(
     inputs; other params would grow the run silently (a finished run's completion falls
     from 100 %), so they need --add.
     """
-    have = sorted({_params_key(s.plan.params_json) for s in stored.values() if s.plan is not None})
-    if not have:
+    found = other_params(entries, stored)
+    if found is None:
         return
-    new = [e for e in entries if e.shard_id not in stored]
-    other = [e for e in new if canonical_json(dict(e.params)) not in have]
-    if not other:
-        return
-    sent = sorted({canonical_json(dict(e.params)) for e in other})
     raise CommandError(
-        f"run {run_id} already has {count_shards(len(stored))}, planned with params"
-        f" {_sets(have)}; this plan would add {count_shards(len(other))} with params"
-        f" {_sets(sent)}, which none of them has. Nothing was sent: pass --add to add them"
+        f"run {run_id} already has {count_shards(found.stored)}, planned with params"
+        f" {_sets(found.have)}; this plan would add {count_shards(found.other)} with params"
+        f" {_sets(found.sent)}, which none of them has. Nothing was sent: pass --add to add them"
         " to this run, or plan them into a run of their own",
         EXIT_PROBLEMS,
     )
-
-
-def plan_differences(
-    entry: PlanEntry, labels: Mapping[str, str], stored: StoredPlan
-) -> dict[str, dict[str, Any]]:
-    """Returns the fields in which a re-plan of a stored shard differs: {field: stored, sent}."""
-    plan = stored.plan
-    if plan is None:
-        return {}
-    pairs: dict[str, tuple[Any, Any]] = {
-        "input": (plan.input_ref, entry.input_ref),
-        "input_bytes": (plan.input_bytes, entry.input_bytes),
-        "input_blake3": (plan.input_blake3, entry.input_blake3),
-        "params": (_params_key(plan.params_json), canonical_json(dict(entry.params))),
-        "expected_outputs": (list(plan.expected_outputs), list(entry.expected_outputs)),
-        "labels": (dict(plan.labels), dict(labels)),
-    }
-    return {k: {"stored": a, "sent": b} for k, (a, b) in pairs.items() if a != b}
 
 
 def keep_stored_indexes(
@@ -522,31 +485,21 @@ def _renumbered(
     stored: Mapping[str, int],
     notes: list[str] | None = None,
 ) -> list[PlanEntry]:
-    if not stored:
-        return list(entries)
-    following = max(stored.values()) + 1
-    renumbered: list[PlanEntry] = []
-    for entry in entries:
-        index = stored.get(entry.shard_id)
-        if index is None:
-            index, following = following, following + 1
-        renumbered.append(dataclasses.replace(entry, plan_index=index))
-    moved = sum(a.plan_index != b.plan_index for a, b in zip(entries, renumbered, strict=True))
-    new = sum(entry.shard_id not in stored for entry in entries)
-    if moved:
+    done = renumbered(entries, stored)
+    if done.moved:
         # Only a plan that adds shards has new ones to number; a re-plan of shards the
         # run already has only keeps their stored indexes.
-        after = f" (new shards are numbered from {max(stored.values()) + 1})"
+        after = f" (new shards are numbered from {done.following})"
         note = (
-            f"shardledger: run {run_id} already has {count_shards(len(stored))}: {moved} of this"
-            " plan's indexes follow the stored ones"
-            + (after if new else "; there are no new shards")
+            f"shardledger: run {run_id} already has {count_shards(len(stored))}: {done.moved} of"
+            " this plan's indexes follow the stored ones"
+            + (after if done.new else "; there are no new shards")
         )
         if notes is None:
             print(note, file=sys.stderr)
         else:
             notes.append(note)
-    return renumbered
+    return done.entries
 
 
 # --- sending -----------------------------------------------------------------------

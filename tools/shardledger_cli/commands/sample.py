@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
-import blake3
-
+from ledger_server.reference import stratified_sample, verified_groups
 from shard_client.errors import LedgerRejected
 from shard_client.ids import PlanEntry, check_id
 from shardledger_cli.cli import (
@@ -39,7 +36,7 @@ from shardledger_cli.local_ledger import serve_db_option, unless_dry_run
 from shardledger_cli.output import print_json, print_note, print_table
 from shardledger_cli.parsing import add_format_option, json_help, output_format
 
-__all__ = ["register", "run_sample", "stratified_sample"]
+__all__ = ["register", "run_sample"]
 
 SAMPLE_OF_LABEL: Final = "sample_of"
 
@@ -91,32 +88,6 @@ def register(
     )
 
 
-def _rank(seed: str, shard_id: str) -> str:
-    return blake3.blake3(f"{seed}\x00{shard_id}".encode()).hexdigest()
-
-
-def stratified_sample(
-    groups: Mapping[str, Sequence[str]], *, fraction: float, minimum: int, seed: str
-) -> dict[str, list[str]]:
-    """Returns group -> the picked shard ids: max(ceil(fraction·N), minimum) in all, capped at N.
-
-    Each group gets its proportional quota, floors first and the remaining picks to
-    the largest remainders (ties by group key); inside a group the shards with the
-    smallest seeded hashes are picked.
-    """
-    total = sum(len(v) for v in groups.values())
-    want = min(total, max(math.ceil(fraction * total - 1e-9), minimum))
-    quotas = {g: want * len(v) / total for g, v in groups.items()} if total else {}
-    counts = {g: math.floor(q) for g, q in quotas.items()}
-    left = want - sum(counts.values())
-    for g in sorted(quotas, key=lambda g: (-(quotas[g] - counts[g]), g))[:left]:
-        counts[g] += 1
-    return {
-        g: sorted(sorted(ids, key=lambda s: _rank(seed, s))[: counts[g]])
-        for g, ids in sorted(groups.items())
-    }
-
-
 def _origin(client: Any, run: str, namespace: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Returns the run's plans by shard id (as events carry them) and its labels."""
     plans: dict[str, Any] = {}
@@ -138,10 +109,7 @@ def run_sample(args: argparse.Namespace) -> int:
         raise CommandError("--as must name a new run, not the sampled one", EXIT_USAGE)
     client = client_from(args)
     views = [json.loads(v.view_json) for v in client.shards(args.run, namespace=args.namespace)]
-    verified = [v for v in views if v["state"] == "verified"]
-    groups: dict[str, list[str]] = defaultdict(list)
-    for v in verified:
-        groups[v["fingerprint"] or "(none)"].append(v["shard_id"])
+    groups = verified_groups(views)
     picked = stratified_sample(groups, fraction=args.fraction, minimum=args.min, seed=args.seed)
     chosen = sorted((sid for ids in picked.values() for sid in ids), key=lambda s: s)
     report: dict[str, Any] = {
@@ -150,7 +118,7 @@ def run_sample(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "fraction": args.fraction,
         "min": args.min,
-        "verified": len(verified),
+        "verified": sum(len(ids) for ids in groups.values()),
         "sampled": len(chosen),
         "groups": {
             g: {"verified": len(groups[g]), "sampled": len(ids)} for g, ids in picked.items()

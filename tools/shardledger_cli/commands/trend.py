@@ -1,4 +1,3 @@
-# Over 400 lines on purpose: trend's flags, report (runs, ruler drift, consistency) and columns read together; its figures are computed here.
 """`shardledger trend`: completion, silent errors and failure tags over runs, and ruler drift.
 
 A ruler run re-runs a fixed sample of shards (same ids, same inputs) so that
@@ -14,13 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Final
 
-import blake3
-
+from ledger_server.drift import (
+    ShardArtifacts,
+    compare_rulers,
+    consistency_pairs,
+    outputs_digest,
+    shard_artifacts,
+)
 from shardledger_cli.cli import EXIT_OK, EXIT_PROBLEMS, at_least, client_from
 from shardledger_cli.local_ledger import serve_db_option
 from shardledger_cli.output import print_json, print_note, print_table
@@ -38,15 +40,6 @@ DEFAULT_RULER_PREFIX: Final = "ruler-"
 # paired from. A ruler run older than that has no predecessor to compare with.
 RUN_SCAN: Final = 5000
 SHOWN_CHANGES: Final = 20
-
-
-@dataclass(frozen=True, slots=True)
-class ShardArtifacts:
-    """What one shard of a ruler run produced: its fingerprint group and output digests."""
-
-    state: str
-    fingerprint: str
-    digests: dict[str, str]
 
 
 def register(
@@ -157,15 +150,7 @@ def build_report(
         if current.run_id in shown
     ]
     arts = {r.run_id: _artifacts(client, r, cache) for r in recent}
-    consistency = []
-    for i, current in enumerate(recent):
-        earlier = (
-            p for p in reversed(recent[:i]) if arts[p.run_id].keys() & arts[current.run_id].keys()
-        )
-        previous = next(earlier, None)
-        if previous is not None:
-            pair = {"run_id": current.run_id, "previous_run_id": previous.run_id}
-            consistency.append(pair | consistency_of(arts[previous.run_id], arts[current.run_id]))
+    consistency = consistency_pairs([r.run_id for r in recent], arts)
     ruler_digests = [
         {"run_id": r.run_id, **outputs_digest(_artifacts(client, r, cache))} for r in rulers
     ]
@@ -178,40 +163,6 @@ def build_report(
         "consistency": consistency,
         "ruler_digests": ruler_digests,
     }
-
-
-def consistency_of(
-    previous: dict[str, ShardArtifacts], current: dict[str, ShardArtifacts]
-) -> dict[str, Any]:
-    """Returns how many outputs of the same input in the same fingerprint group kept their digest.
-
-    Only verified shards on both sides, and only outputs whose attempts recorded the
-    same fingerprint: across groups numbers are not expected to match (docs/metrics.md).
-    """
-    compared = consistent = 0
-    for shard_id in previous.keys() & current.keys():
-        a, b = previous[shard_id], current[shard_id]
-        if not (
-            a.state == b.state == "verified" and a.fingerprint and a.fingerprint == b.fingerprint
-        ):
-            continue
-        for name in a.digests.keys() & b.digests.keys():
-            compared += 1
-            consistent += a.digests[name] == b.digests[name]
-    return {
-        "compared_outputs": compared,
-        "consistent": consistent,
-        "consistency_rate": consistent / compared if compared else None,
-    }
-
-
-def outputs_digest(shards: dict[str, ShardArtifacts]) -> dict[str, Any]:
-    """Returns one blake3 over every (shard, output, digest) of a run, and how many outputs."""
-    rows = sorted(
-        (sid, name, digest) for sid, s in shards.items() for name, digest in s.digests.items()
-    )
-    material = "\n".join("\t".join(r) for r in rows).encode()
-    return {"outputs": len(rows), "digest": blake3.blake3(material).hexdigest()}
 
 
 def _us(timestamp: Timestamp) -> int:
@@ -267,58 +218,6 @@ def _artifacts(
         )
         cache[info.run_id] = shard_artifacts(views)
     return cache[info.run_id]
-
-
-def shard_artifacts(views: Iterable[dict[str, Any]]) -> dict[str, ShardArtifacts]:
-    """Returns each shard's fingerprint and output digests from its shard views."""
-    return {
-        v["shard_id"]: ShardArtifacts(
-            state=v["state"],
-            fingerprint=v.get("fingerprint", ""),
-            digests={name: a["blake3"] for name, a in v.get("artifacts", {}).items()},
-        )
-        for v in views
-    }
-
-
-def compare_rulers(
-    previous: dict[str, ShardArtifacts], current: dict[str, ShardArtifacts]
-) -> dict[str, Any]:
-    """Returns the outputs whose digest changed, split by whether the fingerprint changed too."""
-    drift: list[dict[str, str]] = []
-    across: list[dict[str, str]] = []
-    unattributed: list[dict[str, str]] = []
-    compared = unchanged = 0
-    for shard_id in sorted(previous.keys() & current.keys()):
-        before, after = previous[shard_id], current[shard_id]
-        for name in sorted(before.digests.keys() & after.digests.keys()):
-            compared += 1
-            if before.digests[name] == after.digests[name]:
-                unchanged += 1
-                continue
-            change = {
-                "shard_id": shard_id,
-                "output": name,
-                "previous_fingerprint": before.fingerprint,
-                "fingerprint": after.fingerprint,
-                "previous_blake3": before.digests[name],
-                "blake3": after.digests[name],
-            }
-            if not before.fingerprint or not after.fingerprint:
-                unattributed.append(change)
-            elif before.fingerprint == after.fingerprint:
-                drift.append(change)
-            else:
-                across.append(change)
-    return {
-        "compared_outputs": compared,
-        "unchanged": unchanged,
-        "drift": drift,
-        "across_groups": across,
-        "unattributed": unattributed,
-        "only_in_previous": sorted(previous.keys() - current.keys()),
-        "only_in_current": sorted(current.keys() - previous.keys()),
-    }
 
 
 # --- text output ------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Checks of the Prometheus alert rules (check.sh) and their shortened-window copy (windows.py)."""
