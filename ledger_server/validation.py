@@ -13,6 +13,7 @@ import re
 from dataclasses import replace
 from typing import Final, NamedTuple
 
+from ledger_server.beat_json import heartbeat_jcs
 from ledger_server.errors import FingerprintDigestMismatch, InvalidEvent, LimitExceeded
 from ledger_server.events import (
     DEFAULT_NAMESPACE,
@@ -414,6 +415,16 @@ def validate(event: Event, *, row_format: int = ROW_FORMAT) -> ValidEvent:
         # Beyond it a Timestamp cannot carry the value back: every read of the run would fail.
         raise InvalidEvent("client_time", "must be before the year 10000")
     payload = _check_payload(event, row_format)
+    if payload is event.payload and row_format != ROW_FORMAT_LEGACY:
+        # Most events are heartbeats, encoded as sent: their text is written directly, and
+        # it is ASCII (heartbeat_jcs leaves any other to the generic path), one byte a char.
+        beat = heartbeat_jcs(event, namespace)
+        if beat is not None:
+            if len(beat) > MAX_PAYLOAD_BYTES:
+                raise LimitExceeded("event_bytes", len(beat), MAX_PAYLOAD_BYTES)
+            if namespace != event.namespace:
+                event = replace(event, namespace=namespace)
+            return ValidEvent(event, beat)
     # Only a plan or a namespace is ever normalized; every other event is encoded as sent.
     content = event.content()
     if namespace != event.namespace:
