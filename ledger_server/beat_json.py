@@ -71,19 +71,8 @@ def _metrics(values: dict[str, float]) -> str | None:
     return "{" + ",".join(parts) + "}"
 
 
-def heartbeat_jcs(event: Event, namespace: str) -> str | None:
-    """Returns the RFC 8785 text of a heartbeat's content in a namespace, or None to use content_jcs.
-
-    The event is one validation accepted and `namespace` its checked namespace (the
-    event's own, or the default for an empty one): its ids are identifiers (check_id,
-    check_namespace) that JSON writes without escapes, and its floats are finite.
-    """
-    p = event.payload
-    if type(p) is not Heartbeat or not _ENABLED:
-        return None
-    metrics = _metrics(p.metrics)
-    if metrics is None:
-        return None
+def _later_payload(p: Heartbeat, metrics: str) -> str | None:
+    """Returns a heartbeat payload's members with its set later fields, keys sorted."""
     # The payload's keys in sorted order; the later fields only when set.
     fields = []
     if p.first_step:
@@ -108,9 +97,39 @@ def heartbeat_jcs(event: Event, namespace: str) -> str | None:
     if p.rank_finished:
         fields.append('"rank_finished":true')
     fields.append(f'"step":{_int(p.step)}')
+    return ",".join(fields)
+
+
+def heartbeat_jcs(event: Event, namespace: str) -> str | None:
+    """Returns the RFC 8785 text of a heartbeat's content in a namespace, or None to use content_jcs.
+
+    The event is one validation accepted and `namespace` its checked namespace (the
+    event's own, or the default for an empty one): its ids are identifiers (check_id,
+    check_namespace) that JSON writes without escapes, and its floats are finite.
+    """
+    p = event.payload
+    if type(p) is not Heartbeat or not _ENABLED:
+        return None
+    metrics = _metrics(p.metrics)
+    if metrics is None:
+        return None
+    if (
+        p.first_step
+        or p.metrics_max
+        or p.metrics_min
+        or p.nonfinite_metrics
+        or p.progress_calls
+        or p.rank
+        or p.rank_finished
+    ):
+        payload = _later_payload(p, metrics)
+        if payload is None:
+            return None
+    else:  # A plain heartbeat (no later field set): three keys.
+        payload = f'"metrics":{metrics},"progress":{jcs_number(p.progress)},"step":{_int(p.step)}'
     return (
         f'{{"attempt_id":"{event.attempt_id}","client_time_us":{_int(event.client_time_us)},'
         f'"event_id":"{event.event_id}","kind":"heartbeat","namespace":"{namespace}",'
-        f'"payload":{{{",".join(fields)}}},"run_id":"{event.run_id}",'
+        f'"payload":{{{payload}}},"run_id":"{event.run_id}",'
         f'"shard_id":"{event.shard_id}"}}'
     )
