@@ -423,7 +423,7 @@ def validate(event: Event, *, row_format: int = ROW_FORMAT) -> ValidEvent:
             if len(beat) > MAX_PAYLOAD_BYTES:
                 raise LimitExceeded("event_bytes", len(beat), MAX_PAYLOAD_BYTES)
             if namespace != event.namespace:
-                event = replace(event, namespace=namespace)
+                event = _in_namespace(event, namespace)
             return ValidEvent(event, beat)
     # Only a plan or a namespace is ever normalized; every other event is encoded as sent.
     content = event.content()
@@ -445,13 +445,17 @@ def validate(event: Event, *, row_format: int = ROW_FORMAT) -> ValidEvent:
         raise LimitExceeded("event_bytes", size, MAX_PAYLOAD_BYTES)
     if namespace == event.namespace and payload is event.payload:
         return ValidEvent(event, text)
-    normal = Event(
+    return ValidEvent(_in_namespace(event, namespace, payload), text)
+
+
+def _in_namespace(event: Event, namespace: str, payload: Payload | None = None) -> Event:
+    """Returns the event in its checked namespace (and normalized payload); faster than replace()."""
+    return Event(
         event.event_id,
         namespace,
         event.run_id,
         event.shard_id,
         event.attempt_id,
         event.client_time_us,
-        payload,
+        event.payload if payload is None else payload,
     )
-    return ValidEvent(normal, text)
