@@ -64,10 +64,12 @@ def _metrics(values: dict[str, float]) -> str | None:
         return "{}"
     parts = []
     for name in sorted(values):
-        # ASCII names sort alike by code point and by UTF-16 unit; others go the generic way.
-        if not name.isascii():
+        value = values[name]
+        # ASCII names sort alike by code point and by UTF-16 unit; others go the generic
+        # way, as does a value that is not a float (an in-process caller's int, say).
+        if not name.isascii() or type(value) is not float:
             return None
-        parts.append(f"{_QUOTE(name)}:{jcs_number(values[name])}")
+        parts.append(f"{_QUOTE(name)}:{jcs_number(value)}")
     return "{" + ",".join(parts) + "}"
 
 
@@ -109,6 +111,18 @@ def heartbeat_jcs(event: Event, namespace: str) -> str | None:
     """
     p = event.payload
     if type(p) is not Heartbeat or not _ENABLED:
+        return None
+    # Protobuf gives these their schema types; an in-process caller may not (a bool is an
+    # int to Python but true to JSON, an int progress has no float text): generic path.
+    if (
+        type(p.progress) is not float
+        or type(p.step) is not int
+        or type(event.client_time_us) is not int
+        or type(p.rank_finished) is not bool
+        or type(p.first_step) is not int
+        or type(p.progress_calls) is not int
+        or type(p.rank) is not int
+    ):
         return None
     metrics = _metrics(p.metrics)
     if metrics is None:

@@ -113,6 +113,21 @@ def test_common_heartbeat_takes_the_direct_path() -> None:
     assert heartbeat_jcs(event, event.namespace) is not None
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [
+        Heartbeat(1, 1, {"loss": 0.5}),  # an int progress
+        Heartbeat(1, 0.5, {"lr": 1}),  # an int metric value
+        Heartbeat(True, 0.5, {}),  # a bool step
+        Heartbeat(1, 0.5, {}, rank=1, rank_finished=1),  # type: ignore[arg-type]
+    ],
+)
+def test_an_in_process_caller_s_other_types_take_the_generic_path(payload: Heartbeat) -> None:
+    event = Event("e-1", "default", "r", "s1", "a", 0, payload)
+    assert heartbeat_jcs(event, "default") is None
+    assert validate(event).canonical == content_jcs(event.content())
+
+
 @pytest.mark.parametrize("name", ["é", "\U0001f600", "\ud800"])
 def test_a_non_ascii_metric_name_takes_the_generic_path(name: str) -> None:
     event = Event("e-1", "default", "r", "s1", "a", 0, Heartbeat(1, 0.5, {name: 1.5}))
