@@ -23,7 +23,6 @@ from ledger_server.events import (
     RecordedEvent,
     float_fields,
     int_fields,
-    safe_int,
 )
 from ledger_server.store.base import StoredEvent
 from shard_client.canonical import MAX_SAFE_INTEGER, canonical_json, legacy_json
@@ -53,8 +52,11 @@ def row_bytes(
 
 
 def _number(value: int) -> str:
-    n = safe_int(int(value))
-    return f'"{n}"' if isinstance(n, str) else str(n)
+    """Returns an integer's JSON text in row format 2: a decimal string past +-(2**53 - 1)."""
+    # Called twice for every appended row: inline what safe_int decides.
+    if type(value) is not int:
+        value = int(value)
+    return str(value) if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER else f'"{value}"'
 
 
 def encode_row(

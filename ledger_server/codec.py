@@ -71,6 +71,15 @@ def _duration_us(d: Duration) -> int:
 _NO_EXTREMES: Final[dict[str, float]] = {}
 
 
+def _strings(values: Any) -> tuple[str, ...]:
+    """Returns a repeated string field as a tuple.
+
+    tuple() of the container iterates it through the Sequence ABC in Python (1.4 µs for
+    an empty one, on every heartbeat); a slice is a list built in C.
+    """
+    return tuple(values[:]) if values else ()
+
+
 def _coalesced(h: pb.Heartbeat) -> Heartbeat:
     """Returns a coalesced heartbeat: the latest values and what its interval held."""
     metrics, low, high = h.metrics, h.metrics_min, h.metrics_max
@@ -78,7 +87,7 @@ def _coalesced(h: pb.Heartbeat) -> Heartbeat:
         step=h.step,
         progress=h.progress,
         metrics={k: metrics[k] for k in metrics},
-        nonfinite_metrics=tuple(h.nonfinite_metrics),
+        nonfinite_metrics=_strings(h.nonfinite_metrics),
         rank=h.rank,
         rank_finished=h.rank_finished,
         first_step=h.first_step,
@@ -113,7 +122,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             input_bytes=p.input_bytes,
             input_blake3=p.input_blake3,
             params_json=p.params_json,
-            expected_outputs=tuple(p.expected_outputs),
+            expected_outputs=_strings(p.expected_outputs),
             plan_line=p.plan_line,
             plan_index=p.plan_index,
             labels=dict(sorted(p.labels.items())),
@@ -162,7 +171,7 @@ def _decode_payload(msg: pb.ShardEvent) -> Payload:
             step=h.step,
             progress=h.progress,
             metrics={k: metrics[k] for k in metrics},
-            nonfinite_metrics=tuple(h.nonfinite_metrics),
+            nonfinite_metrics=_strings(h.nonfinite_metrics),
             rank=h.rank,
             rank_finished=h.rank_finished,
             metrics_min=_NO_EXTREMES,

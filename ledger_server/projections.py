@@ -445,12 +445,15 @@ def fold_live_beat(record: ShardRecord | None, event: Event, now_us: int) -> boo
     attempt = record.attempts.get(event.attempt_id)
     # A rank of a multi-rank attempt keeps its own liveness in the record: generic fold.
     # So does an attempt that committed its outputs: its steps count in the field figures.
+    # The tests inline what is_ranked and marks_late decide, and ask is_complete only of an
+    # attempt with artifacts (none: never complete): this runs for most events of a night.
     if (
         attempt is None
         or attempt.failed_tag
-        or ranks.is_ranked(attempt)
-        or is_complete(record, attempt)
-        or marks_late(record, event, now_us)  # the attempt turns late: its counters move
+        or attempt.world_size > 1
+        or (attempt.artifacts and is_complete(record, attempt))
+        # The attempt turns late: its counters move.
+        or (not attempt.late and arrived_late(attempt, event.client_time_us, now_us))
     ):
         return False
     fold_beat(record, event.attempt_id, now_us, p.step)

@@ -39,6 +39,7 @@ __all__ = [
     "digest_fields",
     "fingerprint_digest",
     "fingerprint_json",
+    "jcs_number",
     "legacy_fingerprint_json",
     "legacy_json",
 ]
@@ -131,6 +132,23 @@ def es6_number(value: float) -> str:
     e = n - 1
     tail = f"e{'+' if e >= 0 else '-'}{abs(e)}"
     return sign + (digits if k == 1 else digits[0] + "." + digits[1:]) + tail
+
+
+def jcs_number(value: float) -> str:
+    """Returns the RFC 8785 text of a finite float, as canonical_json writes it in a value.
+
+    Integral floats as integers, the others as repr() prints them where that is
+    ECMAScript's text too (the cases _plain_float leaves to the C encoder), else
+    es6_number. NaN and infinity raise ValueError.
+    """
+    if value.is_integer():
+        if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+            return str(int(value))
+    elif _MIN_PLAIN_FLOAT <= abs(value) < math.inf:
+        return repr(value)
+    elif not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a JSON number (RFC 8785 refuses NaN and infinity)")
+    return es6_number(value)
 
 
 def _plain_float(value: float, numbers: list[str]) -> Any:

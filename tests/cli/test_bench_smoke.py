@@ -61,6 +61,23 @@ def test_bench_unary_drives_both_servers_without_errors(tmp_path: Path) -> None:
     assert unary["echo_calls_per_s"] > 0 and unary["durable_appends_per_s"] > 0
     assert unary["events_per_group_commit"] >= 1
     assert unary["server_cpu_us_per_call"] > 0 and unary["echo_server_cpu_us_per_call"] > 0
+    assert isinstance(unary["met"], bool)
+    # The asyncio engine's own floor, a bare grpc.aio echo, ran in the same run.
+    assert unary["aio_echo_calls_per_s"] > 0 and unary["aio_echo_server_cpu_us_per_call"] > 0
+
+
+def test_bench_batched_measures_the_ledger_beside_the_minimal_durable_server(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "ingest.json"
+    done = _bench("tools.bench", "batched", "--seconds", "0.5", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    batched = json.loads(out.read_text())["batched"]
+    assert batched["errors"] == 0 and batched["events_per_s"] > 0
+    # The per-event CPU target's baseline ran in the same run, and its verdict is recorded.
+    assert batched["minimal_server_events_per_s"] > 0
+    assert batched["cpu_ratio_to_minimal_server"] > 0
+    assert isinstance(batched["cpu_target_met"], bool)
 
 
 def test_bench_refuses_a_non_positive_duration(tmp_path: Path) -> None:
