@@ -230,6 +230,45 @@ def test_an_archived_run_answers_reads_from_its_tombstone_and_its_bundle(
         running.stop(0.5)
 
 
+def test_an_archived_runs_resume_list_and_shards_read_with_spilling_are_the_hot_ones_exactly(
+    database: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ledger_server.archive_read import archived_resume, archived_shard_rows
+
+    running = serve(database, tmp_path)
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        settled_night(client, RUN, shards=40)
+    finally:
+        client.close()
+        running.stop(0.5)
+    at = int(time.time() * 1e6)
+    store = open_store(database)
+    run = store.read().get_run("default", RUN)
+    assert run is not None
+    hot_resume = list(store.read().iter_resume(run.run_pk, at))
+    hot_shards = [
+        (r.shard_id, r.plan_index, r.state, r.detail, r.plan_line)
+        for r in store.read().iter_shards(run.run_pk)
+    ]
+    store.close()
+    assert len(hot_resume) == 14 and len(hot_shards) == 40  # 13 failed, 1 never started
+    night = {"db": database, "key": str(tmp_path / "ledger.key.pem")}
+    assert archive(capsys, night, tmp_path / "archive", RUN)[0] == 0
+
+    store = open_store(database)
+    tombstone = store.read().get_tombstone(run.run_pk)
+    store.close()
+    assert tombstone is not None
+    # Three records as objects, the other 37 spilled to the replay's temp file and read back.
+    assert list(archived_resume(tombstone, at, hot=3)) == hot_resume
+    archived = [
+        (r.shard_id, r.plan_index, r.state, r.detail, r.plan_line)
+        for r in archived_shard_rows(tombstone, hot=3)
+    ]
+    assert archived == hot_shards
+
+
 def test_one_flipped_byte_in_the_bundle_fails_audit_verify_and_restore(
     night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -399,6 +438,12 @@ def test_a_kill_between_purge_chunks_leaves_an_archived_run_that_reads_whole_and
     ]
     code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
     assert code == 0, out + err
+    last = str(original[-1][0])
+    code, out, err = run_cli(
+        capsys, "audit", "replay", RUN, "--until", last, "--db", night["db"], "--json"
+    )
+    assert code == 0, out + err
+    assert json.loads(out)["summary"]["event_count"] == len(original)
     # status exits 1 for this night's failed and missing shards, archived or not.
     code, out, err = run_cli(capsys, "status", RUN, "--db", night["db"], "--json")
     assert code == 1 and json.loads(out)["missing"] == 1, err
