@@ -158,6 +158,9 @@ def prepare(
             )
         except ArchiveBroken as exc:
             return Outcome(namespace, run_id, "refused", events=run.event_count, reason=str(exc))
+        except OSError as exc:  # the staging directory is full or unwritable
+            reason = f"cannot stage the bundle in {directory}: {exc}; the run stays hot"
+            return Outcome(namespace, run_id, "failed", run.event_count, reason=reason)
         if dry_run:
             return Outcome(
                 namespace, run_id, "would_archive", bundle.events, bundle.size_bytes, location.url

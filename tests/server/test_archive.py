@@ -342,6 +342,58 @@ def test_an_unwritable_location_leaves_the_run_hot_and_says_why(
     store.close()
 
 
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs mounted in tmp_path and filled to its last byte (root: CI runs as root)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("where", ["archive", "staging"])
+def test_a_full_disk_leaves_the_run_hot_and_says_why(
+    where: str,
+    night: dict[str, Any],
+    full_disk: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The archive's file system full, or the one the bundle is staged in (TMPDIR)."""
+    import tempfile
+
+    to = full_disk / "archive" if where == "archive" else tmp_path / "archive"
+    if where == "staging":
+        monkeypatch.setattr(tempfile, "tempdir", str(full_disk))
+    code, _, err = archive(capsys, night, to, RUN)
+    assert code == 1 and "No space left on device" in err and "stays hot" in err, err
+    assert ("cannot write" if where == "archive" else "cannot stage the bundle") in err
+    assert state_of(night["db"], RUN) == "hot"
+    # Nothing half-written keeps the space: only the filler (and empty directories) remain.
+    left = [p for p in full_disk.rglob("*") if p.is_file() and p.name != "filler"]
+    assert left == []
+
+
 def state_of(database: str, run_id: str, *, purged: bool = True) -> str:
     """Returns "hot" or "archived"; fails the test on anything in between.
 
