@@ -13,6 +13,7 @@ directory, running beside the night's appends (its step in a thread, as serve ru
 it), so the appends' p99 includes any wait for the archive's transaction.
 
     python -m tools.bench_retention --pause            # appends during one big archive
+    python -m tools.bench_retention --read-rss         # peak RSS reading an archived night
 
 At nights 1, 30, 180 and 365 (scaled to --nights) it records the hot store's size
 (the file, and the pages in use), the p99 of that night's append batches, and the
@@ -29,6 +30,13 @@ as the baseline), then the tombstone alone and the paced, chunked purge (as serv
 retention runs it). It reports the p50, p99 and max of the append batches that
 overlapped the commit, and the commit's own time. JSON goes to
 bench-results/retention-pause.json.
+
+--read-rss archives one night of --shards (20,000 by default) and reads its resume
+list back from the bundle, each way in a new process: every shard's record kept as
+an object (the read before issue 48's fix), then the spilling replay `shards` and
+`resume` use now (compact.CompactRecords) with its default hot set and a small one.
+It reports each read's peak RSS and time. JSON goes to
+bench-results/retention-read-rss.json.
 """
 
 from __future__ import annotations
@@ -309,7 +317,7 @@ def _one_transaction(store: SqliteStore, tombstone: Tombstone) -> None:
 
 
 def _commit_beside_appends(
-    directory: str, key: SigningKey, shape: str, shards: int, beats: int
+    directory: str, key: SigningKey, shape: str, shards: int, beats: int, chunk: int
 ) -> dict[str, Any]:
     """Commits night 1's archive while night 2 is appended; returns the appends' figures."""
     path = os.path.join(directory, "ledger.db")
@@ -342,7 +350,7 @@ def _commit_beside_appends(
         if shape == "one_transaction":
             _one_transaction(store, prepared)
         else:
-            archiver.commit(store, "default", "night-001", prepared, paced=True)
+            archiver.commit(store, "default", "night-001", prepared, paced=True, purge_chunk=chunk)
         window.append(time.perf_counter())
         time.sleep(0.2)
         done.set()
@@ -362,13 +370,15 @@ def _commit_beside_appends(
     }
 
 
-def bench_pause(*, shards: int = 10_000, beats: int = 5) -> dict[str, Any]:
+def bench_pause(
+    *, shards: int = 10_000, beats: int = 5, chunk: int = archiver.PURGE_CHUNK
+) -> dict[str, Any]:
     """Plays one night, then commits its archive both ways beside appends; returns both."""
     result: dict[str, Any] = {
         "shards": shards,
         "events": len(night_events(1, shards, beats)),
         "append_batch_events": PAUSE_BATCH,
-        "purge_chunk_rows": archiver.PURGE_CHUNK,
+        "purge_chunk_rows": chunk,
     }
     with tempfile.TemporaryDirectory(prefix="shardledger-pause-") as directory:
         source = os.path.join(directory, "night")
@@ -384,12 +394,79 @@ def bench_pause(*, shards: int = 10_000, beats: int = 5) -> dict[str, Any]:
         for shape in ("one_transaction", "chunked_purge"):
             copy = os.path.join(directory, shape)
             shutil.copytree(source, copy)
-            result[shape] = _commit_beside_appends(copy, key, shape, shards, beats)
+            result[shape] = _commit_beside_appends(copy, key, shape, shards, beats, chunk)
             print(f"  {shape}: {result[shape]}", file=sys.stderr, flush=True)
             shutil.rmtree(copy)
     base, new = result["one_transaction"], result["chunked_purge"]
     result["append_p99_ratio"] = round(new["append_ms_p99"] / base["append_ms_p99"], 4)
     result["append_max_ratio"] = round(new["append_ms_max"] / base["append_ms_max"], 4)
+    return result
+
+
+def _read_archived(database: str, how: str, hot: int) -> dict[str, Any]:
+    """In a fresh process: reads the archived night's resume list; returns its peak RSS."""
+    import resource
+
+    from ledger_server.archive_read import archived_resume, archived_rows
+    from ledger_server.projections import resume_reason
+    from ledger_server.rebuild import gc_paused
+    from ledger_server.replay import RunReplay
+
+    store = SqliteStore(database, read_only=True)
+    view = store.read()
+    run = view.get_run("default", "night-001")
+    assert run is not None
+    tombstone = view.get_tombstone(run.run_pk)
+    assert tombstone is not None
+    at = START_US + 30 * DAY_US
+    started = time.perf_counter()
+    if how == "objects":
+        # The read before issue 48's fix: every shard's record as an object, then sorted.
+        replay = RunReplay()
+        with gc_paused():
+            for row in archived_rows(tombstone):
+                replay.feed_row(row.sequence, row.row, row.row_hash)
+        resume = sum(1 for r in replay.ordered() if resume_reason(r, at) is not None)
+    else:
+        resume = sum(1 for _ in archived_resume(tombstone, at, hot=hot))
+    seconds = time.perf_counter() - started
+    store.close()
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "resume": resume,
+        "seconds": round(seconds, 2),
+        "peak_rss_mib": round(peak_kib / 1024, 1),
+    }
+
+
+def bench_read_rss(*, shards: int = 20_000, beats: int = 1) -> dict[str, Any]:
+    """Archives one night, then reads its resume list from the bundle each way, each in a new process."""
+    import multiprocessing
+
+    result: dict[str, Any] = {"shards": shards, "events": len(night_events(1, shards, beats))}
+    with tempfile.TemporaryDirectory(prefix="shardledger-rss-") as directory:
+        path = os.path.join(directory, "ledger.db")
+        key = SigningKey.load_or_create(os.path.join(directory, "key.pem"))
+        store = SqliteStore(path)
+        clock = YearClock()
+        ledger = LedgerService(store, clock=clock)
+        clock.night = 1
+        _append_night(ledger, night_events(1, shards, beats))
+        clock.night = 30
+        outcome = archiver.archive_run(
+            store, key, "default", "night-001", os.path.join(directory, "archive"), now_us=clock()
+        )
+        assert outcome.action == "archived", outcome
+        ledger.close()
+        store.close()
+        # spawn: each read starts from a bare interpreter, so its peak is its own.
+        context = multiprocessing.get_context("spawn")
+        ways = [("objects", 0), ("compact", 50_000), ("compact", 2_000)]
+        with context.Pool(1, maxtasksperchild=1) as pool:
+            for how, hot in ways:
+                name = how if how == "objects" else f"{how}_hot_{hot}"
+                result[name] = pool.apply(_read_archived, (path, how, hot))
+                print(f"  {name}: {result[name]}", file=sys.stderr, flush=True)
     return result
 
 
@@ -423,10 +500,27 @@ def main(argv: list[str] | None = None) -> int:
         " (--shards defaults to 10,000 and --beats to 5 here)",
     )
     parser.add_argument("-o", "--output", help="default: bench-results/retention[-pause].json")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=archiver.PURGE_CHUNK,
+        help="with --pause: rows per purge transaction (default %(default)s, as serve)",
+    )
+    parser.add_argument(
+        "--read-rss",
+        action="store_true",
+        help="peak RSS of reading an archived night's resume list, every record as an object"
+        " vs the spilling replay (--shards defaults to 20,000 and --beats to 1 here)",
+    )
     args = parser.parse_args(argv)
-    if args.pause:
+    if args.read_rss:
+        shards = 20_000 if args.shards is None else args.shards
+        result = bench_read_rss(shards=shards, beats=1 if args.beats is None else args.beats)
+        output = args.output or "bench-results/retention-read-rss.json"
+    elif args.pause:
         shards = 10_000 if args.shards is None else args.shards
-        result = bench_pause(shards=shards, beats=5 if args.beats is None else args.beats)
+        beats = 5 if args.beats is None else args.beats
+        result = bench_pause(shards=shards, beats=beats, chunk=args.chunk)
         output = args.output or "bench-results/retention-pause.json"
     else:
         result = bench_retention(

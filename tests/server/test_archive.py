@@ -627,7 +627,7 @@ def test_db_rebuild_leaves_archived_runs_out_and_says_why_when_named(
     assert code == 5 and "is archived" in err
 
 
-@pytest.mark.parametrize("step", ["before_upload", "mid_transaction", "after_commit"])
+@pytest.mark.parametrize("step", ["before_upload", "mid_transaction", "after_commit", "mid_purge"])
 def test_a_server_killed_while_it_archives_restarts_with_the_run_hot_or_archived(
     step: str, night: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -652,7 +652,7 @@ def test_a_server_killed_while_it_archives_restarts_with_the_run_hot_or_archived
         assert server.poll() is None
         server.send_signal(signal.SIGKILL)
     assert server.wait(deadline - time.monotonic()) == -signal.SIGKILL
-    expected = "archived" if step == "after_commit" else "hot"
+    expected = "archived" if step in ("after_commit", "mid_purge") else "hot"
     assert state_of(night["db"], RUN, purged=False) == expected
 
     def archived() -> bool:

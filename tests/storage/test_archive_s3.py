@@ -13,17 +13,19 @@ import pytest
 from ledger_server.store import open_store
 from shard_client.client import LedgerClient
 from tests.builders import run_cli
-from tests.server.test_archive import RUN, rows, serve, settled_night, state_of
+from tests.pg import pg_cluster, pg_url
+from tests.server.test_archive import RUN, database, rows, serve, settled_night, state_of
 from tests.storage.conftest import BUCKET
+
+__all__ = ["database", "pg_cluster", "pg_url"]
 
 pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("quiet_logs")]
 ARCHIVE = f"s3://{BUCKET}/ledger-archive"
 
 
 @pytest.fixture
-def night(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """A SQLite ledger with one settled night, its server stopped."""
-    database = str(tmp_path / "ledger.db")
+def night(database: str, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A ledger (SQLite, or PostgreSQL where there is one) with one settled night, its server stopped."""
     running = serve(database, tmp_path)
     client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
     try:
@@ -155,6 +157,7 @@ def test_the_servers_retention_keeps_the_run_hot_logs_and_counts_an_object_store
     fault: str,
     s3: Any,
     s3_endpoint: dict[str, str],
+    database: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -166,7 +169,6 @@ def test_the_servers_retention_keeps_the_run_hot_logs_and_counts_an_object_store
     from ledger_server.server import create_server
     from tests.server.test_archive import metric, wait_for
 
-    database = str(tmp_path / "ledger.db")
     if fault == "down":
         with socket.socket() as sock:  # a port just freed: nothing listens there
             sock.bind(("127.0.0.1", 0))
