@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -105,10 +106,11 @@ def archive_run(
     step: Callable[[str], None] = failpoint,
     paced: bool = False,
     purge_chunk: int = PURGE_CHUNK,
+    stop: threading.Event | None = None,
 ) -> Outcome:
     """Archives one settled run under base_url; refuses (nothing changed) what it must not move.
 
-    paced: purge the dead rows at the pace purge() keeps beside a server's appends.
+    paced and stop: how the dead rows are purged (purge()).
     """
     prepared = prepare(
         store, key, namespace, run_id, base_url, now_us=now_us, dry_run=dry_run, step=step
@@ -116,7 +118,14 @@ def archive_run(
     if isinstance(prepared, Outcome):
         return prepared
     return commit(
-        store, namespace, run_id, prepared, step=step, paced=paced, purge_chunk=purge_chunk
+        store,
+        namespace,
+        run_id,
+        prepared,
+        step=step,
+        paced=paced,
+        purge_chunk=purge_chunk,
+        stop=stop,
     )
 
 
@@ -196,6 +205,7 @@ def commit(
     step: Callable[[str], None] = failpoint,
     paced: bool = False,
     purge_chunk: int = PURGE_CHUNK,
+    stop: threading.Event | None = None,
 ) -> Outcome:
     """Puts the checked bundle's tombstone in place of the run, then purges its dead rows."""
     try:
@@ -205,7 +215,7 @@ def commit(
             namespace, run_id, "refused", tombstone.event_count, reason=f"{exc}; nothing removed"
         )
     step("after_commit")
-    purge(store, tombstone.run_pk, paced=paced, chunk=purge_chunk, step=step)
+    purge(store, tombstone.run_pk, paced=paced, chunk=purge_chunk, step=step, stop=stop)
     return Outcome(
         namespace,
         run_id,
@@ -224,29 +234,34 @@ def purge(
     paced: bool = False,
     chunk: int = PURGE_CHUNK,
     step: Callable[[str], None] = failpoint,
+    stop: threading.Event | None = None,
 ) -> int:
     """Deletes an archived run's dead rows a chunk at a time; returns how many went.
 
     paced (the server, beside its appends): after each chunk it rests as long as the
     chunk took. A lock is not fair: released and retaken at once, it would seldom
     pass to the writer waiting on it; resting hands it over, so the writer holds the
-    store at least half the time a purge runs.
+    store at least half the time a purge runs. stop, once set, ends it between two
+    chunks (a server shutting down): what is left is finished later, like a crash's.
     """
+    stop = stop or threading.Event()
     total = 0
-    while True:
+    while not stop.is_set():
         started = time.monotonic()
         deleted = store.purge_archived(run_pk, limit=chunk)
         if not deleted:
-            return total
+            break
         total += deleted
         step("mid_purge")
         if paced:
-            time.sleep(time.monotonic() - started)
+            stop.wait(time.monotonic() - started)
+    return total
 
 
-def finish_purges(store: Store, *, paced: bool = False) -> int:
-    """Finishes the purges a crash cut short; returns the rows deleted."""
-    return sum(purge(store, run_pk, paced=paced) for run_pk in store.read().archived_with_rows())
+def finish_purges(store: Store, *, paced: bool = False, stop: threading.Event | None = None) -> int:
+    """Finishes the purges a crash (or a stop) cut short; returns the rows deleted."""
+    pending = store.read().archived_with_rows()
+    return sum(purge(store, run_pk, paced=paced, stop=stop) for run_pk in pending)
 
 
 def prepare_in_child(

@@ -113,7 +113,11 @@ class Retention:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops the thread after the step in progress (an archive is never cut short)."""
+        """Stops the thread after the step in progress, or between two chunks of its purge.
+
+        An archive is never cut short before its tombstone commits; a purge stopped
+        half-way is finished at the next start's first step.
+        """
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -147,7 +151,7 @@ class Retention:
 
     def step(self) -> Outcome | None:
         """Archives at most one due run; returns what happened (None when nothing was due)."""
-        purged = finish_purges(self.ledger.store, paced=True)
+        purged = finish_purges(self.ledger.store, paced=True, stop=self._stop)
         if purged:
             log.info("archive_purge_finished", rows=purged)
         now_us = self.ledger.clock()
@@ -188,6 +192,7 @@ class Retention:
                 self.policy.to,
                 now_us=now_us,
                 paced=True,
+                stop=self._stop,
             )
         if self._pool is None:
             # spawn, not fork: the server's threads (gRPC's, the committer) must not be
@@ -202,4 +207,4 @@ class Retention:
             return Outcome(namespace, run_id, "failed", reason=f"the archive's child died: {exc}")
         if isinstance(prepared, Outcome):
             return prepared
-        return commit(self.ledger.store, namespace, run_id, prepared, paced=True)
+        return commit(self.ledger.store, namespace, run_id, prepared, paced=True, stop=self._stop)
