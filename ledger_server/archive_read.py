@@ -46,7 +46,11 @@ def archived_shard_rows(tombstone: Tombstone, *, hot: int = HOT_RECORDS) -> Iter
     spills the rest to a temporary SQLite file (compact.CompactRecords, as `db rebuild`
     does), and the rows are read back from it in plan order as they are yielded.
     """
-    replay = RunReplay(records=CompactRecords(hot))
+    # A night of at most `hot` shards (its summary says how many) keeps them all as
+    # objects: bounded the same, and ~2x faster than writing every row to the temp file.
+    submitted = json.loads(tombstone.summary).get("submitted")
+    small = isinstance(submitted, int) and submitted <= hot
+    replay = RunReplay() if small else RunReplay(records=CompactRecords(hot))
     with gc_paused():
         for row in archived_rows(tombstone):
             replay.feed_row(row.sequence, row.row, row.row_hash)

@@ -260,8 +260,10 @@ def test_an_archived_runs_resume_list_and_shards_read_with_spilling_are_the_hot_
     tombstone = store.read().get_tombstone(run.run_pk)
     store.close()
     assert tombstone is not None
-    # Three records as objects, the other 37 spilled to the replay's temp file and read back.
+    # Three records as objects, the other 37 spilled to the replay's temp file and read back;
+    # and (forty shards are under the default bound) all of them as objects.
     assert list(archived_resume(tombstone, at, hot=3)) == hot_resume
+    assert list(archived_resume(tombstone, at)) == hot_resume
     archived = [
         (r.shard_id, r.plan_index, r.state, r.detail, r.plan_line)
         for r in archived_shard_rows(tombstone, hot=3)
