@@ -19,6 +19,7 @@ or missing bundle is an error that names what differs, never a quiet answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -81,12 +82,18 @@ class Location:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             # os.replace is atomic only within one filesystem: the copy goes beside the target.
             staged = f"{target}.tmp-{os.getpid()}"
-            with open(source, "rb") as src, open(staged, "wb") as dst:
-                while chunk := src.read(_READ_CHUNK):
-                    dst.write(chunk)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(staged, target)
+            try:
+                with open(source, "rb") as src, open(staged, "wb") as dst:
+                    while chunk := src.read(_READ_CHUNK):
+                        dst.write(chunk)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                os.replace(staged, target)
+            except OSError:
+                # A full disk: the part written must not keep the space it took.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged)
+                raise
             fd = os.open(os.path.dirname(target), os.O_RDONLY)
             try:
                 os.fsync(fd)

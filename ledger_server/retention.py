@@ -3,8 +3,10 @@
 `serve --archive-after 7d --archive-to s3://bucket/prefix` starts one thread that,
 every ``every_s`` seconds, archives at most one run: the one settled longest ago
 among those settled more than ``after_s`` before now. One run per step bounds the
-work (and the write lock the final transaction takes, the only part that can
-delay an append); a backlog drains at one run per step. Every outcome is logged
+work; the write lock is taken only for the tombstone's short transaction and then
+for one chunk of the dead rows' purge at a time, resting between chunks (archiver.purge),
+so an append waits for one chunk at most. A backlog drains at one run per step; a purge
+a crash cut short is finished at the next step. Every outcome is logged
 and counted in /metrics; a failed run stays hot and is tried again at a later
 step, after the runs that have not failed.
 """
@@ -22,7 +24,7 @@ from typing import Final
 
 import structlog
 
-from ledger_server.archiver import Outcome, archive_run, commit, prepare_in_child
+from ledger_server.archiver import Outcome, archive_run, commit, finish_purges, prepare_in_child
 from ledger_server.service import LedgerService, summary_at
 from ledger_server.signing import SigningKey
 
@@ -111,7 +113,11 @@ class Retention:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops the thread after the step in progress (an archive is never cut short)."""
+        """Stops the thread after the step in progress, or between two chunks of its purge.
+
+        An archive is never cut short before its tombstone commits; a purge stopped
+        half-way is finished at the next start's first step.
+        """
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -145,6 +151,9 @@ class Retention:
 
     def step(self) -> Outcome | None:
         """Archives at most one due run; returns what happened (None when nothing was due)."""
+        purged = finish_purges(self.ledger.store, paced=True, stop=self._stop)
+        if purged:
+            log.info("archive_purge_finished", rows=purged)
         now_us = self.ledger.clock()
         due = self.due(now_us)
         if not due:
@@ -176,7 +185,14 @@ class Retention:
     def _archive(self, namespace: str, run_id: str, now_us: int) -> Outcome:
         if self.child is None:
             return archive_run(
-                self.ledger.store, self.key, namespace, run_id, self.policy.to, now_us=now_us
+                self.ledger.store,
+                self.key,
+                namespace,
+                run_id,
+                self.policy.to,
+                now_us=now_us,
+                paced=True,
+                stop=self._stop,
             )
         if self._pool is None:
             # spawn, not fork: the server's threads (gRPC's, the committer) must not be
@@ -191,4 +207,4 @@ class Retention:
             return Outcome(namespace, run_id, "failed", reason=f"the archive's child died: {exc}")
         if isinstance(prepared, Outcome):
             return prepared
-        return commit(self.ledger.store, namespace, run_id, prepared)
+        return commit(self.ledger.store, namespace, run_id, prepared, paced=True, stop=self._stop)

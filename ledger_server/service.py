@@ -13,9 +13,13 @@ from itertools import islice
 from typing import Any, Final, NamedTuple
 
 from ledger_server import field as figures
-from ledger_server import projections as proj
 from ledger_server.admission import Admission
-from ledger_server.archive_read import archived_rows, replay_archived, tombstone_of
+from ledger_server.archive_read import (
+    archived_resume,
+    archived_rows,
+    archived_shard_rows,
+    tombstone_of,
+)
 from ledger_server.batch import AppendResult
 from ledger_server.chain import recorded
 from ledger_server.committer import GroupCommitter
@@ -28,7 +32,12 @@ from ledger_server.errors import (
 )
 from ledger_server.events import Event, RecordedEvent
 from ledger_server.record import latest_attempt_from_row, record_from_row
-from ledger_server.states import QUERY_STATES, ShardState, canonical_query, stored_states
+from ledger_server.states import (
+    QUERY_STATES,
+    ShardState,
+    canonical_query,
+    stored_states,
+)
 from ledger_server.store.base import ReadView, RunRow, ShardRow, Store, StoredEvent, Tombstone
 from ledger_server.summary import iso_time, matches, run_summary, shard_view
 from ledger_server.validation import (
@@ -278,14 +287,12 @@ class LedgerService:
         self, run: RunRow, states: list[str] | None, after: tuple[int, str] | None
     ) -> Iterator[ShardRow]:
         """Yields an archived run's shard rows, replayed from its bundle (checked whole first)."""
-        replay = replay_archived(tombstone_of(self.store.read(), run))
-        for record in replay.ordered():
-            columns = proj.row_columns(record)
-            if states is not None and columns["state"] not in states:
+        for row in archived_shard_rows(tombstone_of(self.store.read(), run)):
+            if states is not None and row.state not in states:
                 continue
-            if after is not None and (record.plan_index, record.shard_id) <= after:
+            if after is not None and (row.plan_index, row.shard_id) <= after:
                 continue
-            yield ShardRow(shard_id=record.shard_id, **columns)
+            yield row
 
     @staticmethod
     def _views(
@@ -311,12 +318,7 @@ class LedgerService:
         run = self.run(namespace, run_id)  # eagerly, so a bad run fails before streaming
         at = self.clock() if now is None else now
         if run.archived:
-            replay = replay_archived(tombstone_of(self.store.read(), run))
-            return (
-                (r.shard_id, r.plan_index, r.plan_line, reason)
-                for r in replay.ordered()
-                if (reason := proj.resume_reason(r, at)) is not None
-            )
+            return archived_resume(tombstone_of(self.store.read(), run), at)
         return self.store.read().iter_resume(run.run_pk, at)
 
     @property

@@ -300,6 +300,9 @@ class ReadView(Protocol):
     def get_tombstone(self, run_pk: int) -> Tombstone | None:
         """Returns the archived run's tombstone, or None while the run is hot."""
 
+    def archived_with_rows(self) -> list[int]:
+        """Returns the archived runs (run_pk) whose dead rows are not all purged yet."""
+
 
 class Store(Protocol):
     """A durable event store."""
@@ -348,11 +351,20 @@ class Store(Protocol):
         """Calls wake whenever a call meets a fault the next probe should look at at once."""
 
     def archive_run(self, tombstone: Tombstone, *, before_commit: Callable[[], None]) -> None:
-        """Replaces the run's events, shard and heartbeat rows by the tombstone, in one transaction.
+        """Writes the run's tombstone, in one short transaction.
 
-        Raises ArchiveConflict (nothing changed) unless the run's head still has the
-        tombstone's event count and head hash and no tombstone yet. before_commit runs
-        inside the transaction, after the deletes (a test's failpoint).
+        From its commit the run is archived for every read and write (answered from the
+        tombstone and the bundle) and its events, shard and heartbeat rows are dead:
+        purge_archived deletes them. Raises ArchiveConflict (nothing changed) unless the
+        run's head still has the tombstone's event count and head hash and no tombstone
+        yet. before_commit runs inside the transaction (a test's failpoint).
+        """
+
+    def purge_archived(self, run_pk: int, *, limit: int) -> int:
+        """Deletes up to limit dead rows of an archived run, in one transaction; returns how many.
+
+        0 once none is left; a run without a tombstone loses nothing. Each call is its
+        own short transaction, so a writer waits for one chunk at most.
         """
 
     def restore_run(

@@ -351,9 +351,14 @@ class PostgresStore:
                     copy.write_row((run.run_pk, key, n))
 
     def archive_run(self, tombstone: Tombstone, *, before_commit: Callable[[], None]) -> None:
-        """Replaces the run's rows by its tombstone in one transaction (postgres_archive)."""
+        """Writes the run's tombstone in one short transaction (postgres_archive)."""
         with self.write() as tx:
             postgres_archive.archive(tx, tombstone, before_commit)
+
+    def purge_archived(self, run_pk: int, *, limit: int) -> int:
+        """Deletes up to limit dead rows of an archived run, in one transaction; returns how many."""
+        with self.write() as tx:
+            return postgres_archive.purge(tx, run_pk, limit)
 
     def restore_run(
         self,

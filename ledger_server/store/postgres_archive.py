@@ -1,4 +1,5 @@
-"""An archived run's two transactions on PostgreSQL: tombstone in, rows out; rows back, tombstone out."""
+"""An archived run's transactions on PostgreSQL: tombstone in; dead rows out a chunk at a
+time; rows back, tombstone out."""
 
 from __future__ import annotations
 
@@ -33,14 +34,28 @@ def check_head(tx: PgWriteTx, tombstone: Tombstone) -> Tombstone | None:
 
 
 def archive(tx: PgWriteTx, tombstone: Tombstone, before_commit: Callable[[], None]) -> None:
-    """Writes the tombstone and deletes the run's events, shard and heartbeat rows."""
+    """Writes the tombstone: once it commits the run is archived and its rows are dead (purge)."""
     if check_head(tx, tombstone) is not None:
         raise ArchiveConflict("the run is archived already")
     with edge():
         tx.conn.execute(q.SQL_INSERT_TOMBSTONE, astuple(tombstone))
-        for sql in q.SQL_ARCHIVE_DELETES:
-            tx.conn.execute(sql, (tombstone.run_pk,))
     before_commit()
+
+
+def purge(tx: PgWriteTx, run_pk: int, limit: int) -> int:
+    """Deletes up to limit of an archived run's dead rows (heartbeat, shard, then event rows).
+
+    Returns how many went: 0 once none is left (or the run has no tombstone).
+    """
+    left = limit
+    with edge():
+        # The run head's lock orders a purge after a restore of the same run (which then
+        # leaves no tombstone for the deletes to find).
+        tx.conn.execute(q.SQL_LOCK_RUN_HEAD, (run_pk,))
+        for sql in q.SQL_PURGE_ARCHIVED:
+            if left > 0:
+                left -= tx.conn.execute(sql, {"run": run_pk, "limit": left}).rowcount
+    return limit - left
 
 
 def restore(
@@ -53,6 +68,9 @@ def restore(
     if check_head(tx, tombstone) != tombstone:
         raise ArchiveConflict("the run's tombstone is not the one its archive was read for")
     with edge():
+        # Dead rows a cut-short purge left (the same bytes): the bundle's rows replace them.
+        for sql in q.SQL_ARCHIVE_DELETES:
+            tx.conn.execute(sql, (tombstone.run_pk,))
         with tx.conn.cursor().copy(q.SQL_COPY_EVENTS) as copy:
             for ev in events:
                 copy.write_row(tuple(ev))

@@ -297,10 +297,33 @@ SQL_INSERT_TOMBSTONE: Final = (
 SQL_DELETE_TOMBSTONE: Final = "DELETE FROM run_archives WHERE run_pk = %s"
 # The row lock on the run head serializes the archive with appends from every replica.
 SQL_LOCK_RUN_HEAD: Final = "SELECT event_count, head_hash FROM runs WHERE run_pk = %s FOR UPDATE"
+# An archived run's rows, all at once: what restore clears before it writes the bundle's
+# rows back (a purge a crash cut short may have left some).
 SQL_ARCHIVE_DELETES: Final = (
     "DELETE FROM shard_beats WHERE run_pk = %s",
     "DELETE FROM shards WHERE run_pk = %s",
     "DELETE FROM events WHERE run_pk = %s",
+)
+# Once its tombstone stands, an archived run's rows are dead: purge deletes them a bounded
+# number at a time, each its own short transaction (a long one would hold back VACUUM's
+# horizon and send the replicas one burst of WAL). Only under a tombstone (the events
+# trigger checks it too): a hot run's rows never go.
+_UNDER_TOMBSTONE: Final = "EXISTS (SELECT 1 FROM run_archives WHERE run_pk = %(run)s)"
+SQL_PURGE_ARCHIVED: Final = (
+    f"DELETE FROM shard_beats WHERE run_pk = %(run)s AND {_UNDER_TOMBSTONE} AND shard_id IN"
+    " (SELECT shard_id FROM shard_beats WHERE run_pk = %(run)s LIMIT %(limit)s)",
+    f"DELETE FROM shards WHERE run_pk = %(run)s AND {_UNDER_TOMBSTONE} AND shard_id IN"
+    " (SELECT shard_id FROM shards WHERE run_pk = %(run)s LIMIT %(limit)s)",
+    f"DELETE FROM events WHERE {_UNDER_TOMBSTONE} AND seq IN"
+    " (SELECT seq FROM events WHERE run_pk = %(run)s ORDER BY seq LIMIT %(limit)s)",
+)
+# Archived runs whose purge is not finished (a crash cut it short): a restart finishes it.
+SQL_ARCHIVED_WITH_ROWS: Final = (
+    "SELECT a.run_pk FROM run_archives AS a"
+    " WHERE EXISTS (SELECT 1 FROM events AS e WHERE e.run_pk = a.run_pk)"
+    " OR EXISTS (SELECT 1 FROM shards AS s WHERE s.run_pk = a.run_pk)"
+    " OR EXISTS (SELECT 1 FROM shard_beats AS b WHERE b.run_pk = a.run_pk)"
+    " ORDER BY a.run_pk"
 )
 SQL_TRIGGERS: Final = (
     "SELECT tgname, tgenabled FROM pg_trigger"

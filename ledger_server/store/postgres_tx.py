@@ -358,3 +358,6 @@ class PgReadView:
     def get_tombstone(self, run_pk: int) -> Tombstone | None:
         rows = self.rows(q.SQL_GET_TOMBSTONE, (run_pk,))
         return tombstone_of(rows[0]) if rows else None
+
+    def archived_with_rows(self) -> list[int]:
+        return [int(pk) for (pk,) in self.rows(q.SQL_ARCHIVED_WITH_ROWS, ())]

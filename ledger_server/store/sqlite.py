@@ -296,9 +296,14 @@ class SqliteStore:
         conn.execute("COMMIT")
 
     def archive_run(self, tombstone: Tombstone, *, before_commit: Callable[[], None]) -> None:
-        """Replaces the run's rows by its tombstone in one transaction (sqlite_archive)."""
+        """Writes the run's tombstone in one short transaction (sqlite_archive)."""
         with self.write() as tx:
             sqlite_archive.archive(tx, tombstone, before_commit)
+
+    def purge_archived(self, run_pk: int, *, limit: int) -> int:
+        """Deletes up to limit dead rows of an archived run, in one transaction; returns how many."""
+        with self.write() as tx:
+            return sqlite_archive.purge(tx, run_pk, limit)
 
     def restore_run(
         self,

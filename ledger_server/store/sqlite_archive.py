@@ -1,4 +1,5 @@
-"""An archived run's two transactions on SQLite: tombstone in, rows out; rows back, tombstone out."""
+"""An archived run's transactions on SQLite: tombstone in; dead rows out a chunk at a time;
+rows back, tombstone out."""
 
 from __future__ import annotations
 
@@ -32,16 +33,33 @@ def check_head(tx: SqliteWriteTx, tombstone: Tombstone) -> Tombstone | None:
 
 
 def archive(tx: SqliteWriteTx, tombstone: Tombstone, before_commit: Callable[[], None]) -> None:
-    """Writes the tombstone and deletes the run's events, shard and heartbeat rows."""
+    """Writes the tombstone: once it commits the run is archived and its rows are dead.
+
+    The rows are left to purge(): deleting a night's ~90,000 of them here took ~1.8 s
+    of this one transaction, with every append waiting for the writer.
+    """
     try:
         if check_head(tx, tombstone) is not None:
             raise ArchiveConflict("the run is archived already")
         tx.conn.execute(q.SQL_INSERT_TOMBSTONE, astuple(tombstone))
-        for sql in q.SQL_ARCHIVE_DELETES:
-            tx.conn.execute(sql, (tombstone.run_pk,))
     except sqlite3.Error as exc:
         raise translate(exc) from exc
     before_commit()
+
+
+def purge(tx: SqliteWriteTx, run_pk: int, limit: int) -> int:
+    """Deletes up to limit of an archived run's dead rows (heartbeat, shard, then event rows).
+
+    Returns how many went: 0 once none is left (or the run has no tombstone).
+    """
+    left = limit
+    try:
+        for sql in q.SQL_PURGE_ARCHIVED:
+            if left > 0:
+                left -= tx.conn.execute(sql, (run_pk, left)).rowcount
+    except sqlite3.Error as exc:
+        raise translate(exc) from exc
+    return limit - left
 
 
 def restore(
@@ -54,6 +72,9 @@ def restore(
     try:
         if check_head(tx, tombstone) != tombstone:
             raise ArchiveConflict("the run's tombstone is not the one its archive was read for")
+        # Dead rows a cut-short purge left (the same bytes): the bundle's rows replace them.
+        for sql in q.SQL_ARCHIVE_DELETES:
+            tx.conn.execute(sql, (tombstone.run_pk,))
         rows = iter(events)
         while chunk := list(islice(rows, _CHUNK)):
             _write_rows(tx.conn, q.SQL_RESTORE_EVENTS, [tuple(e) for e in chunk])

@@ -193,11 +193,32 @@ SQL_INSERT_TOMBSTONE: Final = (
 )
 SQL_DELETE_TOMBSTONE: Final = "DELETE FROM run_archives WHERE run_pk = ?"
 SQL_RUN_HEAD: Final = "SELECT event_count, head_hash FROM runs WHERE run_pk = ?"
-# What an archive removes, in this order: the rows that refer to the run's events first.
+# An archived run's rows, all of them at once: what restore clears before it writes the
+# bundle's rows back (a purge a crash cut short may have left some).
 SQL_ARCHIVE_DELETES: Final = (
     "DELETE FROM shard_beats WHERE run_pk = ?",
     "DELETE FROM shards WHERE run_pk = ?",
     "DELETE FROM events WHERE run_pk = ?",
+)
+# Once its tombstone stands, an archived run's rows are dead: purge deletes them a bounded
+# number (?2) at a time, each its own short transaction, so appends wait for one chunk at
+# most. Only under a tombstone (the events trigger checks it too): a hot run's rows never go.
+_UNDER_TOMBSTONE: Final = "EXISTS (SELECT 1 FROM run_archives WHERE run_pk = ?1)"
+SQL_PURGE_ARCHIVED: Final = (
+    f"DELETE FROM shard_beats WHERE run_pk = ?1 AND {_UNDER_TOMBSTONE} AND shard_id IN"
+    " (SELECT shard_id FROM shard_beats WHERE run_pk = ?1 LIMIT ?2)",
+    f"DELETE FROM shards WHERE run_pk = ?1 AND {_UNDER_TOMBSTONE} AND shard_id IN"
+    " (SELECT shard_id FROM shards WHERE run_pk = ?1 LIMIT ?2)",
+    f"DELETE FROM events WHERE {_UNDER_TOMBSTONE} AND seq IN"
+    " (SELECT seq FROM events WHERE run_pk = ?1 ORDER BY seq LIMIT ?2)",
+)
+# Archived runs whose purge is not finished (a crash cut it short): a restart finishes it.
+SQL_ARCHIVED_WITH_ROWS: Final = (
+    "SELECT a.run_pk FROM run_archives AS a"
+    " WHERE EXISTS (SELECT 1 FROM events AS e WHERE e.run_pk = a.run_pk)"
+    " OR EXISTS (SELECT 1 FROM shards AS s WHERE s.run_pk = a.run_pk)"
+    " OR EXISTS (SELECT 1 FROM shard_beats AS b WHERE b.run_pk = a.run_pk)"
+    " ORDER BY a.run_pk"
 )
 SQL_RESTORE_EVENTS: Final = (
     "INSERT INTO events (seq, run_pk, run_seq, event_id, row, hash) VALUES {values}"

@@ -365,3 +365,6 @@ class SqliteReadView:
     def get_tombstone(self, run_pk: int) -> Tombstone | None:
         row = self.conn.execute(q.SQL_GET_TOMBSTONE, (run_pk,)).fetchone()
         return tombstone_of(row) if row else None
+
+    def archived_with_rows(self) -> list[int]:
+        return [int(pk) for (pk,) in self.conn.execute(q.SQL_ARCHIVED_WITH_ROWS)]

@@ -199,3 +199,20 @@ def test_bench_retention_archives_every_night_past_the_policy_and_only_those(
     assert result["without_archive"]["archived_runs"] == 0
     assert result["with_archive"]["marks"][-1]["first_night_archived"]
     assert result["hot_used_ratio_at_end"] < 1
+
+
+def test_bench_retention_pause_and_read_rss_measure_both_shapes_of_one_night(
+    tmp_path: Path,
+) -> None:
+    pause, rss = tmp_path / "pause.json", tmp_path / "rss.json"
+    done = _bench("tools.bench.retention", "--pause", "--shards", "40", "-o", str(pause))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(pause.read_text())
+    for shape in ("one_transaction", "chunked_purge"):
+        assert result[shape]["appends_during"] >= 1 and result[shape]["append_ms_max"] > 0
+    done = _bench("tools.bench.retention", "--read-rss", "--shards", "40", "-o", str(rss))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(rss.read_text())
+    # Every way reads the same resume list: the four failed shards of forty.
+    resumes = {result[w]["resume"] for w in ("objects", "compact_hot_50000", "compact_hot_2000")}
+    assert resumes == {4}

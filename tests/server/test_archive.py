@@ -230,6 +230,47 @@ def test_an_archived_run_answers_reads_from_its_tombstone_and_its_bundle(
         running.stop(0.5)
 
 
+def test_an_archived_runs_resume_list_and_shards_read_with_spilling_are_the_hot_ones_exactly(
+    database: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ledger_server.archive_read import archived_resume, archived_shard_rows
+
+    running = serve(database, tmp_path)
+    client = LedgerClient(f"127.0.0.1:{running.port}", timeout_s=10)
+    try:
+        settled_night(client, RUN, shards=40)
+    finally:
+        client.close()
+        running.stop(0.5)
+    at = int(time.time() * 1e6)
+    store = open_store(database)
+    run = store.read().get_run("default", RUN)
+    assert run is not None
+    hot_resume = list(store.read().iter_resume(run.run_pk, at))
+    hot_shards = [
+        (r.shard_id, r.plan_index, r.state, r.detail, r.plan_line)
+        for r in store.read().iter_shards(run.run_pk)
+    ]
+    store.close()
+    assert len(hot_resume) == 14 and len(hot_shards) == 40  # 13 failed, 1 never started
+    night = {"db": database, "key": str(tmp_path / "ledger.key.pem")}
+    assert archive(capsys, night, tmp_path / "archive", RUN)[0] == 0
+
+    store = open_store(database)
+    tombstone = store.read().get_tombstone(run.run_pk)
+    store.close()
+    assert tombstone is not None
+    # Three records as objects, the other 37 spilled to the replay's temp file and read back;
+    # and (forty shards are under the default bound) all of them as objects.
+    assert list(archived_resume(tombstone, at, hot=3)) == hot_resume
+    assert list(archived_resume(tombstone, at)) == hot_resume
+    archived = [
+        (r.shard_id, r.plan_index, r.state, r.detail, r.plan_line)
+        for r in archived_shard_rows(tombstone, hot=3)
+    ]
+    assert archived == hot_shards
+
+
 def test_one_flipped_byte_in_the_bundle_fails_audit_verify_and_restore(
     night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -303,8 +344,63 @@ def test_an_unwritable_location_leaves_the_run_hot_and_says_why(
     store.close()
 
 
-def state_of(database: str, run_id: str) -> str:
-    """Returns "hot" or "archived"; fails the test on anything in between."""
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs mounted in tmp_path and filled to its last byte (root: CI runs as root)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("where", ["archive", "staging"])
+def test_a_full_disk_leaves_the_run_hot_and_says_why(
+    where: str,
+    night: dict[str, Any],
+    full_disk: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The archive's file system full, or the one the bundle is staged in (TMPDIR)."""
+    import tempfile
+
+    to = full_disk / "archive" if where == "archive" else tmp_path / "archive"
+    if where == "staging":
+        monkeypatch.setattr(tempfile, "tempdir", str(full_disk))
+    code, _, err = archive(capsys, night, to, RUN)
+    assert code == 1 and "No space left on device" in err and "stays hot" in err, err
+    assert ("cannot write" if where == "archive" else "cannot stage the bundle") in err
+    assert state_of(night["db"], RUN) == "hot"
+    # Nothing half-written keeps the space: only the filler (and empty directories) remain.
+    left = [p for p in full_disk.rglob("*") if p.is_file() and p.name != "filler"]
+    assert left == []
+
+
+def state_of(database: str, run_id: str, *, purged: bool = True) -> str:
+    """Returns "hot" or "archived"; fails the test on anything in between.
+
+    purged=False: an archived run may still hold dead rows (a purge cut short).
+    """
     store = open_store(database)
     try:
         run = store.read().get_run("default", run_id)
@@ -312,7 +408,8 @@ def state_of(database: str, run_id: str) -> str:
         stored = len(rows(store, run_id))
         tombstone = store.read().get_tombstone(run.run_pk)
         if run.archived:
-            assert tombstone is not None and stored == 0, "a tombstone beside event rows"
+            assert tombstone is not None, "archived without a tombstone"
+            assert stored == 0 or not purged, "the purge left event rows"
             return "archived"
         assert tombstone is None and stored == run.event_count, "neither hot nor archived"
         return "hot"
@@ -336,8 +433,8 @@ def test_a_kill_at_any_step_leaves_the_run_hot_or_archived_and_a_rerun_finishes(
         check=False,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    expected = "archived" if step == "after_commit" else "hot"
-    assert state_of(night["db"], RUN) == expected
+    expected = "archived" if step in ("after_commit", "mid_purge") else "hot"
+    assert state_of(night["db"], RUN, purged=False) == expected
 
     code, _, err = run_cli(capsys, *argv)
     if expected == "hot":
@@ -347,6 +444,112 @@ def test_a_kill_at_any_step_leaves_the_run_hot_or_archived_and_a_rerun_finishes(
     assert state_of(night["db"], RUN) == "archived"
     code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
     assert code == 0, out + err
+
+
+KILLED_MID_PURGE = """
+import sys
+from pathlib import Path
+from ledger_server.archiver import archive_run
+from ledger_server.service import now_us
+from ledger_server.signing import SigningKey
+from ledger_server.store import open_store
+database, key, to = sys.argv[1:]
+store = open_store(database)
+signing = SigningKey.from_pem(Path(key).read_bytes())
+archive_run(store, signing, "default", "night-01", to, now_us=now_us(), purge_chunk=4)
+"""
+
+
+@pytest.mark.parametrize("finisher", ["archive", "restore", "server"])
+def test_a_kill_between_purge_chunks_leaves_an_archived_run_that_reads_whole_and_is_finished(
+    finisher: str, night: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = open_store(night["db"])
+    original = rows(store, RUN)
+    whole = len(original) + stored_shards(store, RUN)
+    store.close()
+    to = tmp_path / "archive"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_PURGE, night["db"], night["key"], str(to)],
+        env={**os.environ, FAILPOINT_ENV: "mid_purge"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert state_of(night["db"], RUN, purged=False) == "archived"
+    store = open_store(night["db"])
+    left = len(rows(store, RUN)) + stored_shards(store, RUN)
+    store.close()
+    assert left == whole - 4, "the kill came after one chunk of four rows"
+
+    # Reads answer from the tombstone and the bundle, never from the rows still there.
+    code, out, err = run_cli(capsys, "events", RUN, "--db", night["db"], "--json")
+    assert code == 0, err
+    assert [int(json.loads(line)["sequence"]) for line in out.splitlines()] == [
+        r[0] for r in original
+    ]
+    code, out, err = run_cli(capsys, "audit", "verify", RUN, "--db", night["db"], "--json")
+    assert code == 0, out + err
+    last = str(original[-1][0])
+    code, out, err = run_cli(
+        capsys, "audit", "replay", RUN, "--until", last, "--db", night["db"], "--json"
+    )
+    assert code == 0, out + err
+    assert json.loads(out)["summary"]["event_count"] == len(original)
+    # status exits 1 for this night's failed and missing shards, archived or not.
+    code, out, err = run_cli(capsys, "status", RUN, "--db", night["db"], "--json")
+    assert code == 1 and json.loads(out)["missing"] == 1, err
+    assert json.loads(out)["archive"]["location"].endswith(f"/default/{RUN}")
+
+    if finisher == "archive":
+        code, _, err = archive(capsys, night, to, RUN)
+        assert code == 1 and "archived already" in err
+        assert state_of(night["db"], RUN) == "archived"
+    elif finisher == "restore":
+        code, _, err = run_cli(capsys, "restore", RUN, "--db", night["db"])
+        assert code == 0, err
+        store = open_store(night["db"])
+        assert rows(store, RUN) == original
+        store.close()
+    else:
+        config = ServerConfig(
+            database=night["db"],
+            listen="127.0.0.1:0",
+            signing_key=night["key"],
+            archive_to=str(to),
+            archive_after_s=3600.0,  # nothing else is due: the step only finishes the purge
+            archive_every_s=0.05,
+        )
+        running = create_server(config)
+        try:
+            wait_for(
+                lambda: (
+                    state_of(night["db"], RUN, purged=False) == "archived"
+                    and not rows_of(night["db"], RUN)
+                ),
+                "the purge's end",
+            )
+        finally:
+            running.stop(0.5)
+        assert state_of(night["db"], RUN) == "archived"
+
+
+def stored_shards(store: Store, run_id: str) -> int:
+    """Returns how many shard rows the run has in the store, whatever its tombstone says."""
+    run = store.read().get_run("default", run_id)
+    assert run is not None
+    return len(list(store.read().iter_shards(run.run_pk)))
+
+
+def rows_of(database: str, run_id: str) -> list[tuple[Any, ...]]:
+    """Returns the run's stored event rows, opening the ledger for the call."""
+    store = open_store(database)
+    try:
+        return rows(store, run_id)
+    finally:
+        store.close()
 
 
 def metric(running: RunningServer, name: str) -> float:
@@ -426,7 +629,7 @@ def test_db_rebuild_leaves_archived_runs_out_and_says_why_when_named(
     assert code == 5 and "is archived" in err
 
 
-@pytest.mark.parametrize("step", ["before_upload", "mid_transaction", "after_commit"])
+@pytest.mark.parametrize("step", ["before_upload", "mid_transaction", "after_commit", "mid_purge"])
 def test_a_server_killed_while_it_archives_restarts_with_the_run_hot_or_archived(
     step: str, night: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -451,13 +654,14 @@ def test_a_server_killed_while_it_archives_restarts_with_the_run_hot_or_archived
         assert server.poll() is None
         server.send_signal(signal.SIGKILL)
     assert server.wait(deadline - time.monotonic()) == -signal.SIGKILL
-    assert state_of(night["db"], RUN) == ("archived" if step == "after_commit" else "hot")
+    expected = "archived" if step in ("after_commit", "mid_purge") else "hot"
+    assert state_of(night["db"], RUN, purged=False) == expected
 
     def archived() -> bool:
         store = open_store(night["db"])
         try:
             run = store.read().get_run("default", RUN)
-            return run is not None and run.archived
+            return run is not None and run.archived and not rows(store, RUN)
         finally:
             store.close()
 

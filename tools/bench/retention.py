@@ -12,17 +12,38 @@ own Retention archives runs settled more than --after nights ago to a local
 directory, running beside the night's appends (its step in a thread, as serve runs
 it), so the appends' p99 includes any wait for the archive's transaction.
 
+    python -m tools.bench.retention --pause            # appends during one big archive
+    python -m tools.bench.retention --read-rss         # peak RSS reading an archived night
+
 At nights 1, 30, 180 and 365 (scaled to --nights) it records the hot store's size
 (the file, and the pages in use), the p99 of that night's append batches, and the
 latency of `status` and `report` of the night before and of the first night
 (archived by then, with retention: answered from its tombstone). JSON goes to
 bench-results/retention.json.
+
+--pause measures what one archive costs the appends beside it on SQLite: one night
+of --shards (10,000 by default: ~89,000 events) is played, its bundle prepared,
+then a thread appends the next night in batches of 50 while the archive's commit
+runs, twice on copies of the same ledger: the whole run's rows deleted in the
+tombstone's one transaction (the shape before issue 48's purge, reproduced here
+as the baseline), then the tombstone alone and the paced, chunked purge (as serve's
+retention runs it). It reports the p50, p99 and max of the append batches that
+overlapped the commit, and the commit's own time. JSON goes to
+bench-results/retention-pause.json.
+
+--read-rss archives one night of --shards (20,000 by default) and reads its resume
+list back from the bundle, each way in a new process: every shard's record kept as
+an object (the read before issue 48's fix), then the spilling replay `shards` and
+`resume` use now (compact.CompactRecords) with its default hot set and a small one.
+It reports each read's peak RSS and time. JSON goes to
+bench-results/retention-read-rss.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,6 +51,7 @@ import threading
 import time
 from typing import Any, Final
 
+from ledger_server import archiver
 from ledger_server.events import (
     ArtifactCommitted,
     ArtifactVerified,
@@ -43,6 +65,7 @@ from ledger_server.events import (
 from ledger_server.retention import Retention, RetentionPolicy
 from ledger_server.service import LedgerService
 from ledger_server.signing import SigningKey
+from ledger_server.store.base import Tombstone
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.canonical import fingerprint_digest
 from tools.bench.projections import save_result
@@ -279,6 +302,187 @@ def bench_retention(
     return result
 
 
+PAUSE_BATCH: Final = 50  # events per append while the archive commits (a few shards' worth)
+
+
+def _one_transaction(store: SqliteStore, tombstone: Tombstone) -> None:
+    """The archive's commit before the purge: the tombstone and every row's delete at once."""
+    from ledger_server.store import sqlite_archive
+    from ledger_server.store import sqlite_sql as q
+
+    with store.write() as tx:
+        sqlite_archive.archive(tx, tombstone, lambda: None)
+        for sql in q.SQL_ARCHIVE_DELETES:
+            tx.conn.execute(sql, (tombstone.run_pk,))
+
+
+def _commit_beside_appends(
+    directory: str, key: SigningKey, shape: str, shards: int, beats: int, chunk: int
+) -> dict[str, Any]:
+    """Commits night 1's archive while night 2 is appended; returns the appends' figures."""
+    path = os.path.join(directory, "ledger.db")
+    store = SqliteStore(path)
+    clock = YearClock()
+    clock.night = 30
+    ledger = LedgerService(store, clock=clock)
+    try:
+        prepared = archiver.prepare(
+            store, key, "default", "night-001", os.path.join(directory, "archive"), now_us=clock()
+        )
+        assert isinstance(prepared, Tombstone), prepared
+        spans: list[tuple[float, float]] = []
+        window: list[float] = []
+        done = threading.Event()
+
+        def append() -> None:
+            night = 2  # night after night, until the archive is over
+            while not done.is_set():
+                events = night_events(night, shards, beats)
+                for start in range(0, len(events), PAUSE_BATCH):
+                    t0 = time.perf_counter()
+                    ledger.append(events[start : start + PAUSE_BATCH])
+                    spans.append((t0, time.perf_counter()))
+                    if done.is_set():
+                        return
+                night += 1
+
+        worker = threading.Thread(target=append)
+        worker.start()
+        time.sleep(2.0)  # the appends' own pace first
+        window.append(time.perf_counter())
+        if shape == "one_transaction":
+            _one_transaction(store, prepared)
+        else:
+            archiver.commit(store, "default", "night-001", prepared, paced=True, purge_chunk=chunk)
+        window.append(time.perf_counter())
+        time.sleep(0.2)
+        done.set()
+        worker.join()
+    finally:
+        ledger.close()
+        store.close()
+    during = [end - t0 for t0, end in spans if end >= window[0] and t0 <= window[1]]
+    before = [end - t0 for t0, end in spans if end < window[0]]
+    return {
+        "commit_s": round(window[1] - window[0], 3),
+        "appends_during": len(during),
+        "append_ms_p50": _ms_within(during, 50),
+        "append_ms_p99": _ms_within(during, 99),
+        "append_ms_max": round(1000 * max(during), 3) if during else 0.0,
+        "appends_before": len(before),
+        "append_ms_p99_before": _ms_within(before, 99),
+    }
+
+
+def _ms_within(seconds: list[float], q: int) -> float:
+    """The q-th percentile in ms, never past the largest sample (a handful of appends waited)."""
+    if len(seconds) < 2:
+        return round(1000 * seconds[0], 3) if seconds else 0.0
+    return round(1000 * statistics.quantiles(seconds, n=100, method="inclusive")[q - 1], 3)
+
+
+def bench_pause(
+    *, shards: int = 10_000, beats: int = 5, chunk: int = archiver.PURGE_CHUNK
+) -> dict[str, Any]:
+    """Plays one night, then commits its archive both ways beside appends; returns both."""
+    result: dict[str, Any] = {
+        "shards": shards,
+        "events": len(night_events(1, shards, beats)),
+        "append_batch_events": PAUSE_BATCH,
+        "purge_chunk_rows": chunk,
+    }
+    with tempfile.TemporaryDirectory(prefix="shardledger-pause-") as directory:
+        source = os.path.join(directory, "night")
+        os.mkdir(source)
+        key = SigningKey.load_or_create(os.path.join(source, "key.pem"))
+        store = SqliteStore(os.path.join(source, "ledger.db"))
+        clock = YearClock()
+        ledger = LedgerService(store, clock=clock)
+        clock.night = 1
+        _append_night(ledger, night_events(1, shards, beats))
+        ledger.close()
+        store.close()
+        for shape in ("one_transaction", "chunked_purge"):
+            copy = os.path.join(directory, shape)
+            shutil.copytree(source, copy)
+            result[shape] = _commit_beside_appends(copy, key, shape, shards, beats, chunk)
+            print(f"  {shape}: {result[shape]}", file=sys.stderr, flush=True)
+            shutil.rmtree(copy)
+    base, new = result["one_transaction"], result["chunked_purge"]
+    if base["append_ms_max"]:
+        result["append_p99_ratio"] = round(new["append_ms_p99"] / base["append_ms_p99"], 4)
+        result["append_max_ratio"] = round(new["append_ms_max"] / base["append_ms_max"], 4)
+    return result
+
+
+def _read_archived(database: str, how: str, hot: int) -> dict[str, Any]:
+    """In a fresh process: reads the archived night's resume list; returns its peak RSS."""
+    from ledger_server.archive_read import archived_resume, archived_rows
+    from ledger_server.projections import resume_reason
+    from ledger_server.rebuild import gc_paused
+    from ledger_server.replay import RunReplay
+
+    store = SqliteStore(database, read_only=True)
+    view = store.read()
+    run = view.get_run("default", "night-001")
+    assert run is not None
+    tombstone = view.get_tombstone(run.run_pk)
+    assert tombstone is not None
+    at = START_US + 30 * DAY_US
+    started = time.perf_counter()
+    if how == "objects":
+        # The read before issue 48's fix: every shard's record as an object, then sorted.
+        replay = RunReplay()
+        with gc_paused():
+            for row in archived_rows(tombstone):
+                replay.feed_row(row.sequence, row.row, row.row_hash)
+        resume = sum(1 for r in replay.ordered() if resume_reason(r, at) is not None)
+    else:
+        resume = sum(1 for _ in archived_resume(tombstone, at, hot=hot))
+    seconds = time.perf_counter() - started
+    store.close()
+    # VmHWM, not getrusage's ru_maxrss: Linux carries the forking parent's peak into
+    # ru_maxrss across exec, and this bench's parent held a whole night of events.
+    with open("/proc/self/status") as status:
+        (peak_kib,) = [int(line.split()[1]) for line in status if line.startswith("VmHWM:")]
+    return {
+        "resume": resume,
+        "seconds": round(seconds, 2),
+        "peak_rss_mib": round(peak_kib / 1024, 1),
+    }
+
+
+def bench_read_rss(*, shards: int = 20_000, beats: int = 1) -> dict[str, Any]:
+    """Archives one night, then reads its resume list from the bundle each way, each in a new process."""
+    import multiprocessing
+
+    result: dict[str, Any] = {"shards": shards, "events": len(night_events(1, shards, beats))}
+    with tempfile.TemporaryDirectory(prefix="shardledger-rss-") as directory:
+        path = os.path.join(directory, "ledger.db")
+        key = SigningKey.load_or_create(os.path.join(directory, "key.pem"))
+        store = SqliteStore(path)
+        clock = YearClock()
+        ledger = LedgerService(store, clock=clock)
+        clock.night = 1
+        _append_night(ledger, night_events(1, shards, beats))
+        clock.night = 30
+        outcome = archiver.archive_run(
+            store, key, "default", "night-001", os.path.join(directory, "archive"), now_us=clock()
+        )
+        assert outcome.action == "archived", outcome
+        ledger.close()
+        store.close()
+        # spawn: each read starts from a bare interpreter, so its peak is its own.
+        context = multiprocessing.get_context("spawn")
+        ways = [("objects", 0), ("compact", 50_000), ("compact", 2_000)]
+        with context.Pool(1, maxtasksperchild=1) as pool:
+            for how, hot in ways:
+                name = how if how == "objects" else f"{how}_hot_{hot}"
+                result[name] = pool.apply(_read_archived, (path, how, hot))
+                print(f"  {name}: {result[name]}", file=sys.stderr, flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and saves bench-results/retention.json."""
     from ledger_server.server import configure_logging
@@ -290,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--nights", type=int, default=365)
-    parser.add_argument("--shards", type=int, default=50, help="shards per night")
-    parser.add_argument("--beats", type=int, default=4, help="heartbeats per attempt")
+    parser.add_argument("--shards", type=int, help="shards per night (default 50)")
+    parser.add_argument("--beats", type=int, help="heartbeats per attempt (default 4)")
     parser.add_argument(
         "--after", type=int, default=7, help="archive runs settled this many nights ago"
     )
@@ -302,15 +506,47 @@ def main(argv: list[str] | None = None) -> int:
         help="build bundles in a child process as serve does (default), or in a thread of"
         " the ledger's process",
     )
-    parser.add_argument("-o", "--output", default="bench-results/retention.json")
-    args = parser.parse_args(argv)
-    result = bench_retention(
-        nights=args.nights, shards=args.shards, beats=args.beats, after=args.after
+    parser.add_argument(
+        "--pause",
+        action="store_true",
+        help="measure appends during one archive's commit, one transaction vs chunked purge"
+        " (--shards defaults to 10,000 and --beats to 5 here)",
     )
+    parser.add_argument("-o", "--output", help="default: bench-results/retention[-pause].json")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=archiver.PURGE_CHUNK,
+        help="with --pause: rows per purge transaction (default %(default)s, as serve)",
+    )
+    parser.add_argument(
+        "--read-rss",
+        action="store_true",
+        help="peak RSS of reading an archived night's resume list, every record as an object"
+        " vs the spilling replay (--shards defaults to 20,000 and --beats to 1 here)",
+    )
+    args = parser.parse_args(argv)
+    if args.read_rss:
+        shards = 20_000 if args.shards is None else args.shards
+        result = bench_read_rss(shards=shards, beats=1 if args.beats is None else args.beats)
+        output = args.output or "bench-results/retention-read-rss.json"
+    elif args.pause:
+        shards = 10_000 if args.shards is None else args.shards
+        beats = 5 if args.beats is None else args.beats
+        result = bench_pause(shards=shards, beats=beats, chunk=args.chunk)
+        output = args.output or "bench-results/retention-pause.json"
+    else:
+        result = bench_retention(
+            nights=args.nights,
+            shards=50 if args.shards is None else args.shards,
+            beats=4 if args.beats is None else args.beats,
+            after=args.after,
+        )
+        output = args.output or "bench-results/retention.json"
     import json
 
     print(json.dumps(result, indent=2))
-    save_result(args.output, result)
+    save_result(output, result)
     return 0
 
 

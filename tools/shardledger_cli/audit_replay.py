@@ -136,6 +136,7 @@ def server_events(args: argparse.Namespace) -> Generator[RecordedEvent, None, No
 
 def database_events(path: str, namespace: str, run_id: str) -> Generator[RecordedEvent, None, None]:
     """Yields the run's events from a database (path or URL)."""
+    from ledger_server.archive_read import archived_rows, tombstone_of
     from ledger_server.chain import recorded
 
     store = open_database(path)
@@ -144,7 +145,12 @@ def database_events(path: str, namespace: str, run_id: str) -> Generator[Recorde
         run = view.get_run(namespace or "default", run_id)
         if run is None:
             raise CommandError(f"run {run_id} is not in {path}", code=EXIT_REJECTED)
-        for stored in view.iter_events(run.run_pk):
+        # An archived run's events are its bundle's (checked against its tombstone), never
+        # whatever dead rows a purge has not reached yet.
+        rows = (
+            archived_rows(tombstone_of(view, run)) if run.archived else view.iter_events(run.run_pk)
+        )
+        for stored in rows:
             yield recorded(stored)
     finally:
         store.close()

@@ -2,9 +2,10 @@
 
 archive writes each run's bundle (events in the export format, the signed tree
 head, a manifest with the blake3 of every file) to the location, reads it back and
-checks it whole, and only then, in one transaction, replaces the run's events,
-shard rows and heartbeat rows by a tombstone: the run's final summary and report,
-the bundle's location and digest, its signed head. `runs` lists the run as
+checks it whole, and only then, in one transaction, puts a tombstone in the run's
+place: the run's final summary and report, the bundle's location and digest, its
+signed head. Its events, shard rows and heartbeat rows are then deleted a chunk at
+a time (a run killed mid-way is finished by the next archive). `runs` lists the run as
 archived; `status`, `report`, `trend`, `compare` and `accept` answer from what
 stays hot; `events`, `shards`, `resume` and `audit` read the bundle and check it
 against the tombstone. A run that is open, not settled or already archived, or
@@ -129,7 +130,7 @@ def _signing_key(args: argparse.Namespace) -> SigningKey:
 
 def run_archive(args: argparse.Namespace) -> int:
     """Archives each run in turn; one refused run stops none of the others."""
-    from ledger_server.archiver import archive_run
+    from ledger_server.archiver import archive_run, finish_purges
     from ledger_server.service import now_us
     from ledger_server.store.base import StoreError
 
@@ -138,6 +139,8 @@ def run_archive(args: argparse.Namespace) -> int:
     store = open_ledger(args.db)
     outcomes = []
     try:
+        if not args.dry_run:
+            finish_purges(store)  # what a killed archive left of its archived runs' rows
         for run_id in args.runs:
             outcome = archive_run(
                 store,
