@@ -159,11 +159,16 @@ class AioInterceptor(_ServerInterceptor):
         pool: futures.ThreadPoolExecutor,
         *,
         append_on_loop: bool,
+        max_calls: int | None = None,
     ) -> None:
         self.interceptor = interceptor
         self.servicer = servicer
         self.pool = pool
         self.append_on_loop = append_on_loop
+        # --max-concurrent-rpcs for every call but the append streams and health: gRPC's own
+        # limit is raised by --max-append-streams, which long-lived streams hold.
+        self.max_calls = max_calls
+        self.calls = 0
         # method -> (the handler gRPC found, our adaptation of it), built once per method.
         self._adapted: dict[str, tuple[Any, Any]] = {}
         # The open StreamAppendEvents streams, each (its reader, its window): a stop ends them.
@@ -193,24 +198,54 @@ class AioInterceptor(_ServerInterceptor):
             )
         if method == APPEND_METHOD and self.append_on_loop:
             return grpc.unary_unary_rpc_method_handler(
-                self._append,
+                self._counted(self._append),
                 request_deserializer=lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         wrapped = self.interceptor.intercept_service(lambda _details: handler, details)
         if wrapped.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._in_pool(wrapped.unary_unary),
+                self._counted(self._in_pool(wrapped.unary_unary)),
                 request_deserializer=wrapped.request_deserializer,
                 response_serializer=wrapped.response_serializer,
             )
         if wrapped.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream_in_pool(wrapped.unary_stream),
+                self._counted_stream(self._stream_in_pool(wrapped.unary_stream)),
                 request_deserializer=wrapped.request_deserializer,
                 response_serializer=wrapped.response_serializer,
             )
         raise TypeError(f"{method}: the ledger serves no client-streaming method")
+
+    async def _refuse_past_limit(self, context: AioContext) -> None:
+        """Ends a call past --max-concurrent-rpcs as gRPC's own limit would: at once, no delay."""
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"
+            )
+
+    def _counted(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def unary(request: Any, context: AioContext) -> Any:
+            await self._refuse_past_limit(context)
+            self.calls += 1
+            try:
+                return await behavior(request, context)
+            finally:
+                self.calls -= 1
+
+        return unary
+
+    def _counted_stream(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def stream(request: Any, context: AioContext) -> AsyncIterator[Any]:
+            await self._refuse_past_limit(context)
+            self.calls += 1
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            finally:
+                self.calls -= 1
+
+        return stream
 
     async def _append(self, request: Any, context: AioContext) -> Any:
         sync = SyncContext(context)

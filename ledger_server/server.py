@@ -285,14 +285,22 @@ def _start(
         pool = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc")
         server = AioServer()
 
-        adapter = AioInterceptor(interceptor, servicer, pool, append_on_loop=config.engine == "aio")
+        adapter = AioInterceptor(
+            interceptor,
+            servicer,
+            pool,
+            append_on_loop=config.engine == "aio",
+            max_calls=config.max_concurrent_rpcs,
+        )
         server.before_stop.append(adapter.end_streams)
 
         def build() -> Any:
             aio = grpc.aio.server(
                 interceptors=[adapter],
                 options=options,
-                # Each open append stream is a call in flight for its whole life.
+                # Each open append stream is a call in flight for its whole life: gRPC's limit
+                # leaves room for them, and the adapter holds the other calls to
+                # --max-concurrent-rpcs (health always answers).
                 maximum_concurrent_rpcs=config.max_concurrent_rpcs + config.max_append_streams,
             )
             ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, aio)

@@ -129,8 +129,16 @@ class AppendStream:
         self._cond.notify_all()
 
     def close(self, join_s: float = 1.0) -> None:
-        """Ends the stream (batches still waiting get LedgerUnavailable); waits for its reader."""
+        """Ends the stream: half-closes it (the ledger answers what it read, then ends it OK),
+        cancels it if the ledger has not ended it within join_s; waits for its reader."""
         with self._cond:
-            self._end_locked(LedgerUnavailable("UNAVAILABLE: the append stream was closed"))
-        if threading.current_thread() is not self._reader:
+            if self._ended is None:
+                self._ended = LedgerUnavailable("UNAVAILABLE: the append stream was closed")
+                self._requests.put(_CLOSE)
+            self._cond.notify_all()
+        if threading.current_thread() is self._reader:
+            return
+        self._reader.join(join_s)
+        if self._reader.is_alive():  # the ledger did not end it: gone, or too slow
+            self._call.cancel()
             self._reader.join(join_s)

@@ -119,6 +119,9 @@ class _RefusingClient:
         self.errors = errors
         self.sequence = 0
 
+    def end_stream(self) -> None:
+        """The sender ends its client's append stream when it closes: there is none here."""
+
     def append(self, events: Sequence[pb.ShardEvent], *, retry: bool = True) -> Any:
         if self.errors:
             raise self.errors.pop(0)

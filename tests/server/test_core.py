@@ -30,6 +30,7 @@ from ledger_server.store.base import StoreError
 from ledger_server.store.sqlite import SqliteStore
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from shard_client.delivery import MAX_BATCH_EVENTS
 from shard_client.errors import Conflict, InvalidArgument, LedgerRejected, LifecycleError, NotFound
 from tests.builders import DIGEST_A, DIGEST_B, committed, event, planned, started
 
@@ -230,7 +231,9 @@ def _verdict_on(name: str, path: str, digest: str, passed: bool, reason: str = "
 def test_a_database_failure_mid_resume_stream_is_unavailable_with_its_reason(
     server: RunningServer, client: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client.append([planned(shard_id=f"s{i:04d}", index=i) for i in range(2500)])
+    plans = [planned(shard_id=f"s{i:04d}", index=i) for i in range(2500)]
+    for start in range(0, len(plans), MAX_BATCH_EVENTS):  # batches of the SDK's size
+        client.append(plans[start : start + MAX_BATCH_EVENTS])
     real = server.ledger.resume_rows
 
     def failing_after_1500(*args: object, **kwargs: object) -> Iterator[tuple[str, int, str, str]]:
@@ -695,15 +698,25 @@ def test_client_balances_round_robin_over_a_list_of_replicas(tmp_path: Path) -> 
     first = create_server(ServerConfig(database=str(tmp_path / "a.db"), listen="127.0.0.1:0"))
     second = create_server(ServerConfig(database=str(tmp_path / "b.db"), listen="127.0.0.1:0"))
     try:
-        client = LedgerClient([f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"])
-        assert client.target.startswith("ipv4:")
-        for i in range(20):
-            client.append([planned(run_id=f"rr-{i}")])
+        targets = [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"]
+        unary = LedgerClient(targets, stream_appends=False)
+        assert unary.target.startswith("ipv4:")
+        for i in range(10):  # each unary call goes to the next replica
+            unary.append([planned(run_id=f"rr-{i}")])
             time.sleep(0.02)
+        unary.close()
         runs_a = len(first.ledger.list_runs(None))
         runs_b = len(second.ledger.list_runs(None))
+        streamed = LedgerClient(targets)
+        for i in range(10):  # each new append stream goes to the next replica
+            streamed.append([planned(run_id=f"rs-{i}")])
+            streamed.end_stream()
+        streamed.close()
+        streams_a = len(first.ledger.list_runs(None)) - runs_a
+        streams_b = len(second.ledger.list_runs(None)) - runs_b
     finally:
         first.stop(0.5)
         second.stop(0.5)
-    assert runs_a + runs_b == 20
+    assert runs_a + runs_b == 10 and streams_a + streams_b == 10
     assert runs_a > 0 and runs_b > 0
+    assert streams_a > 0 and streams_b > 0
