@@ -42,6 +42,8 @@ __all__ = [
     "FIELD_PREFIX",
     "SILENT_FORMS",
     "OpenPart",
+    "OpenSum",
+    "add_opens",
     "attempt_bucket",
     "attempt_gpus",
     "attempt_span",
@@ -413,20 +415,53 @@ def open_part_of(
 
 def add_open(counters: Counter[str], part: OpenPart, *, by_label: bool = True) -> None:
     """Adds an open part to summed counters as if it had ended at this moment."""
-    counters[_k("gpu", part.bucket)] += part.gpu_us
-    counters[_k("attempts", part.bucket)] += 1
-    counters[_k("clock", "ledger")] += 1
-    counters[_k("gpus_unknown")] += not part.gpus_known
-    if part.bucket == "hung":
-        counters[_k("hangs")] += 1
-        counters[_k("hang_lost")] += part.hang_lost_us
+    add_opens(
+        counters,
+        OpenSum(
+            part.bucket,
+            attempts=1,
+            gpu_us=part.gpu_us,
+            gpus_unknown=int(not part.gpus_known),
+            hang_lost_us=part.hang_lost_us,
+            labels=part.labels,
+            shard_labels=part.shard_labels,
+            first_pass=part.first_pass,
+        ),
+        by_label=by_label,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSum:
+    """Open parts of one bucket that share labels and pass, summed (ledger_server.open_attempts)."""
+
+    bucket: str
+    attempts: int
+    gpu_us: int
+    gpus_unknown: int
+    hang_lost_us: int
+    labels: Mapping[str, str]
+    shard_labels: Mapping[str, str]
+    first_pass: bool
+
+
+def add_opens(counters: Counter[str], opens: OpenSum, *, by_label: bool = True) -> None:
+    """Adds summed open parts to counters: what add_open adds for each of them, at once."""
+    n = opens.attempts
+    counters[_k("gpu", opens.bucket)] += opens.gpu_us
+    counters[_k("attempts", opens.bucket)] += n
+    counters[_k("clock", "ledger")] += n
+    counters[_k("gpus_unknown")] += opens.gpus_unknown
+    if opens.bucket == "hung":
+        counters[_k("hangs")] += n
+        counters[_k("hang_lost")] += opens.hang_lost_us
     if not by_label:
         return
-    _add(counters, part.labels, f"gpu.{part.bucket}", part.gpu_us)
-    if part.bucket == "hung" and part.first_pass:
+    _add(counters, opens.labels, f"gpu.{opens.bucket}", opens.gpu_us)
+    if opens.bucket == "hung" and opens.first_pass:
         # Stale is a hang of the attempt (its labels) and a missing shard (the shard's).
-        _add(counters, part.labels, "stale")
-        _add(counters, part.shard_labels, "stale_shard")
+        _add(counters, opens.labels, "stale", n)
+        _add(counters, opens.shard_labels, "stale_shard", n)
 
 
 # --- the figures -------------------------------------------------------------------
