@@ -298,6 +298,7 @@ SQL_STALE_OPEN: Final = (
     " GROUP BY first_pass, labels, shard_labels"
 )
 SQL_OLDEST_OPEN_SEEN: Final = "SELECT MIN(seen_us) FROM shard_open WHERE run_pk = %s"
+SQL_COPY_OPEN: Final = f"COPY shard_open (run_pk, shard_id, {SQL_OPEN_COLUMNS}) FROM STDIN"
 SQL_OPEN_ROWS: Final = f"SELECT shard_id, {SQL_OPEN_COLUMNS} FROM shard_open WHERE run_pk = %s"
 SQL_ADD_COUNTERS: Final = (
     "INSERT INTO run_counters (run_pk, key, n)"
