@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from functools import lru_cache
 from typing import Final
 
 from ledger_server import field
 from ledger_server.projections import base_state, deadline_us, row_columns
-from ledger_server.record import ShardRecord
+from ledger_server.record import Attempt, ShardRecord
 from ledger_server.states import ShardState
 from ledger_server.store.base import OpenRow, ShardRow, StaleOpen
 from ledger_server.summary import contributions
@@ -49,9 +50,16 @@ _UNKNOWN: Final = OPEN_PREFIX + "unknown:"
 
 
 def _labels_json(labels: Mapping[str, str]) -> str:
-    return json.dumps(labels, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # The writer asks twice per heartbeat, and a night has a few label sets: cached by items.
+    return _json_of_items(tuple(labels.items()))
 
 
+@lru_cache(maxsize=4096)
+def _json_of_items(items: tuple[tuple[str, str], ...]) -> str:
+    return json.dumps(dict(items), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@lru_cache(maxsize=4096)
 def _group(first_pass: bool, labels: str, shard_labels: str) -> str:
     # A JSON array of the two JSON texts: any label value can be told apart.
     return json.dumps([int(first_pass), labels, shard_labels], separators=(",", ":"))
@@ -69,19 +77,25 @@ def open_row(record: ShardRecord | None) -> OpenRow | None:
     attempt = record.attempts.get(record.latest_attempt)
     if attempt is None:
         return None
-    first = min(record.attempts.values(), key=lambda a: a.started_seq)
+    attempts = record.attempts
+    first = attempt if len(attempts) == 1 else min(attempts.values(), key=_started_seq)
     gpus, known = field.attempt_gpus(record, attempt)
+    # Positional: the writer builds two of these per heartbeat.
     return OpenRow(
-        deadline_us=deadline_us(record),
-        seen_us=attempt.last_seen_us,
-        started_us=attempt.started_us,
-        gpus=gpus,
-        gpus_known=known,
-        saved_us=attempt.saved_us or attempt.started_us,
-        first_pass=attempt.first_pass,
-        labels=_labels_json(record.labels | attempt.labels),
-        shard_labels=_labels_json(record.labels | first.labels),
+        deadline_us(record),
+        attempt.last_seen_us,  # seen_us
+        attempt.started_us,
+        gpus,
+        known,  # gpus_known
+        attempt.saved_us or attempt.started_us,  # saved_us
+        attempt.first_pass,
+        _labels_json(record.labels | attempt.labels),  # labels
+        _labels_json(record.labels | first.labels),  # shard_labels
     )
+
+
+def _started_seq(attempt: Attempt) -> int:
+    return attempt.started_seq
 
 
 def shard_row(shard_id: str, record: ShardRecord) -> ShardRow:
@@ -113,17 +127,15 @@ def stored_contributions(record: ShardRecord) -> Counter[str]:
     return out
 
 
-def open_delta(before: OpenRow | None, after: OpenRow | None) -> Counter[str]:
+def open_delta(before: OpenRow | None, after: OpenRow | None) -> dict[str, int]:
     """Returns how a shard's open.* counters move when its open attempt goes from before to after."""
     if after == before:
-        return Counter()
+        return {}
     if before is not None and after is not None and before[2:] == after[2:]:
         # A heartbeat moved the last-seen time (and the deadline) alone: only the span grew.
         group = _group(after.first_pass, after.labels, after.shard_labels)
-        grown = max(0, after.seen_us - after.started_us) - max(
-            0, before.seen_us - before.started_us
-        )
-        return Counter({_GPU + group: after.gpus * grown})
+        span, was = after.seen_us - after.started_us, before.seen_us - before.started_us
+        return {_GPU + group: after.gpus * (max(0, span) - max(0, was))}
     delta = open_counters(after)
     delta.subtract(open_counters(before))
     return delta

@@ -182,3 +182,19 @@ def test_bench_retention_archives_every_night_past_the_policy_and_only_those(
     assert result["without_archive"]["archived_runs"] == 0
     assert result["with_archive"]["marks"][-1]["first_night_archived"]
     assert result["hot_used_ratio_at_end"] < 1
+
+
+def test_bench_scrape_counts_the_open_shards_and_gives_the_baselines_figures(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "scrape.json"
+    done = _bench("tools.bench_scrape", *("--shards", "40", "--repeat", "1", "-o", str(out)))
+    assert done.returncode == 0, done.stderr
+    (size,) = json.loads(out.read_text())["sizes"]
+    # Half the attempts have a one-minute timeout and were last seen two minutes ago.
+    assert (size["new"]["running"], size["new"]["stale"]) == (20, 20)
+    # 20 attempts each way, one GPU, 10 s from start to heartbeat.
+    assert size["new"]["report_running_gpu_s"] == size["new"]["report_hung_gpu_s"] == 200.0
+    # The revision before the writer kept the sums answers the same figures.
+    assert size["same_figures"] is True
+    assert size["baseline"]["series"] == size["new"]["series"] > 0
