@@ -11,8 +11,9 @@ records (and so of events), in two parts:
   writer keeps them summed per run in the same transaction as the append, exactly
   as the summary's counters (ledger_server.summary), and a replay sums the same.
 * `open_part(record, now_us)`: what the shard's latest attempt adds while it still
-  runs (its span so far; stale ones are hung), computed when a report is asked for,
-  from the run's running shards only.
+  runs (its span so far; stale ones are hung). The writer keeps them summed as if
+  running, and a report moves the stale ones at the moment asked
+  (ledger_server.open_attempts, `add_opens`): the same figures, no record read.
 
 `run_report` and `compare` turn the summed counters (plus the open parts) into
 the figures the `GetRunReport` and `CompareRuns` RPCs serve. No grpc, no SQL, the
@@ -392,9 +393,9 @@ def open_part_of(
 ) -> OpenPart:
     """open_part for an attempt known to be open, its plan's labels and the shard's deadline.
 
-    The report reads running shards this way (a shard whose stored state is running
-    has an open latest attempt, and its deadline is a stored column), so it builds
-    the latest attempt alone instead of the whole record.
+    The reference read of a running shard's row (service.open_parts: a shard whose
+    stored state is running has an open latest attempt, and its deadline is a stored
+    column), which builds the latest attempt alone instead of the whole record.
     """
     # Open, it has no end yet (a commit of some outputs is none): to its last event, as
     # the report reads it from the row (latest_attempt_from_row builds no ended_us).
