@@ -121,7 +121,7 @@ def measure(shards: int, repeat: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="bench-scrape-") as tmp:
         started = time.perf_counter()
-        ledger, _ = _night(os.path.join(tmp, "ledger.db"), shards)
+        ledger, now = _night(os.path.join(tmp, "ledger.db"), shards)
         built_s = time.perf_counter() - started
         collector = RunCollector(ledger)
         scrape_cpu, scrape_wall, report_wall, report_cpu = [], [], [], []
@@ -137,6 +137,7 @@ def measure(shards: int, repeat: int) -> dict[str, Any]:
             report_cpu.append(time.process_time() - cpu)
             report_wall.append(time.perf_counter() - wall)
         summary = ledger.summary("", "night")
+        beat_cpu_us = _heartbeat_cpu_us(ledger, now, min(shards, 10_000))
         ledger.close()
     return {
         "shards": shards,
@@ -150,7 +151,23 @@ def measure(shards: int, repeat: int) -> dict[str, Any]:
         "report_cpu_s": statistics.median(report_cpu),
         "report_running_gpu_s": report["costs"]["running_gpu_s"],
         "report_hung_gpu_s": report["costs"]["lost_gpu_s"]["hung"],
+        "heartbeat_cpu_us": beat_cpu_us,
     }
+
+
+def _heartbeat_cpu_us(ledger: Any, now: list[int], beats: int) -> float:
+    """Returns the CPU time per appended heartbeat (batches of 500): the writer's own cost."""
+    from ledger_server.events import Event, Heartbeat
+
+    events = [
+        Event(f"h2-{i}", "", "night", f"s{i:07d}", "a", 0, Heartbeat(2, 0.6, {}))
+        for i in range(beats)
+    ]
+    now[0] += 1_000_000
+    cpu = time.process_time()
+    for start in range(0, beats, 500):
+        ledger.append(events[start : start + 500])
+    return (time.process_time() - cpu) / beats * 1e6
 
 
 def _baseline(rev: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
@@ -203,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             row["baseline"] = old
             row["scrape_cpu_ratio"] = new["scrape_cpu_s"] / old["scrape_cpu_s"]
             row["report_ratio"] = new["report_s"] / old["report_s"]
+            row["heartbeat_cpu_ratio"] = new["heartbeat_cpu_us"] / old["heartbeat_cpu_us"]
             row["same_figures"] = (
                 abs(new["report_running_gpu_s"] - old["report_running_gpu_s"]) < 1e-6
                 and abs(new["report_hung_gpu_s"] - old["report_hung_gpu_s"]) < 1e-6
