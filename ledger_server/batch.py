@@ -36,10 +36,10 @@ from ledger_server.events import (
     ShardPlanned,
     SubmissionClosed,
 )
-from ledger_server.open_attempts import open_delta, open_row
+from ledger_server.open_attempts import OpenBefore, open_row
 from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.replay import closes_first_pass
-from ledger_server.store.base import OpenRow, RunRow, ShardRow, StoredEvent, WriteTx
+from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
 from ledger_server.summary import (
     CLOSING_KEYS,
     PASS_CLOSED_KEY,
@@ -129,7 +129,7 @@ class _BatchState:
     new_shards: Counter[int] = field(default_factory=Counter)
     # A shard's open attempt row before this batch changed it (open_attempts: the run's
     # open.* counters move by the difference, heartbeats included).
-    open_before: dict[tuple[int, str], OpenRow | None] = field(default_factory=dict)
+    open_before: dict[tuple[int, str], OpenBefore] = field(default_factory=dict)
 
 
 def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
@@ -266,7 +266,7 @@ class BatchFolder:
             record = records[shard_key]
             run_pk, shard_id = shard_key
             opened = open_row(record)
-            tx.add_counters(run_pk, open_delta(state.open_before.get(shard_key), opened))
+            tx.add_counters(run_pk, state.open_before[shard_key].delta(opened))
             if shard_key not in state.full:
                 # Only heartbeats of the latest attempt: two numbers and the deadline move.
                 latest = record.attempts[record.latest_attempt]
@@ -349,8 +349,9 @@ class BatchFolder:
             return self._close_submission(tx, event, content, head, state, receive_us)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
-        if shard_key not in state.open_before:
-            state.open_before[shard_key] = open_row(record)
+        before = state.open_before.get(shard_key)
+        if before is None:
+            before = state.open_before[shard_key] = OpenBefore(record)
         if proj.fold_live_beat(record, event, receive_us):
             # A live attempt's plain heartbeat: checked and folded in one narrow step, and
             # its row is the two numbers and the deadline (the shard stays out of `full`).
@@ -389,6 +390,7 @@ class BatchFolder:
         # events, and checkpoints skip the lookup.
         passes = isinstance(payload, _PASS_KINDS)
         closed = self._pass_closed(tx, state, head.run_pk) if passes else 0
+        before.before_change(record)
         folded = records[shard_key] = proj.fold(record, rec, first_pass=not closed)
         if not closed and closes_first_pass(rec):
             state.pass_closed[head.run_pk] = sequence

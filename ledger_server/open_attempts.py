@@ -32,6 +32,7 @@ from ledger_server.summary import contributions
 
 __all__ = [
     "OPEN_PREFIX",
+    "OpenBefore",
     "field_counters",
     "open_counters",
     "open_delta",
@@ -139,6 +140,39 @@ def open_delta(before: OpenRow | None, after: OpenRow | None) -> dict[str, int]:
     delta = open_counters(after)
     delta.subtract(open_counters(before))
     return delta
+
+
+class OpenBefore:
+    """A shard's open attempt as a batch found it, for the batch's open_delta.
+
+    Most of a night's events are plain heartbeats, which move only the latest
+    attempt's last-seen time: the time is kept at once, the whole row is built only
+    before another kind of event changes the record (`before_change`).
+    """
+
+    __slots__ = ("built", "row", "seen_us")
+
+    def __init__(self, record: ShardRecord | None) -> None:
+        latest = record.attempts.get(record.latest_attempt) if record is not None else None
+        self.seen_us = latest.last_seen_us if latest is not None else 0
+        self.row: OpenRow | None = None
+        self.built = False
+
+    def before_change(self, record: ShardRecord | None) -> None:
+        """Builds the row before an event other than a plain heartbeat folds into the record."""
+        if self.built:
+            return
+        row = open_row(record)
+        # Plain heartbeats folded earlier in the batch moved only the last-seen time.
+        self.row = None if row is None else row._replace(seen_us=self.seen_us)
+        self.built = True
+
+    def delta(self, after: OpenRow | None) -> dict[str, int]:
+        """Returns how the run's open.* counters move from this to the attempt's row after."""
+        if self.built:
+            return open_delta(self.row, after)
+        # Only plain heartbeats: the row is what it was, but for its last-seen time.
+        return open_delta(None if after is None else after._replace(seen_us=self.seen_us), after)
 
 
 def field_counters(counters: Mapping[str, int]) -> Counter[str]:
