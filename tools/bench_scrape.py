@@ -5,8 +5,9 @@
 
 For each size, a night is appended through the ledger's own writer (LedgerService
 on a temp SQLite file): every shard planned with a provider label, started and
-beating, half with a one-hour heartbeat timeout, half with one minute; the clock
-then moves two minutes on, so half the open attempts are running and half hung.
+beating, --stale-percent of them (default 50) with a one-minute heartbeat timeout and
+the rest with one hour; the clock then moves two minutes on, so that share of the
+open attempts is hung and the rest running (0: a healthy fleet, every shard beating).
 Then, in this process (the server's, where the collector runs):
 
 * the CPU time (time.process_time) of one whole per-run collection (RunCollector:
@@ -44,7 +45,7 @@ BATCH: Final = 20_000  # rows per store flush while writing
 REPO: Final = Path(__file__).resolve().parents[1]
 
 
-def _night(path: str, shards: int) -> tuple[Any, list[int]]:
+def _night(path: str, shards: int, stale_pct: int = 50) -> tuple[Any, list[int]]:
     """Writes the night's events and rebuilds its projections; returns the ledger and its clock.
 
     The rows go in through the store's write path and the projections come from
@@ -62,7 +63,10 @@ def _night(path: str, shards: int) -> tuple[Any, list[int]]:
         return Event(f"{kind}-{i}", "", "night", f"s{i:07d}", attempt, 0, payload)
 
     providers = ("A", "B", "C")
-    timeouts = (3_600_000_000, 60_000_000)
+
+    def timeout_us(i: int) -> int:
+        return 60_000_000 if i % 100 < stale_pct else 3_600_000_000
+
     phases: list[tuple[int, Callable[[int], Any]]] = [
         (
             T0,
@@ -81,7 +85,7 @@ def _night(path: str, shards: int) -> tuple[Any, list[int]]:
                 "s",
                 i,
                 "a",
-                AttemptStarted("node", 1, timeouts[i % 2], {}, "", labels={"pool": "p"}),
+                AttemptStarted("node", 1, timeout_us(i), {}, "", labels={"pool": "p"}),
             ),
         ),
         (T0 + 11_000_000, lambda i: ev("h", i, "a", Heartbeat(1, 0.5, {}))),
@@ -115,13 +119,13 @@ def _night(path: str, shards: int) -> tuple[Any, list[int]]:
     return LedgerService(store, clock=lambda: now[0]), now
 
 
-def measure(shards: int, repeat: int) -> dict[str, Any]:
+def measure(shards: int, repeat: int, stale_pct: int = 50) -> dict[str, Any]:
     """Builds a night of ``shards`` open shards and times scrapes and reports on it."""
     from ledger_server.run_metrics import RunCollector
 
     with tempfile.TemporaryDirectory(prefix="bench-scrape-") as tmp:
         started = time.perf_counter()
-        ledger, now = _night(os.path.join(tmp, "ledger.db"), shards)
+        ledger, now = _night(os.path.join(tmp, "ledger.db"), shards, stale_pct)
         built_s = time.perf_counter() - started
         collector = RunCollector(ledger)
         scrape_cpu, scrape_wall, report_wall, report_cpu = [], [], [], []
@@ -170,7 +174,7 @@ def _heartbeat_cpu_us(ledger: Any, now: list[int], beats: int) -> float:
     return (time.process_time() - cpu) / beats * 1e6
 
 
-def _baseline(rev: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
+def _baseline(rev: str, sizes: list[int], repeat: int, stale_pct: int) -> list[dict[str, Any]]:
     """Runs this script against ``rev``'s ledger_server, in a child process."""
     with tempfile.TemporaryDirectory(prefix="bench-scrape-base-") as tmp:
         archive = subprocess.run(
@@ -181,6 +185,7 @@ def _baseline(rev: str, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         out = os.path.join(tmp, "result.json")
         argv = [sys.executable, __file__, "--only-measure", "-o", out, "--repeat", str(repeat)]
+        argv += ["--stale-percent", str(stale_pct)]
         for size in sizes:
             argv += ["--shards", str(size)]
         env = dict(os.environ, PYTHONPATH=tmp)
@@ -196,21 +201,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline-rev", default="3a23a2e", help="the revision measured as the baseline"
     )
+    parser.add_argument(
+        "--stale-percent",
+        type=int,
+        default=50,
+        help="percent of the open attempts with a one-minute timeout, stale when measured",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="measure this tree only")
     parser.add_argument("--only-measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("-o", "--output", default=str(REPO / "bench-results" / "scrape.json"))
     args = parser.parse_args(argv)
     sizes = args.shards or [10_000, 100_000]
-    runs = [measure(n, args.repeat) for n in sizes]
+    runs = [measure(n, args.repeat, args.stale_percent) for n in sizes]
     if args.only_measure:
         Path(args.output).write_text(json.dumps(runs))
         return 0
-    base = [] if args.no_baseline else _baseline(args.baseline_rev, sizes, args.repeat)
+    base = (
+        []
+        if args.no_baseline
+        else _baseline(args.baseline_rev, sizes, args.repeat, args.stale_percent)
+    )
     result: dict[str, Any] = {
         "env": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "load_average": os.getloadavg(),
         "targets": {"scrape_cpu_s": TARGET_SCRAPE_CPU_S, "report_s": TARGET_REPORT_S},
         "baseline_rev": None if args.no_baseline else args.baseline_rev,
+        "stale_percent": args.stale_percent,
         "sizes": [],
     }
     for i, new in enumerate(runs):
