@@ -347,9 +347,9 @@ def test_the_oldest_heartbeat_is_exact_across_heartbeat_rows_and_records(tmp_pat
     # parsing each running shard; it must still be the minimum of every running shard's
     # last-seen time as its row tells it, a heartbeat that came in with an earlier clock
     # (a clock step back) included.
-    from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
     from ledger_server.record import latest_attempt_from_row
     from ledger_server.run_metrics import RunCollector
     from ledger_server.service import LedgerService
