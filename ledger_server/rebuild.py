@@ -43,7 +43,8 @@ class RunRebuild:
     run_id: str
     events: int
     shards: int
-    # Shard rows the replay disagrees with: different, missing from the store, or extra.
+    # Shard rows the replay disagrees with: different, missing from the store, or extra
+    # (a running shard's open attempt row counts as one more).
     differing_shards: int
     counters_differ: bool
     written: bool
