@@ -36,6 +36,7 @@ from ledger_server.events import (
     ShardPlanned,
     SubmissionClosed,
 )
+from ledger_server.open_attempts import OpenBefore, open_row
 from ledger_server.record import ShardRecord, record_from_row
 from ledger_server.replay import closes_first_pass
 from ledger_server.store.base import RunRow, ShardRow, StoredEvent, WriteTx
@@ -126,6 +127,9 @@ class _BatchState:
     # and the shards this batch planned: its shard counters move only once it is folded.
     stored_shards: dict[int, int] = field(default_factory=dict)
     new_shards: Counter[int] = field(default_factory=Counter)
+    # A shard's open attempt row before this batch changed it (open_attempts: the run's
+    # open.* counters move by the difference, heartbeats included).
+    open_before: dict[tuple[int, str], OpenBefore] = field(default_factory=dict)
 
 
 def same_meaning(first: Event, first_content: str, event: Event, content: str) -> bool:
@@ -261,6 +265,8 @@ class BatchFolder:
         for shard_key in state.dirty:
             record = records[shard_key]
             run_pk, shard_id = shard_key
+            opened = open_row(record)
+            tx.add_counters(run_pk, state.open_before[shard_key].delta(opened))
             if shard_key not in state.full:
                 # Only heartbeats of the latest attempt: two numbers and the deadline move.
                 latest = record.attempts[record.latest_attempt]
@@ -272,7 +278,9 @@ class BatchFolder:
                     beat_step=latest.last_step,
                 )
                 continue
-            tx.save_shard(run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record)))
+            tx.save_shard(
+                run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record), open=opened)
+            )
             # Heartbeats and checkpoints never change a shard's summary counters, so a
             # shard touched only by them skips the recount (the hot path of a busy fleet).
             if shard_key in state.before:
@@ -341,6 +349,9 @@ class BatchFolder:
             return self._close_submission(tx, event, content, head, state, receive_us)
         shard_key = (head.run_pk, event.shard_id)
         record = records.get(shard_key)
+        before = state.open_before.get(shard_key)
+        if before is None:
+            before = state.open_before[shard_key] = OpenBefore(record)
         if proj.fold_live_beat(record, event, receive_us):
             # A live attempt's plain heartbeat: checked and folded in one narrow step, and
             # its row is the two numbers and the deadline (the shard stays out of `full`).
@@ -379,6 +390,7 @@ class BatchFolder:
         # events, and checkpoints skip the lookup.
         passes = isinstance(payload, _PASS_KINDS)
         closed = self._pass_closed(tx, state, head.run_pk) if passes else 0
+        before.before_change(record)
         folded = records[shard_key] = proj.fold(record, rec, first_pass=not closed)
         if not closed and closes_first_pass(rec):
             state.pass_closed[head.run_pk] = sequence

@@ -40,10 +40,11 @@ from typing import Any, Final
 
 from ledger_server.chain import event_from_parsed
 from ledger_server.events import RecordedEvent
+from ledger_server.open_attempts import open_row, stored_contributions
 from ledger_server.projections import fold, row_columns
 from ledger_server.record import ShardRecord
+from ledger_server.states import ShardState
 from ledger_server.store.base import ShardRow
-from ledger_server.summary import contributions
 
 # Records a compact replay keeps as objects (~4 KB each).
 HOT_RECORDS: Final = 50_000
@@ -203,7 +204,7 @@ class CompactRecords(dict[str, ShardRecord]):
             ).fetchone()
             record = ShardRecord.from_json(stored)
             # What it added when it spilled: a function of the record, which the JSON keeps.
-            self._spilled_total.subtract(contributions(record))
+            self._spilled_total.subtract(stored_contributions(record))
             self.reloaded += 1
         self._put(shard_id, record)
         return record
@@ -257,7 +258,7 @@ class CompactRecords(dict[str, ShardRecord]):
 
     def _spill(self, shard_id: str, record: ShardRecord) -> None:
         columns = row_columns(record)
-        self._spilled_total.update(contributions(record))
+        self._spilled_total.update(stored_contributions(record))
         row_id = self._ids.get(shard_id)
         if row_id is None:
             row_id = self._new_id(shard_id, record.plan_index)
@@ -331,6 +332,8 @@ class SpilledRows(Collection[ShardRow]):
             f" FROM rows ORDER BY {self._order}"
         )
         for shard_id, plan_index, state, detail, deadline_us, plan_line, record in rows:
+            # A running shard's open attempt row is rebuilt from its record (few run at once).
+            running = state == ShardState.RUNNING
             yield ShardRow(
                 shard_id=shard_id,
                 plan_index=plan_index,
@@ -339,6 +342,7 @@ class SpilledRows(Collection[ShardRow]):
                 deadline_us=deadline_us,
                 plan_line=plan_line,
                 record=record,
+                open=open_row(ShardRecord.from_json(record)) if running else None,
             )
 
     def __contains__(self, row: object) -> bool:

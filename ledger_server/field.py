@@ -11,8 +11,9 @@ records (and so of events), in two parts:
   writer keeps them summed per run in the same transaction as the append, exactly
   as the summary's counters (ledger_server.summary), and a replay sums the same.
 * `open_part(record, now_us)`: what the shard's latest attempt adds while it still
-  runs (its span so far; stale ones are hung), computed when a report is asked for,
-  from the run's running shards only.
+  runs (its span so far; stale ones are hung). The writer keeps them summed as if
+  running, and a report moves the stale ones at the moment asked
+  (ledger_server.open_attempts, `add_opens`): the same figures, no record read.
 
 `run_report` and `compare` turn the summed counters (plus the open parts) into
 the figures the `GetRunReport` and `CompareRuns` RPCs serve. No grpc, no SQL, the
@@ -42,6 +43,8 @@ __all__ = [
     "FIELD_PREFIX",
     "SILENT_FORMS",
     "OpenPart",
+    "OpenSum",
+    "add_opens",
     "attempt_bucket",
     "attempt_gpus",
     "attempt_span",
@@ -390,9 +393,9 @@ def open_part_of(
 ) -> OpenPart:
     """open_part for an attempt known to be open, its plan's labels and the shard's deadline.
 
-    The report reads running shards this way (a shard whose stored state is running
-    has an open latest attempt, and its deadline is a stored column), so it builds
-    the latest attempt alone instead of the whole record.
+    The reference read of a running shard's row (service.open_parts: a shard whose
+    stored state is running has an open latest attempt, and its deadline is a stored
+    column), which builds the latest attempt alone instead of the whole record.
     """
     # Open, it has no end yet (a commit of some outputs is none): to its last event, as
     # the report reads it from the row (latest_attempt_from_row builds no ended_us).
@@ -413,20 +416,53 @@ def open_part_of(
 
 def add_open(counters: Counter[str], part: OpenPart, *, by_label: bool = True) -> None:
     """Adds an open part to summed counters as if it had ended at this moment."""
-    counters[_k("gpu", part.bucket)] += part.gpu_us
-    counters[_k("attempts", part.bucket)] += 1
-    counters[_k("clock", "ledger")] += 1
-    counters[_k("gpus_unknown")] += not part.gpus_known
-    if part.bucket == "hung":
-        counters[_k("hangs")] += 1
-        counters[_k("hang_lost")] += part.hang_lost_us
+    add_opens(
+        counters,
+        OpenSum(
+            part.bucket,
+            attempts=1,
+            gpu_us=part.gpu_us,
+            gpus_unknown=int(not part.gpus_known),
+            hang_lost_us=part.hang_lost_us,
+            labels=part.labels,
+            shard_labels=part.shard_labels,
+            first_pass=part.first_pass,
+        ),
+        by_label=by_label,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSum:
+    """Open parts of one bucket that share labels and pass, summed (ledger_server.open_attempts)."""
+
+    bucket: str
+    attempts: int
+    gpu_us: int
+    gpus_unknown: int
+    hang_lost_us: int
+    labels: Mapping[str, str]
+    shard_labels: Mapping[str, str]
+    first_pass: bool
+
+
+def add_opens(counters: Counter[str], opens: OpenSum, *, by_label: bool = True) -> None:
+    """Adds summed open parts to counters: what add_open adds for each of them, at once."""
+    n = opens.attempts
+    counters[_k("gpu", opens.bucket)] += opens.gpu_us
+    counters[_k("attempts", opens.bucket)] += n
+    counters[_k("clock", "ledger")] += n
+    counters[_k("gpus_unknown")] += opens.gpus_unknown
+    if opens.bucket == "hung":
+        counters[_k("hangs")] += n
+        counters[_k("hang_lost")] += opens.hang_lost_us
     if not by_label:
         return
-    _add(counters, part.labels, f"gpu.{part.bucket}", part.gpu_us)
-    if part.bucket == "hung" and part.first_pass:
+    _add(counters, opens.labels, f"gpu.{opens.bucket}", opens.gpu_us)
+    if opens.bucket == "hung" and opens.first_pass:
         # Stale is a hang of the attempt (its labels) and a missing shard (the shard's).
-        _add(counters, part.labels, "stale")
-        _add(counters, part.shard_labels, "stale_shard")
+        _add(counters, opens.labels, "stale", n)
+        _add(counters, opens.shard_labels, "stale_shard", n)
 
 
 # --- the figures -------------------------------------------------------------------

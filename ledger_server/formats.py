@@ -12,12 +12,12 @@ __all__ = ["POSTGRESQL_SCHEMA", "RECORD_FORMAT", "ROW_FORMAT", "SQLITE_SCHEMA", 
 
 # The last migration of each store's schema (store/sqlite_sql.py, store/postgres_sql.py):
 # a ledger file at a lower one is migrated by `shardledger db migrate` (or at serve).
-SQLITE_SCHEMA: Final = 6
-POSTGRESQL_SCHEMA: Final = 5
+SQLITE_SCHEMA: Final = 7
+POSTGRESQL_SCHEMA: Final = 6
 # The chained row's format ("v" in each event's stored JSON; events.py, chain.py).
 ROW_FORMAT: Final = 2
 # The shard projection records' format (record.py); older ones are rebuilt from events.
-RECORD_FORMAT: Final = 7
+RECORD_FORMAT: Final = 8
 
 
 def check_schema(store: str, migrations: list[tuple[int, str, list[str]]], declared: int) -> None:

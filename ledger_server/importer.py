@@ -18,15 +18,15 @@ from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, ChainWalker, decode_row
 from ledger_server.errors import ConflictError, EventIdReused, LedgerError
 from ledger_server.events import RecordedEvent, RunReopened, ShardPlanned, SubmissionClosed
+from ledger_server.open_attempts import shard_row, stored_contributions
 from ledger_server.record import ShardRecord
 from ledger_server.replay import closes_first_pass
-from ledger_server.store.base import RunRow, ShardRow, Store, WriteTx
+from ledger_server.store.base import RunRow, Store, WriteTx
 from ledger_server.summary import (
     PASS_CLOSED_KEY,
     check_new_shard,
     check_reopen,
     closing_delta,
-    contributions,
     reopening_delta,
 )
 from ledger_server.validation import validate
@@ -203,8 +203,8 @@ class _RunWriter:
             raise ImportRejected("the export holds no events")
         run_pk = self.run.run_pk
         for shard_id, record in self.records.items():
-            self.tx.save_shard(run_pk, ShardRow(shard_id=shard_id, **proj.row_columns(record)))
-            self.tx.add_counters(run_pk, contributions(record))
+            self.tx.save_shard(run_pk, shard_row(shard_id, record))
+            self.tx.add_counters(run_pk, stored_contributions(record))
         if self.pass_closed:
             self.tx.add_counters(run_pk, {PASS_CLOSED_KEY: self.pass_closed})
         if self.closing:

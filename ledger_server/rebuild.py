@@ -19,12 +19,12 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ledger_server import projections as proj
 from ledger_server.chain import GENESIS_HASH, chain_hash
 from ledger_server.compact import HOT_RECORDS, CompactRecords
+from ledger_server.open_attempts import shard_row
 from ledger_server.record import record_from_row
 from ledger_server.replay import RunReplay
-from ledger_server.store.base import RunRow, ShardRow, Store, StoredEvent
+from ledger_server.store.base import OpenRow, RunRow, ShardRow, Store, StoredEvent
 
 PROGRESS_EVERY = 1000
 # Rows sent per flush while a rebuild writes, so its buffer stays bounded.
@@ -43,7 +43,8 @@ class RunRebuild:
     run_id: str
     events: int
     shards: int
-    # Shard rows the replay disagrees with: different, missing from the store, or extra.
+    # Shard rows the replay disagrees with: different, missing from the store, or extra
+    # (a running shard's open attempt row counts as one more).
     differing_shards: int
     counters_differ: bool
     written: bool
@@ -105,7 +106,7 @@ def take_projections(replay: RunReplay) -> tuple[Collection[ShardRow], dict[str,
     rows = []
     for _, shard_id in order:
         record = records.pop(shard_id)
-        rows.append(ShardRow(shard_id=shard_id, **proj.row_columns(record)))
+        rows.append(shard_row(shard_id, record))
     return rows, rebuilt_counters
 
 
@@ -136,6 +137,7 @@ def rebuild_run(
         replayed_at = time.monotonic()
         rows, rebuilt_counters = take_projections(replay)
         differing = _differing(rows, view.iter_shards(run.run_pk))
+        differing += _open_differing(rows, view.open_rows(run.run_pk))
         counters_differ = view.counters(run.run_pk) != rebuilt_counters
         written = False
         compared_at = time.monotonic()
@@ -209,6 +211,16 @@ def _differing(rebuilt: Iterable[ShardRow], stored: Iterable[ShardRow]) -> int:
         differing += 1
         ahead = next(wanted, None)
     return differing
+
+
+def _open_differing(rebuilt: Iterable[ShardRow], stored: dict[str, OpenRow]) -> int:
+    """Counts open attempt rows that differ from the replay's: different, missing or extra."""
+    extra = dict(stored)
+    differing = 0
+    for row in rebuilt:
+        if row.open is not None and extra.pop(row.shard_id, None) != row.open:
+            differing += 1
+    return differing + len(extra)
 
 
 def _same(rebuilt: ShardRow, have: ShardRow) -> bool:

@@ -35,6 +35,9 @@ from shard_client.canonical import legacy_json
 # client time, which a skewed job clock made or hid).
 # 7: the run counters gain first_verify_failed:REASON, the first pass's verification
 # failures by reason (the records are as in 6; the rebuild recomputes the counters).
+# 8: a running shard's open attempt has its own row (shard_open) and the run counters sum
+# the open attempts (open.*), so reports and scrapes parse no record (the records are as
+# in 7; the rebuild writes the rows and counters).
 RECORD_VERSION: Final = formats.RECORD_FORMAT
 
 

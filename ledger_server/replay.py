@@ -20,6 +20,7 @@ from ledger_server.events import (
     ShardPlanned,
     SubmissionClosed,
 )
+from ledger_server.open_attempts import stored_contributions
 from ledger_server.projections import fold, fold_beat, live_state
 from ledger_server.ranks import is_ranked
 from ledger_server.record import ShardRecord
@@ -27,7 +28,6 @@ from ledger_server.states import QueryState
 from ledger_server.summary import (
     PASS_CLOSED_KEY,
     closing_delta,
-    contributions,
     reopening_delta,
 )
 from shard_client.vocabulary import VERIFIER_REASONS
@@ -134,7 +134,7 @@ class RunReplay:
         """Returns the summed summary counters."""
         total: Counter[str] = Counter()
         for record in self.records.values():
-            total.update(contributions(record))
+            total.update(stored_contributions(record))
         return self.run_counters(total)
 
     def run_counters(self, total: Counter[str]) -> Counter[str]:

@@ -9,9 +9,7 @@ label per run, the rest summed as "(other)".
 
 from __future__ import annotations
 
-import json
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -22,9 +20,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ledger_server import field
-from ledger_server.record import Attempt, latest_attempt_from_row
-from ledger_server.service import LedgerService
-from ledger_server.states import PARTITION, ShardState
+from ledger_server.service import LedgerService, counters_at
+from ledger_server.states import PARTITION
 from ledger_server.store.base import RunRow
 from ledger_server.summary import DUPLICATE_KINDS
 from shard_client.labels import WELL_KNOWN_LABELS
@@ -80,9 +77,6 @@ class RunExport:
     finished_runs: int = 50
     # A hard cap on active runs, so a burst of tiny runs cannot explode the series count.
     max_active_runs: int = 500
-    # Running shards read per run, for the heartbeat age and the open attempts' GPU time;
-    # beyond it the age is a bound and the running and hung GPU-seconds undercount.
-    running_scan_limit: int = 10_000
     # Values of each well-known label exported per run, most shards first; the rest are
     # summed as "(other)". 0 exports no per-label series.
     max_label_values: int = 10
@@ -196,9 +190,6 @@ SERIES_PER_RUN: Final = (
 SERIES_PER_LABEL_VALUE: Final = len(FIRST_PASS_FIGURES) + len(field.COST_BUCKETS)
 # One sample of a run's field figures: its family, label values and value.
 _FieldSample = tuple[str, list[str], float]
-# What the scan keeps of a running shard's latest attempt: it, the plan's and the shard's
-# labels, its deadline.
-_Open = tuple[Attempt, dict[str, str], dict[str, str], int | None]
 
 
 def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -319,13 +310,13 @@ class RunCollector(Collector):
         f["settled"].add_metric(key, 1.0 if life["settled"] else 0.0)
         if life["settled"]:
             f["settled_timestamp_seconds"].add_metric(key, life["settled_at_us"] / _US)
-        opened: list[_Open] = []
         if s["running"] or s["stale"]:
-            oldest, opened = self._scan_running(run.run_pk)
+            # The minimum of an index (shard_open by last-seen), not a pass over the shards.
+            oldest = self.ledger.store.read().oldest_open_seen(run.run_pk)
             if oldest is not None:
                 f["oldest_heartbeat_timestamp_seconds"].add_metric(key, oldest / _US)
         try:
-            samples = self._field_samples(run, opened, now_us)
+            samples = self._field_samples(run, now_us)
         except Exception as exc:  # the field figures are new: the run's other series stay
             log.error("metrics_field_failed", run_id=run.run_id, error=str(exc))
             return False
@@ -333,46 +324,14 @@ class RunCollector(Collector):
             f[family].add_metric([*key, *labels], value)
         return True
 
-    def _scan_running(self, run_pk: int) -> tuple[int | None, list[_Open]]:
-        """Returns the oldest last-seen time among the run's running shards, and their attempts.
-
-        One read of the running shards serves the heartbeat age and the open attempts'
-        GPU time: each row's latest attempt alone is parsed (heartbeat columns folded
-        in), never the whole record.
-        """
-        rows = self.ledger.store.read().iter_shards(run_pk, states=[ShardState.RUNNING.value])
-        oldest: int | None = None
-        opened: list[_Open] = []
-        for index, row in enumerate(rows):
-            if index >= self.export.running_scan_limit:
-                break
-            if row.record is None:
-                continue
-            attempt, plan_labels, shard_labels = latest_attempt_from_row(row.record, row.beat_us)
-            if attempt is None:
-                continue
-            if oldest is None or attempt.last_seen_us < oldest:
-                oldest = attempt.last_seen_us
-            opened.append((attempt, plan_labels, shard_labels, row.deadline_us))
-        return oldest, opened
-
-    def _oldest_last_seen(self, run_pk: int) -> int | None:
-        """Returns the earliest last-seen time among the run's running shards."""
-        return self._scan_running(run_pk)[0]
-
-    def _field_samples(self, run: RunRow, opened: list[_Open], now_us: int) -> list[_FieldSample]:
+    def _field_samples(self, run: RunRow, now_us: int) -> list[_FieldSample]:
         """Returns the run's field-figure samples: LedgerService.report's and compare's figures.
 
-        The run's summed counters plus its open attempts at now_us, added once and
-        handed to field.compare for each label, so a scrape reads the running shards
-        once, not once per label.
+        The run's summed counters plus its open attempts at now_us (the writer's sums and
+        the stale ones a range of the deadline index finds), added once and handed to
+        field.compare for each label: no running shard's record is read.
         """
-        total = Counter(self.ledger.store.read().counters(run.run_pk))
-        for attempt, plan_labels, shard_labels, deadline in opened:
-            part = field.open_part_of(
-                attempt, plan_labels, deadline, now_us, shard_labels=shard_labels
-            )
-            field.add_open(total, part)
+        total = counters_at(self.ledger.store.read(), run, now_us)
         costs = field.costs(total)
         gpu_s = {
             "counted": costs["counted_gpu_s"],
@@ -419,18 +378,3 @@ def _bounded(groups: Sequence[dict[str, Any]], most: int) -> list[dict[str, Any]
             }
         )
     return kept
-
-
-def _last_seen_us(record: bytes | None, beat_us: int | None) -> int | None:
-    """Returns one stored row's last-seen time, read alone (the scan's exactness reference).
-
-    The scan takes it from the latest attempt it parses for the GPU time anyway.
-    """
-    # A heartbeat after the record was written moved beat_us instead (see record_from_row).
-    if record is None:
-        return None
-    data: dict[str, Any] = json.loads(record)
-    attempt = data["attempts"].get(data["latest_attempt"])
-    if not attempt:
-        return None
-    return max(int(attempt["last_seen_us"]), beat_us if beat_us is not None else 0)

@@ -167,6 +167,37 @@ class StoredEvent(NamedTuple):
     row_hash: bytes
 
 
+class OpenRow(NamedTuple):
+    """A running shard's open attempt, as the field figures read it (the shard_open table).
+
+    One narrow row per running shard: a heartbeat moves its deadline and last-seen
+    time, and a scrape or a report finds the stale ones by a range on the deadline
+    and sums them in SQL, instead of parsing every running shard's record.
+    """
+
+    deadline_us: int | None
+    seen_us: int  # the attempt's last event (a heartbeat's receive time, server clock)
+    started_us: int
+    gpus: int
+    gpus_known: bool
+    saved_us: int  # its last whole checkpoint, else its start: what a hang loses is since then
+    first_pass: bool
+    labels: str  # canonical JSON: the plan's labels under the attempt's own
+    shard_labels: str  # canonical JSON: the plan's labels under the shard's first attempt's
+
+
+class StaleOpen(NamedTuple):
+    """The stale open attempts of a run that share labels and pass, summed (one SQL group)."""
+
+    first_pass: bool
+    labels: str
+    shard_labels: str
+    attempts: int
+    gpu_us: int  # the sum of gpus x (seen_us - started_us), each at least 0
+    gpus_unknown: int
+    hang_lost_us: int  # the sum of deadline_us - saved_us, each at least 0
+
+
 @dataclass(frozen=True, slots=True)
 class ShardRow:
     """One shard's projection row."""
@@ -182,6 +213,8 @@ class ShardRow:
     # (None when the record is current); merge with projections.record_from_row.
     beat_us: int | None = None
     beat_step: int | None = None
+    # Its open attempt while it runs (written beside the row; reads of rows leave it None).
+    open: OpenRow | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,12 +268,18 @@ class WriteTx(Protocol):
         """Inserts one event row and returns its global sequence."""
 
     def save_shard(self, run_pk: int, shard: ShardRow) -> None:
-        """Inserts or replaces one shard's projection row (its heartbeat columns cleared)."""
+        """Inserts or replaces one shard's projection row (its heartbeat columns cleared).
+
+        Its open attempt row is written from ``shard.open``, or deleted when that is None.
+        """
 
     def touch_shard(
         self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
     ) -> None:
-        """Moves an existing shard's deadline and heartbeat columns; the record stays as it is."""
+        """Moves an existing shard's deadline and heartbeat columns; the record stays as it is.
+
+        Its open attempt row, when it has one, moves to the same deadline and last-seen time.
+        """
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         """Adds the deltas to the run's summary counters."""
@@ -249,7 +288,7 @@ class WriteTx(Protocol):
         """Returns one of the run's summary counters as this transaction sees it (0 if none)."""
 
     def clear_projections(self, run_pk: int) -> None:
-        """Deletes the run's shard rows, heartbeat rows and counters (a rebuild rewrites them)."""
+        """Deletes the run's shard, heartbeat and open attempt rows and counters (a rebuild rewrites them)."""
 
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
         """Moves the run's chain head."""
@@ -277,6 +316,15 @@ class ReadView(Protocol):
 
     def count_stale(self, run_pk: int, now_us: int) -> int:
         """Returns how many running shards passed their deadline before now_us."""
+
+    def stale_open(self, run_pk: int, now_us: int) -> list[StaleOpen]:
+        """Returns the open attempts past their deadline at now_us, summed by labels and pass."""
+
+    def oldest_open_seen(self, run_pk: int) -> int | None:
+        """Returns the earliest last-seen time among the run's running shards (None: none)."""
+
+    def open_rows(self, run_pk: int) -> dict[str, OpenRow]:
+        """Returns every open attempt row of the run by shard id (a rebuild compares them)."""
 
     def iter_shards(
         self,

@@ -338,6 +338,7 @@ class PostgresStore:
                         (ev.sequence, ev.run_pk, ev.run_sequence, ev.event_id, ev.row, ev.row_hash)
                     )
             shards, counters = projections()
+            opens = []
             with conn.cursor().copy(q.SQL_COPY_SHARDS) as copy:
                 for s in shards:
                     copy.write_row(
@@ -346,6 +347,11 @@ class PostgresStore:
                             *(s.deadline_us, s.plan_line, s.record),
                         )
                     )
+                    if s.open is not None:
+                        opens.append((run.run_pk, s.shard_id, *s.open))
+            with conn.cursor().copy(q.SQL_COPY_OPEN) as copy:
+                for row in opens:
+                    copy.write_row(row)
             with conn.cursor().copy(q.SQL_COPY_COUNTERS) as copy:
                 for key, n in sorted(counters.items()):
                     copy.write_row((run.run_pk, key, n))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Final
 
 from ledger_server import formats
-from ledger_server.states import ShardState
 from ledger_server.store.resume_sql import resume_reason_sql
 
 # Every text column that is compared or sorted uses the "C" collation, so plan order and
@@ -156,6 +155,29 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                FOR EACH ROW EXECUTE FUNCTION shardledger_guard_tombstone()""",
         ],
     ),
+    (
+        6,
+        "open attempts in a narrow table: scrapes and reports sum them without a parse",
+        [
+            # As SQLite's migration 7: one row per running shard, moved by its heartbeats,
+            # filled by the record format 8 upgrade (a replay of each run).
+            """CREATE TABLE shard_open (
+                run_pk bigint NOT NULL,
+                shard_id text COLLATE "C" NOT NULL,
+                deadline_us bigint,
+                seen_us bigint NOT NULL,
+                started_us bigint NOT NULL,
+                gpus bigint NOT NULL,
+                gpus_known boolean NOT NULL,
+                saved_us bigint NOT NULL,
+                first_pass boolean NOT NULL,
+                labels text COLLATE "C" NOT NULL,
+                shard_labels text COLLATE "C" NOT NULL,
+                PRIMARY KEY (run_pk, shard_id))""",
+            "CREATE INDEX shard_open_by_deadline ON shard_open (run_pk, deadline_us)",
+            "CREATE INDEX shard_open_by_seen ON shard_open (run_pk, seen_us)",
+        ],
+    ),
 ]
 formats.check_schema("PostgreSQL", MIGRATIONS, formats.POSTGRESQL_SCHEMA)
 
@@ -243,6 +265,41 @@ SQL_SAVE_BEATS: Final = (
     " ON CONFLICT (run_pk, shard_id) DO UPDATE SET deadline_us = excluded.deadline_us,"
     " beat_us = excluded.beat_us, beat_step = excluded.beat_step"
 )
+SQL_OPEN_COLUMNS: Final = (
+    "deadline_us, seen_us, started_us, gpus, gpus_known, saved_us, first_pass, labels, shard_labels"
+)
+SQL_SAVE_OPEN: Final = (
+    f"INSERT INTO shard_open (run_pk, shard_id, {SQL_OPEN_COLUMNS})"
+    " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::bigint[], %b::bigint[], %b::bigint[],"
+    " %b::bigint[], %b::boolean[], %b::bigint[], %b::boolean[], %b::text[], %b::text[])"
+    " ON CONFLICT (run_pk, shard_id) DO UPDATE SET deadline_us = excluded.deadline_us,"
+    " seen_us = excluded.seen_us, started_us = excluded.started_us, gpus = excluded.gpus,"
+    " gpus_known = excluded.gpus_known, saved_us = excluded.saved_us,"
+    " first_pass = excluded.first_pass, labels = excluded.labels,"
+    " shard_labels = excluded.shard_labels"
+)
+SQL_CLEAR_OPEN: Final = (
+    "DELETE FROM shard_open AS o USING unnest(%b::bigint[], %b::text[]) AS t (run_pk, shard_id)"
+    " WHERE o.run_pk = t.run_pk AND o.shard_id = t.shard_id"
+)
+# A heartbeat moves only the deadline and the last-seen time of a row that exists.
+SQL_TOUCH_OPEN: Final = (
+    "UPDATE shard_open AS o SET deadline_us = t.deadline_us, seen_us = t.seen_us"
+    " FROM unnest(%b::bigint[], %b::text[], %b::bigint[], %b::bigint[])"
+    " AS t (run_pk, shard_id, deadline_us, seen_us)"
+    " WHERE o.run_pk = t.run_pk AND o.shard_id = t.shard_id"
+)
+# The same sums as field.add_open over each stale attempt (span never below 0).
+SQL_STALE_OPEN: Final = (
+    "SELECT first_pass, labels, shard_labels, COUNT(*),"
+    " SUM(gpus * GREATEST(0, seen_us - started_us)),"
+    " SUM(CASE WHEN gpus_known THEN 0 ELSE 1 END), SUM(GREATEST(0, deadline_us - saved_us))"
+    " FROM shard_open WHERE run_pk = %s AND deadline_us < %s"
+    " GROUP BY first_pass, labels, shard_labels"
+)
+SQL_OLDEST_OPEN_SEEN: Final = "SELECT MIN(seen_us) FROM shard_open WHERE run_pk = %s"
+SQL_COPY_OPEN: Final = f"COPY shard_open (run_pk, shard_id, {SQL_OPEN_COLUMNS}) FROM STDIN"
+SQL_OPEN_ROWS: Final = f"SELECT shard_id, {SQL_OPEN_COLUMNS} FROM shard_open WHERE run_pk = %s"
 SQL_ADD_COUNTERS: Final = (
     "INSERT INTO run_counters (run_pk, key, n)"
     " SELECT * FROM unnest(%b::bigint[], %b::text[], %b::bigint[])"
@@ -261,7 +318,8 @@ SQL_ITER_EVENTS: Final = (
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = %s AND n != 0"
 SQL_COUNTER: Final = "SELECT n FROM run_counters WHERE run_pk = %s AND key = %s"
-SQL_COUNT_STALE: Final = f"SELECT COUNT(*){SHARD_FROM} WHERE s.run_pk = %s AND s.state = '{ShardState.RUNNING}' AND {DEADLINE} < %s"
+# Every running shard has its open attempt row, with the deadline its heartbeats moved.
+SQL_COUNT_STALE: Final = "SELECT COUNT(*) FROM shard_open WHERE run_pk = %s AND deadline_us < %s"
 SQL_ITER_SHARDS: Final = (
     f"SELECT s.shard_id, s.plan_index, s.state, s.detail, {DEADLINE}, s.plan_line,"
     f" s.record, b.beat_us, b.beat_step{SHARD_FROM}"
@@ -300,6 +358,7 @@ SQL_LOCK_RUN_HEAD: Final = "SELECT event_count, head_hash FROM runs WHERE run_pk
 # An archived run's rows, all at once: what restore clears before it writes the bundle's
 # rows back (a purge a crash cut short may have left some).
 SQL_ARCHIVE_DELETES: Final = (
+    "DELETE FROM shard_open WHERE run_pk = %s",
     "DELETE FROM shard_beats WHERE run_pk = %s",
     "DELETE FROM shards WHERE run_pk = %s",
     "DELETE FROM events WHERE run_pk = %s",
@@ -381,5 +440,7 @@ def server_role_grants(role: str) -> list[str]:
         f"GRANT SELECT ON run_archives TO {quoted}",
         # A heartbeat row is deleted when the shard's full record is written again.
         f"GRANT SELECT, INSERT, UPDATE, DELETE ON shard_beats TO {quoted}",
+        # So is an open attempt's row, when its shard stops running.
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON shard_open TO {quoted}",
         f"GRANT USAGE, SELECT ON SEQUENCE runs_run_pk_seq, {EVENT_SEQUENCE} TO {quoted}",
     ]

@@ -16,8 +16,10 @@ from ledger_server.store.base import (
     PROBE_RETRY_S,
     ConcurrentWriteError,
     ImmutableRowError,
+    OpenRow,
     RunRow,
     ShardRow,
+    StaleOpen,
     StoreCorrupt,
     StoredEvent,
     StoredShard,
@@ -107,6 +109,10 @@ class PgWriteTx:
         # Heartbeat rows to write, key -> (deadline, us, step), and those to delete.
         self._beats: dict[tuple[int, str], tuple[Any, ...]] = {}
         self._cleared: set[tuple[int, str]] = set()
+        # Open attempt rows to write, those to delete, and (deadline, seen) a heartbeat moved.
+        self._opens: dict[tuple[int, str], OpenRow] = {}
+        self._closed: set[tuple[int, str]] = set()
+        self._open_beats: dict[tuple[int, str], tuple[Any, ...]] = {}
         # Counter deltas are sums, so the deltas of many shards fold into one upsert per key.
         self._counters: dict[tuple[int, str], int] = {}
         self._heads: dict[int, tuple[Any, ...]] = {}
@@ -118,7 +124,15 @@ class PgWriteTx:
 
     def flush(self) -> None:
         """Sends the buffered writes in one pipeline: one round trip, one statement per table."""
-        if not (self._events or self._shards or self._beats or self._counters or self._heads):
+        if not (
+            self._events
+            or self._shards
+            or self._beats
+            or self._counters
+            or self._heads
+            or self._closed
+            or self._open_beats
+        ):
             return
         counters = [(pk, key, n) for (pk, key), n in self._counters.items() if n]
         bulk = [
@@ -127,6 +141,9 @@ class PgWriteTx:
             (q.SQL_CLEAR_BEATS, list(self._cleared)),
             (q.SQL_SAVE_BEATS, [(*k, *t) for k, t in self._beats.items()]),
             (q.SQL_ADD_COUNTERS, counters),
+            (q.SQL_CLEAR_OPEN, list(self._closed)),
+            (q.SQL_SAVE_OPEN, [(*k, *o) for k, o in self._opens.items()]),
+            (q.SQL_TOUCH_OPEN, [(*k, *t) for k, t in self._open_beats.items()]),
         ]
         heads = list(self._heads.values())
         self.discard()
@@ -145,6 +162,7 @@ class PgWriteTx:
         """Drops the buffered writes (their savepoint is being rolled back)."""
         self._events, self._shards, self._counters, self._heads = [], {}, {}, {}
         self._beats, self._cleared = {}, set()
+        self._opens, self._closed, self._open_beats = {}, set(), {}
 
     def _query(self, sql: str, params: Any) -> list[TupleRow]:
         with edge():
@@ -239,6 +257,13 @@ class PgWriteTx:
         )
         self._beats.pop(key, None)
         self._cleared.add(key)
+        self._open_beats.pop(key, None)
+        if shard.open is not None:
+            self._opens[key] = shard.open
+            self._closed.discard(key)
+        else:
+            self._opens.pop(key, None)
+            self._closed.add(key)
 
     def touch_shard(
         self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
@@ -246,6 +271,11 @@ class PgWriteTx:
         key = (run_pk, shard_id)
         self._beats[key] = (deadline_us, beat_us, beat_step)
         self._cleared.discard(key)
+        pending = self._opens.get(key)
+        if pending is not None:
+            self._opens[key] = pending._replace(deadline_us=deadline_us, seen_us=beat_us)
+        elif key not in self._closed:
+            self._open_beats[key] = (deadline_us, beat_us)
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         for key, n in deltas.items():
@@ -262,7 +292,7 @@ class PgWriteTx:
     def clear_projections(self, run_pk: int) -> None:
         with edge():
             self.flush()  # writes buffered before this call land first, and are cleared too
-            for table in ("shards", "shard_beats", "run_counters"):
+            for table in ("shards", "shard_beats", "shard_open", "run_counters"):
                 self.conn.execute(f"DELETE FROM {table} WHERE run_pk = %s", (run_pk,))
 
     def update_run(self, run_pk: int, *, event_count: int, head_hash: bytes, now_us: int) -> None:
@@ -328,6 +358,19 @@ class PgReadView:
 
     def counters(self, run_pk: int) -> dict[str, int]:
         return {str(k): int(n) for k, n in self.rows(q.SQL_COUNTERS, (run_pk,))}
+
+    def stale_open(self, run_pk: int, now_us: int) -> list[StaleOpen]:
+        return [
+            StaleOpen(bool(fp), str(labels), str(shard_labels), *(int(n) for n in sums))
+            for fp, labels, shard_labels, *sums in self.rows(q.SQL_STALE_OPEN, (run_pk, now_us))
+        ]
+
+    def oldest_open_seen(self, run_pk: int) -> int | None:
+        oldest = self.rows(q.SQL_OLDEST_OPEN_SEEN, (run_pk,))[0][0]
+        return None if oldest is None else int(oldest)
+
+    def open_rows(self, run_pk: int) -> dict[str, OpenRow]:
+        return {str(r[0]): OpenRow(*r[1:]) for r in self.rows(q.SQL_OPEN_ROWS, (run_pk,))}
 
     def count_stale(self, run_pk: int, now_us: int) -> int:
         return int(self.rows(q.SQL_COUNT_STALE, (run_pk, now_us))[0][0])

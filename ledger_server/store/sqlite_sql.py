@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 from ledger_server import formats
-from ledger_server.states import RESUME_STATES, ShardState
+from ledger_server.states import RESUME_STATES
 from ledger_server.store.resume_sql import resume_reason_sql
 
 # Each migration is a list of statements applied in one transaction together
@@ -163,6 +163,31 @@ MIGRATIONS: Final[list[tuple[int, str, list[str]]]] = [
                  'tombstones stay until their run''s events are restored: DELETE refused'); END""",
         ],
     ),
+    (
+        7,
+        "open attempts in a narrow table: scrapes and reports sum them without a parse",
+        [
+            # One row per running shard (its open latest attempt), written with its shard
+            # row and moved by its heartbeats. A report or a scrape adds the writer's sums
+            # (run_counters) and finds what went stale by a range on the deadline; the
+            # rows are filled by the record format 8 upgrade (a replay of each run).
+            """CREATE TABLE shard_open (
+                run_pk INTEGER NOT NULL,
+                shard_id TEXT NOT NULL,
+                deadline_us INTEGER,
+                seen_us INTEGER NOT NULL,
+                started_us INTEGER NOT NULL,
+                gpus INTEGER NOT NULL,
+                gpus_known INTEGER NOT NULL,
+                saved_us INTEGER NOT NULL,
+                first_pass INTEGER NOT NULL,
+                labels TEXT NOT NULL,
+                shard_labels TEXT NOT NULL,
+                PRIMARY KEY (run_pk, shard_id)) WITHOUT ROWID""",
+            "CREATE INDEX shard_open_by_deadline ON shard_open (run_pk, deadline_us)",
+            "CREATE INDEX shard_open_by_seen ON shard_open (run_pk, seen_us)",
+        ],
+    ),
 ]
 formats.check_schema("SQLite", MIGRATIONS, formats.SQLITE_SCHEMA)
 SQL_TOKEN_COLUMNS: Final = "token_id, namespace, role, run_prefix, secret_hash, description, created_us, expires_us, revoked_us"
@@ -196,6 +221,7 @@ SQL_RUN_HEAD: Final = "SELECT event_count, head_hash FROM runs WHERE run_pk = ?"
 # An archived run's rows, all of them at once: what restore clears before it writes the
 # bundle's rows back (a purge a crash cut short may have left some).
 SQL_ARCHIVE_DELETES: Final = (
+    "DELETE FROM shard_open WHERE run_pk = ?",
     "DELETE FROM shard_beats WHERE run_pk = ?",
     "DELETE FROM shards WHERE run_pk = ?",
     "DELETE FROM events WHERE run_pk = ?",
@@ -282,10 +308,37 @@ SQL_ADD_COUNTERS: Final = (
 )
 SQL_COUNTERS: Final = "SELECT key, n FROM run_counters WHERE run_pk = ? AND n != 0"
 SQL_COUNTER: Final = "SELECT n FROM run_counters WHERE run_pk = ? AND key = ?"
-SQL_COUNT_STALE: Final = (
-    f"SELECT COUNT(*){SQL_SHARD_FROM} WHERE s.run_pk = ? AND s.state = '{ShardState.RUNNING}'"
-    f" AND {SQL_DEADLINE} < ?"
+# Every running shard has its open attempt row, with the deadline its heartbeats moved:
+# the stale ones are a range of the deadline index, not a pass over the running shards.
+SQL_COUNT_STALE: Final = "SELECT COUNT(*) FROM shard_open WHERE run_pk = ? AND deadline_us < ?"
+SQL_OPEN_COLUMNS: Final = (
+    "deadline_us, seen_us, started_us, gpus, gpus_known, saved_us, first_pass, labels, shard_labels"
 )
+SQL_SAVE_OPEN: Final = (
+    f"INSERT INTO shard_open (run_pk, shard_id, {SQL_OPEN_COLUMNS}) VALUES {{values}}"
+    " ON CONFLICT (run_pk, shard_id) DO UPDATE SET deadline_us = excluded.deadline_us,"
+    " seen_us = excluded.seen_us, started_us = excluded.started_us, gpus = excluded.gpus,"
+    " gpus_known = excluded.gpus_known, saved_us = excluded.saved_us,"
+    " first_pass = excluded.first_pass, labels = excluded.labels,"
+    " shard_labels = excluded.shard_labels"
+)
+SQL_CLEAR_OPEN: Final = "DELETE FROM shard_open WHERE (run_pk, shard_id) IN (VALUES {values})"
+# A heartbeat moves only the deadline and the last-seen time of a row that exists.
+SQL_TOUCH_OPEN: Final = (
+    "UPDATE shard_open SET deadline_us = t.column3, seen_us = t.column4"
+    " FROM (VALUES {values}) AS t"
+    " WHERE shard_open.run_pk = t.column1 AND shard_open.shard_id = t.column2"
+)
+# The same sums as field.add_open over each stale attempt (span never below 0).
+SQL_STALE_OPEN: Final = (
+    "SELECT first_pass, labels, shard_labels, COUNT(*),"
+    " SUM(gpus * MAX(0, seen_us - started_us)), SUM(1 - gpus_known),"
+    " SUM(MAX(0, deadline_us - saved_us))"
+    " FROM shard_open WHERE run_pk = ? AND deadline_us < ?"
+    " GROUP BY first_pass, labels, shard_labels"
+)
+SQL_OLDEST_OPEN_SEEN: Final = "SELECT MIN(seen_us) FROM shard_open WHERE run_pk = ?"
+SQL_OPEN_ROWS: Final = f"SELECT shard_id, {SQL_OPEN_COLUMNS} FROM shard_open WHERE run_pk = ?"
 SQL_HAS_MIGRATIONS: Final = (
     "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
 )

@@ -11,8 +11,10 @@ from typing import Final
 from ledger_server.states import RESUME_STATES
 from ledger_server.store import sqlite_sql as q
 from ledger_server.store.base import (
+    OpenRow,
     RunRow,
     ShardRow,
+    StaleOpen,
     StoredEvent,
     StoredShard,
     StoreError,
@@ -80,6 +82,11 @@ class _Buffer:
     beats: dict[tuple[int, str], tuple[int | None, int, int]] = field(default_factory=dict)
     cleared: set[tuple[int, str]] = field(default_factory=set)
     counters: dict[tuple[int, str], int] = field(default_factory=dict)
+    # key -> the open attempt row to write; keys whose row goes; key -> (deadline, seen)
+    # a heartbeat moved in a row written before this transaction.
+    opens: dict[tuple[int, str], OpenRow] = field(default_factory=dict)
+    closed: set[tuple[int, str]] = field(default_factory=set)
+    open_beats: dict[tuple[int, str], tuple[int | None, int]] = field(default_factory=dict)
 
     def copy(self) -> _Buffer:
         # Shallow copies suffice: buffered values are immutable and the event list is only
@@ -96,6 +103,9 @@ class _Buffer:
             dict(self.beats),
             set(self.cleared),
             dict(self.counters),
+            dict(self.opens),
+            set(self.closed),
+            dict(self.open_beats),
         )
 
 
@@ -143,6 +153,9 @@ class SqliteWriteTx:
         _write_rows(conn, q.SQL_CLEAR_BEATS, list(buf.cleared))
         _write_rows(conn, q.SQL_SAVE_BEATS, [(*k, *v) for k, v in buf.beats.items()])
         _write_rows(conn, q.SQL_ADD_COUNTERS, [(*k, n) for k, n in buf.counters.items() if n])
+        _write_rows(conn, q.SQL_CLEAR_OPEN, list(buf.closed))
+        _write_rows(conn, q.SQL_SAVE_OPEN, [(*k, *v) for k, v in buf.opens.items()])
+        _write_rows(conn, q.SQL_TOUCH_OPEN, [(*k, *v) for k, v in buf.open_beats.items()])
         heads = [r for r in buf.runs.values() if r.run_pk in buf.dirty_runs]
         conn.executemany(
             q.SQL_UPDATE_RUN, [(r.event_count, r.head_hash, r.updated_us, r.run_pk) for r in heads]
@@ -243,6 +256,14 @@ class SqliteWriteTx:
         buf.beats.pop(key, None)
         if run_pk not in self._cleared_runs:
             buf.cleared.add(key)
+        buf.open_beats.pop(key, None)
+        if shard.open is not None:
+            buf.opens[key] = shard.open
+            buf.closed.discard(key)
+        else:
+            buf.opens.pop(key, None)
+            if run_pk not in self._cleared_runs:
+                buf.closed.add(key)
 
     def touch_shard(
         self, *, run_pk: int, shard_id: str, deadline_us: int | None, beat_us: int, beat_step: int
@@ -252,6 +273,11 @@ class SqliteWriteTx:
         buf.beats[key] = (deadline_us, beat_us, beat_step)
         buf.cleared.discard(key)
         self._cleared_runs.discard(run_pk)
+        pending = buf.opens.get(key)
+        if pending is not None:
+            buf.opens[key] = pending._replace(deadline_us=deadline_us, seen_us=beat_us)
+        elif key not in buf.closed:
+            buf.open_beats[key] = (deadline_us, beat_us)
 
     def add_counters(self, run_pk: int, deltas: Mapping[str, int]) -> None:
         counters = self._buf.counters
@@ -271,7 +297,7 @@ class SqliteWriteTx:
     def clear_projections(self, run_pk: int) -> None:
         try:
             self.flush()  # writes buffered before this call land first, and are cleared too
-            for table in ("shards", "shard_beats", "run_counters"):
+            for table in ("shards", "shard_beats", "shard_open", "run_counters"):
                 self.conn.execute(f"DELETE FROM {table} WHERE run_pk = ?", (run_pk,))
             self._cleared_runs.add(run_pk)
         except sqlite3.Error as exc:
@@ -324,6 +350,28 @@ class SqliteReadView:
 
     def counters(self, run_pk: int) -> dict[str, int]:
         return {k: n for k, n in self.conn.execute(q.SQL_COUNTERS, (run_pk,))}
+
+    def stale_open(self, run_pk: int, now_us: int) -> list[StaleOpen]:
+        return [
+            StaleOpen(bool(fp), labels, shard_labels, *map(int, sums))
+            for fp, labels, shard_labels, *sums in self.conn.execute(
+                q.SQL_STALE_OPEN, (run_pk, now_us)
+            )
+        ]
+
+    def oldest_open_seen(self, run_pk: int) -> int | None:
+        (oldest,) = self.conn.execute(q.SQL_OLDEST_OPEN_SEEN, (run_pk,)).fetchone()
+        return None if oldest is None else int(oldest)
+
+    def open_rows(self, run_pk: int) -> dict[str, OpenRow]:
+        return {
+            shard_id: OpenRow(
+                deadline, seen, started, gpus, bool(known), saved, bool(fp), labels, shard_labels
+            )
+            for shard_id, deadline, seen, started, gpus, known, saved, fp, labels, shard_labels in (
+                self.conn.execute(q.SQL_OPEN_ROWS, (run_pk,))
+            )
+        }
 
     def count_stale(self, run_pk: int, now_us: int) -> int:
         return int(self.conn.execute(q.SQL_COUNT_STALE, (run_pk, now_us)).fetchone()[0])

@@ -227,3 +227,19 @@ def test_bench_retention_pause_and_read_rss_measure_both_shapes_of_one_night(
     # Every way reads the same resume list: the four failed shards of forty.
     resumes = {result[w]["resume"] for w in ("objects", "compact_hot_50000", "compact_hot_2000")}
     assert resumes == {4}
+
+
+def test_bench_scrape_counts_the_open_shards_and_gives_the_baselines_figures(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "scrape.json"
+    done = _bench("tools.bench.scrape", *("--shards", "40", "--repeat", "1", "-o", str(out)))
+    assert done.returncode == 0, done.stderr
+    (size,) = json.loads(out.read_text())["sizes"]
+    # Half the attempts have a one-minute timeout and were last seen two minutes ago.
+    assert (size["new"]["running"], size["new"]["stale"]) == (20, 20)
+    # 20 attempts each way, one GPU, 10 s from start to heartbeat.
+    assert size["new"]["report_running_gpu_s"] == size["new"]["report_hung_gpu_s"] == 200.0
+    # The revision before the writer kept the sums answers the same figures.
+    assert size["same_figures"] is True
+    assert size["baseline"]["series"] == size["new"]["series"] > 0

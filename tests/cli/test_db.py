@@ -104,6 +104,9 @@ TABLES = {
     " s.record, b.beat_us, b.beat_step FROM shards AS s LEFT JOIN shard_beats AS b"
     " ON b.run_pk = s.run_pk AND b.shard_id = s.shard_id ORDER BY s.run_pk, s.shard_id",
     "counters": "SELECT run_pk, key, n FROM run_counters WHERE n != 0 ORDER BY run_pk, key",
+    "open attempts": "SELECT run_pk, shard_id, deadline_us, seen_us, started_us, gpus,"
+    " CAST(gpus_known AS INTEGER), saved_us, CAST(first_pass AS INTEGER), labels, shard_labels"
+    " FROM shard_open ORDER BY run_pk, shard_id",
     "tokens": "SELECT * FROM tokens ORDER BY token_id",
 }
 
@@ -121,16 +124,17 @@ def test_migrate_applies_and_prints_versions_on_both_backends(
 ) -> None:
     # SQLite has one more: its shard rows moved to a rowid table (PostgreSQL needs no such
     # move). Both then cover the resume list with the plan-order index, and end with the
-    # tombstones of archived runs.
-    for url, last in ((f"sqlite:///{tmp_path / 'new.db'}", 6), (pg_url, 5)):
+    # tombstones of archived runs and the open attempts' table.
+    for url, last in ((f"sqlite:///{tmp_path / 'new.db'}", 7), (pg_url, 6)):
         assert _db("migrate", "--database-url", url) == EXIT_OK
         out = capsys.readouterr().out
         assert f"schema version {last}" in out
         assert "1  events, runs" in out and "2  access tokens" in out
         assert "3  shard heartbeats" in out
-        assert ("4  shard rows in a rowid table" in out) == (last == 6)
-        assert f"{last - 1}  the plan-order index covers the resume list" in out
-        assert f"{last}  run tombstones: an archived run's events leave the hot store" in out
+        assert ("4  shard rows in a rowid table" in out) == (last == 7)
+        assert f"{last - 2}  the plan-order index covers the resume list" in out
+        assert f"{last - 1}  run tombstones: an archived run's events leave the hot store" in out
+        assert f"{last}  open attempts in a narrow table" in out
         assert _db("migrate", "--database-url", url, "--json") == EXIT_OK
         versions = json.loads(capsys.readouterr().out)["migrations"]
         assert [m["version"] for m in versions] == list(range(1, last + 1))
@@ -146,6 +150,7 @@ def test_copy_moves_every_row_verbatim_and_rebuilds_equal_projections(
         source = _normalized(table, _rows(_sqlite(sqlite_ledger), sql))
         target = _normalized(table, _rows(_pg(pg_url), sql))
         assert target == source, table
+    assert _rows(_sqlite(sqlite_ledger), TABLES["open attempts"]), "the night has shards running"
     # The target serves on: new sequences continue above the copied ones, chains stay whole.
     running = create_server(
         ServerConfig(database=pg_url, listen="127.0.0.1:0", signing_key=str(tmp_path / "k"))

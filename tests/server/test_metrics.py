@@ -343,17 +343,20 @@ def test_a_listen_address_without_a_port_is_refused() -> None:
 
 
 def test_the_oldest_heartbeat_is_exact_across_heartbeat_rows_and_records(tmp_path: Path) -> None:
-    # The scrape reads a heartbeat row's time without parsing the record when it cannot
-    # be the oldest; the answer must still be the minimum of every running shard's
-    # last-seen time, including a record newer than its heartbeat row (a clock step).
+    # The scrape reads the minimum of the open attempts' last-seen index instead of
+    # parsing each running shard; it must still be the minimum of every running shard's
+    # last-seen time as its row tells it, a heartbeat that came in with an earlier clock
+    # (a clock step back) included.
+    from prometheus_client import CollectorRegistry, generate_latest
+
     from ledger_server.events import AttemptStarted, Event, Heartbeat, ShardPlanned
-    from ledger_server.run_metrics import RunCollector, _last_seen_us
+    from ledger_server.record import latest_attempt_from_row
+    from ledger_server.run_metrics import RunCollector
     from ledger_server.service import LedgerService
     from ledger_server.store.sqlite import SqliteStore
 
     now = [1_000_000_000]
     ledger = LedgerService(SqliteStore(str(tmp_path / "ledger.db")), clock=lambda: now[0])
-    collector = RunCollector(ledger)
 
     def at(t_s: float, *events: Event) -> None:
         now[0] = int(1_000_000_000 + t_s * 1_000_000)
@@ -377,12 +380,28 @@ def test_the_oldest_heartbeat_is_exact_across_heartbeat_rows_and_records(tmp_pat
 
     def reference() -> int | None:
         rows = ledger.store.read().iter_shards(run.run_pk, states=["running"])
-        seen = [s for r in rows if (s := _last_seen_us(r.record, r.beat_us)) is not None]
+        seen = []
+        for row in rows:
+            assert row.record is not None
+            attempt = latest_attempt_from_row(row.record, row.beat_us)[0]
+            assert attempt is not None
+            seen.append(attempt.last_seen_us)
         return min(seen, default=None)
 
-    assert collector._oldest_last_seen(run.run_pk) == reference() == 1_010_000_000
+    registry = CollectorRegistry()
+    registry.register(RunCollector(ledger))
+
+    def scraped() -> float:
+        text = generate_latest(registry).decode()
+        family = "shardledger_run_oldest_heartbeat_timestamp_seconds"
+        (line,) = [x for x in text.splitlines() if x.startswith(family + "{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert ledger.store.read().oldest_open_seen(run.run_pk) == reference() == 1_010_000_000
+    assert scraped() == 1_010.0
     at(80, ev(0, "h1", Heartbeat(1, 0.1, {})))  # shard 0 beats: now shard 3 (record 40 s) is
-    assert collector._oldest_last_seen(run.run_pk) == reference() == 1_040_000_000
+    assert ledger.store.read().oldest_open_seen(run.run_pk) == reference() == 1_040_000_000
+    assert scraped() == 1_040.0
 
 
 def test_the_cardinality_the_docs_state_is_what_the_export_computes() -> None:

@@ -59,9 +59,10 @@ def test_a_version_3_file_migrates_to_rowid_shard_rows_with_the_same_answers(
     path = tmp_path / "ledger.db"
     with monkeypatch.context() as old_release:
         # Version 3, plus the tombstone table (6), which every run query of this release
-        # reads; it touches neither shards table, so 4 and 5 migrate as they did.
+        # reads, and the open attempts table (7), which its writer fills; they touch
+        # neither shards table, so 4 and 5 migrate as they did.
         old_release.setattr(
-            sqlite_sql, "MIGRATIONS", sqlite_sql.MIGRATIONS[:3] + sqlite_sql.MIGRATIONS[5:6]
+            sqlite_sql, "MIGRATIONS", sqlite_sql.MIGRATIONS[:3] + sqlite_sql.MIGRATIONS[5:7]
         )
         before = _write_and_read(path, write=True)
     assert "WITHOUT ROWID" in _shards_ddl(path)
@@ -73,7 +74,7 @@ def test_a_version_3_file_migrates_to_rowid_shard_rows_with_the_same_answers(
         versions = [v for (v,) in conn.execute("SELECT version FROM schema_migrations")]
         indexes = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    assert sorted(versions) == [1, 2, 3, 4, 5, 6]
+    assert sorted(versions) == [1, 2, 3, 4, 5, 6, 7]
     assert {"shards_by_state", "shards_by_plan_state"} <= indexes
     # The migrated table takes the writes that follow: a full save and a heartbeat row.
     running = create_server(ServerConfig(database=str(path), listen="127.0.0.1:0"))

@@ -15,7 +15,8 @@
     python -m tools.bench job       what the SDK costs a job: per process, shard, heartbeat, commit (tools.bench.job)
     python -m tools.bench report    `report` vs `status` on a 1,000,000-shard / 8.8M-event night (~10 min)
     python -m tools.bench retention a compressed year with and without archiving (tools.bench.retention)
-    python -m tools.bench all       everything but report, job and retention; JSON lands in bench-results/ingest.json
+    python -m tools.bench scrape    /metrics CPU and report time at 10,000 and 100,000 open shards, old and new (tools.bench.scrape)
+    python -m tools.bench all       everything but report, job, retention and scrape; JSON lands in bench-results/ingest.json
 
 No timing is asserted anywhere in the test suite: numbers live here and in docs/performance.md.
 """
@@ -745,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("which", choices=[*BENCHES, "retention", "all"])
+    parser.add_argument("which", choices=[*BENCHES, "retention", "scrape", "all"])
     parser.add_argument(
         "-o",
         "--output",
@@ -829,6 +830,12 @@ def main(argv: list[str] | None = None) -> int:
 
         code: int = bench_retention_main(["-o", args.output] if args.output else [])
         return code
+    if args.which == "scrape":
+        # Its own file and its own knobs (python -m tools.bench.scrape --help).
+        from tools.bench.scrape import main as bench_scrape_main
+
+        scrape_code: int = bench_scrape_main(["-o", args.output] if args.output else [])
+        return scrape_code
     if args.which == "report":
         # Its own file, as `python -m tools.bench.report` writes it (not a key of ingest.json).
         result = bench_report()
