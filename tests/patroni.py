@@ -12,7 +12,9 @@ timers so that a test fails over in seconds:
   may be promoted; with no standby left, writes stop rather than go unreplicated;
 * ``use_pg_rewind`` with ``wal_log_hints``: a demoted primary rejoins as a standby of the
   new timeline, its unreplicated tail discarded;
-* ``ttl`` 15 s, ``loop_wait`` 1 s, ``retry_timeout`` 5 s (Patroni's defaults are 30, 10, 10).
+* ``ttl`` 15 s, ``loop_wait`` 1 s, ``retry_timeout`` 5 s (Patroni's defaults are 30, 10, 10);
+* ``primary_stop_timeout`` 2 s, under ``retry_timeout``: a primary cut off from etcd stops
+  within it (SIGKILL past it), so that it rejoins by ``pg_rewind`` (see PRIMARY_STOP_TIMEOUT_S).
 
 The test process reaches each PostgreSQL through its Unix socket (a file, in no
 network namespace), and Patroni's REST API through processes it runs on the hosts.
@@ -47,6 +49,19 @@ ETCD_PEER_PORT: Final = 2380
 TTL_S: Final = 15
 LOOP_WAIT_S: Final = 1
 RETRY_TIMEOUT_S: Final = 5
+# A primary cut off from etcd demotes itself ("offline") from Patroni's async executor with
+# a fast shutdown, which waits for the walsenders of the standbys on the other side of the
+# cut (until their TCP connections break: 20 s and more). Patroni 3.0.2 meets the next
+# cycle's DCS error with a second demote from its main thread (ha.py: "AsyncExecutor is
+# busy, demoting from the main thread"); when the postmaster exits both start PostgreSQL,
+# Patroni tracks the one that lost the race for postmaster.pid, runs pg_rewind beside the
+# live one ("lock file postmaster.pid already exists"), fails, and rebuilds the node from
+# a base backup (140-180 s here; upstream: patroni/patroni#3649). In synchronous mode
+# primary_stop_timeout bounds the stop (then an immediate stop, then SIGKILL), so the first
+# demote has ended, and the node says it is no longer a leader, before the second DCS
+# error, one retry_timeout later. Nothing is lost by it: a COMMIT the standbys never
+# confirmed was never acknowledged, and pg_rewind discards it.
+PRIMARY_STOP_TIMEOUT_S: Final = 2
 NODES: Final = ("pg1", "pg2", "pg3")
 
 
@@ -116,6 +131,7 @@ class PatroniNode:
                     # A primary whose PostgreSQL dies fails over at once instead of
                     # being restarted in place for up to 300 s: safe in synchronous mode.
                     "primary_start_timeout": 0,
+                    "primary_stop_timeout": PRIMARY_STOP_TIMEOUT_S,
                     "synchronous_mode": True,
                     "synchronous_mode_strict": True,
                     "postgresql": {
@@ -178,6 +194,23 @@ class PatroniNode:
             log=self.log,
             cwd=self.cluster.root,
         )
+
+    def log_size(self) -> int:
+        """Returns how far Patroni's log has grown: where rejoined_by starts reading."""
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def rejoined_by(self, since: int) -> str:
+        """Returns how this node came back after the log offset since: its data directory
+        removed and rebuilt from a base backup ("rebuild"), rewound onto the leader's
+        timeline ("rewind"), or only restarted ("restart")."""
+        with open(self.log, "rb") as log:
+            log.seek(since)
+            text = log.read().decode(errors="replace")
+        if "Removing data directory" in text:
+            return "rebuild"
+        if "pg_rewind exit code=0" in text:
+            return "rewind"
+        return "restart"
 
     def admin_url(self, dbname: str = "postgres") -> str:
         """Returns a URL that reaches this node's PostgreSQL through its Unix socket."""
@@ -315,5 +348,10 @@ class PatroniCluster:
         return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write"
 
     def close(self) -> None:
-        """Removes the files (Network.close kills the processes)."""
+        """Keeps the logs beside the network's (pytest's tmp_path), removes the rest.
+
+        Network.close kills the processes.
+        """
+        for log in self.root.glob("*.log"):
+            shutil.copy(log, self.net.workdir / log.name)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -211,6 +211,11 @@ def patroni_faults(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             fault["acked_during"] = fault.get("acked_during", 0) + during
             for key in ("refused", "deadline_exceeded", "refused_without_retry_info"):
                 fault[key] = fault.get(key, 0) + r[key]
+            # How the stopped member came back: "rewind", "restart" (a base-backup
+            # "rebuild" fails its test).
+            if "rejoined_by" in r:
+                by = fault.setdefault("rejoined_by", {})
+                by[r["rejoined_by"]] = by.get(r["rejoined_by"], 0) + 1
     for fault in faults.values():
         for key in ("new_leader_s", "writable_s", "first_ack_s", "longest_ack_gap_s"):
             fault[key] = _spread(fault[key])
@@ -262,6 +267,12 @@ def print_summary(result: dict[str, Any]) -> None:
             )
             + f"; {fault['acked_during']} acknowledged during; {fault['refused']} refused,"
             f" {fault['deadline_exceeded']} DEADLINE_EXCEEDED"
+            + (
+                "; rejoined by "
+                + ", ".join(f"{k} {n}" for k, n in sorted(fault["rejoined_by"].items()))
+                if fault.get("rejoined_by")
+                else ""
+            )
         )
     if result["fuzz_codes"]:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(result["fuzz_codes"].items()))

@@ -38,8 +38,9 @@ from tests.patroni import REST_PORT, TTL_S, PatroniCluster, skip_reason
 from tests.server.test_replicas import assert_ledger_holds_exactly
 
 ROUNDS: Final = campaign.patroni_rounds(1)
-# A round that rebuilds a former primary (pg_rewind failed) takes up to about 4 min here;
-# the first test also starts the cluster. The suite's 300 s would end a campaign's test.
+# A round takes about a minute on the loaded two-core machine, up to 4 when the former
+# primary is slow to rejoin; the first test also starts the cluster. The suite's 300 s
+# would end a campaign's test.
 pytestmark = [
     pytest.mark.patroni,
     pytest.mark.slow,
@@ -265,28 +266,33 @@ def assert_round(figures_: dict[str, Any]) -> None:
     assert all(s <= ACK_BOUND_S for s in figures_["first_ack_s"].values()), figures_
 
 
-def wait_rejoined(topo: Topology, old: str) -> None:
+def wait_rejoined(topo: Topology, old: str, log_from: int) -> str:
     """Waits until the old leader runs again as a standby and the cluster has its sync standby.
 
     Healthy three times in a row, 1 s apart, every member on the leader's timeline: a
-    demoted primary answers "running" for a moment before Patroni stops it to rewind (or,
-    when pg_rewind fails, rebuilds it), and a next fault meanwhile would leave the new
-    leader no standby at all (strict mode: nothing commits; see docs/deployment.md).
+    demoted primary answers "running" for a moment before Patroni stops it to rewind,
+    and a next fault meanwhile would leave the new leader no standby at all (strict mode:
+    nothing commits; see docs/deployment.md). Returns how the node came back (rewind or
+    restart); a node rebuilt from a base backup fails the test at once (its log from
+    log_from says so): the rewind failed, and the cluster ran on one standby for minutes.
     """
+    node = topo.cluster.nodes[old]
     streak = [0]
 
     def settled() -> bool:
+        assert node.rejoined_by(log_from) != "rebuild", (
+            f"{old} was rebuilt from a base backup, not rewound: {node.log}"
+        )
         members = topo.cluster.members()
         timelines = {m.get("TL") for m in members}
         ok = topo.cluster.healthy(members) and len(timelines) == 1
         streak[0] = streak[0] + 1 if ok else 0
         return streak[0] >= 3
 
-    # Where pg_rewind fails, Patroni rebuilds the node from a base backup: 140 s and more
-    # for this suite's ledger on a loaded two-core machine.
-    wait_for(f"{old} to rejoin as a standby", settled, timeout_s=420, every_s=1.0)
+    wait_for(f"{old} to rejoin as a standby", settled, timeout_s=180, every_s=1.0)
     roles = {m["Member"]: m["Role"] for m in topo.cluster.members()}
     assert roles[old] in ("Replica", "Sync Standby"), roles
+    return node.rejoined_by(log_from)
 
 
 def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
@@ -305,6 +311,7 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
             led.append(old)
             pid = topo.cluster.nodes[old].postmaster_pid()
             assert pid is not None
+            log_from = topo.cluster.nodes[old].log_size()
             fault_at = time.time()
             os.kill(pid, signal.SIGKILL)
             wait_for(
@@ -314,9 +321,9 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
                 every_s=0.1,
             )
             load.wait_acks(20, after=fault_at)
-            wait_rejoined(topo, old)
+            rejoined_by = wait_rejoined(topo, old, log_from)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
-            rounds.append({"fault": "sigkill_postmaster", **got})
+            rounds.append({"fault": "sigkill_postmaster", "rejoined_by": rejoined_by, **got})
             assert_round(got)
         led.append(str(topo.cluster.leader()))
     finally:
@@ -336,6 +343,7 @@ def test_switchover_under_load_loses_nothing(topology: Topology) -> None:
             members = topo.cluster.members()
             old = next(m["Member"] for m in members if m["Role"] == "Leader")
             sync = next(m["Member"] for m in members if m["Role"] == "Sync Standby")
+            log_from = topo.cluster.nodes[old].log_size()
             fault_at = time.time()
             topo.cluster.patronictl(
                 "switchover", "--leader", old, "--candidate", sync, "--force", timeout_s=120
@@ -347,9 +355,9 @@ def test_switchover_under_load_loses_nothing(topology: Topology) -> None:
                 every_s=0.1,
             )
             load.wait_acks(20, after=fault_at)
-            wait_rejoined(topo, old)
+            rejoined_by = wait_rejoined(topo, old, log_from)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
-            rounds.append({"fault": "switchover", **got})
+            rounds.append({"fault": "switchover", "rejoined_by": rejoined_by, **got})
             assert got["new_leader"] == sync
             assert_round(got)
     finally:
@@ -377,6 +385,7 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
                 *(n.host for n in cluster.nodes.values() if n.name != old),
                 topo.ledgers[1].host,
             ]
+            log_from = cluster.nodes[old].log_size()
             fault_at = time.time()
             for other in cut:
                 net.partition(primary, other)
@@ -393,8 +402,9 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
             finally:
                 for other in cut:
                     net.heal(primary, other)
-            wait_rejoined(topo, old)
+            rejoined_by = wait_rejoined(topo, old, log_from)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
+            got["rejoined_by"] = rejoined_by
             # What the replica that still reached the old primary acknowledged after the cut:
             # each of those is checked below with every other acknowledgement.
             got["acked_through_reaching_replica_after_cut"] = sum(
@@ -514,15 +524,23 @@ def test_synchronous_standby_killed_under_load_blocks_briefly_and_loses_nothing(
             sync = next(m["Member"] for m in members if m["Role"] == "Sync Standby")
             pid = cluster.nodes[sync].postmaster_pid()
             assert pid is not None
+            log_from = cluster.nodes[sync].log_size()
             fault_at = time.time()
             os.kill(pid, signal.SIGKILL)
             # The other standby becomes synchronous (or this one restarts): appends go on.
             load.wait_acks(20, after=fault_at)
-            wait_rejoined(topo, sync)
+            rejoined_by = wait_rejoined(topo, sync, log_from)
             got = steady_figures(
                 load.lines(), load.targets, fault_at=fault_at, healed_at=time.time()
             )
-            rounds.append({"fault": "sigkill_sync_standby", "standby": sync, **got})
+            rounds.append(
+                {
+                    "fault": "sigkill_sync_standby",
+                    "standby": sync,
+                    "rejoined_by": rejoined_by,
+                    **got,
+                }
+            )
             assert cluster.leader() == leader, "a standby's crash moved the leader"
             assert got["deadline_exceeded"] == 0, got
             assert got["refused_without_retry_info"] == 0, got
