@@ -22,18 +22,22 @@ It runs the suite's own fault tests under pytest with the knobs of tests/campaig
     patroni   tests/contract/test_patroni_failover.py  Patroni fails PostgreSQL over by itself
                                                   (etcd, three nodes, two replicas, namespaces):
                                                   SIGKILL of the primary's postmaster, a
-                                                  switchover under load, the primary cut off;
-                                                  each P times (--rounds; needs root)
+                                                  switchover under load, the primary cut off,
+                                                  an etcd member cut off, the synchronous
+                                                  standby SIGKILLed; each P times (--rounds;
+                                                  needs root)
 
 and prints kills made, acknowledged events checked, lost, moved and duplicated counts,
 and fuzz requests by status code; the JSON lands in bench-results/campaign.json
-(--out). The PostgreSQL suites need Debian's postgresql package (or skip). Exit 0
-when every test passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
+(--out). Each test leaves its tally in --reports DIR as it ends (default: a temporary
+directory), so a campaign stopped midway still has its finished tests' figures. The
+PostgreSQL suites need Debian's postgresql package (or skip). Exit 0 when every test passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -90,9 +94,20 @@ def run_campaign(
     failovers: int = 50,
     netns_rounds: int = 10,
     patroni_rounds: int = 20,
+    reports_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict."""
-    with tempfile.TemporaryDirectory(prefix="shardledger-campaign-") as reports:
+    """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict.
+
+    reports_dir: where each test leaves its tally (kept); a temporary directory if None.
+    """
+    with contextlib.ExitStack() as stack:
+        if reports_dir is None:
+            reports = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="shardledger-campaign-")
+            )
+        else:
+            reports_dir.mkdir(parents=True, exist_ok=True)
+            reports = str(reports_dir)
         env = {
             **os.environ,
             "SHARDLEDGER_CAMPAIGN_KILLS": str(kills),
@@ -329,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list (all: " + ",".join(SUITES) + ")",
     )
     parser.add_argument("--out", default="bench-results/campaign.json", help="JSON file to write")
+    parser.add_argument(
+        "--reports",
+        type=Path,
+        default=None,
+        help="keep each test's tally here as it ends (default: a temporary directory)",
+    )
     args = parser.parse_args(argv)
     counts = (args.kills, args.failovers, args.netns_rounds, args.patroni_rounds)
     if min(counts) < 1 or args.fuzz_seconds < 0:
@@ -344,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         failovers=args.failovers,
         netns_rounds=args.netns_rounds,
         patroni_rounds=args.patroni_rounds,
+        reports_dir=args.reports,
     )
     print_summary(result)
     out = Path(args.out)
