@@ -31,7 +31,8 @@ and prints kills made, acknowledged events checked, lost, moved and duplicated c
 and fuzz requests by status code; the JSON lands in bench-results/campaign.json
 (--out). Each test leaves its tally in --reports DIR as it ends (default: a temporary
 directory), so a campaign stopped midway still has its finished tests' figures. The
-PostgreSQL suites need Debian's postgresql package (or skip). Exit 0 when every test passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
+PostgreSQL suites need Debian's postgresql package (or skip). Exit 0 when every test
+passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
 """
 
 from __future__ import annotations
