@@ -275,6 +275,11 @@ class PatroniCluster:
                     *("--initial-cluster", initial, "--initial-cluster-state", "new"),
                     *("--initial-cluster-token", f"sl-{self.net.tag}"),
                     "--enable-v2=false",
+                    # A member back from a partition has raised its term while alone;
+                    # without a pre-vote its return deposes the etcd leader, and the
+                    # election meanwhile can cost Patroni's leader its lock update (etcd
+                    # 3.5 pre-votes by default, 3.4 only with the flag).
+                    "--pre-vote",
                 ],
                 log=self.root / f"etcd-{host.name}.log",
             )

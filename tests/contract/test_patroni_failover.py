@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -244,6 +244,7 @@ def hold_to_acknowledged(
     topo: Topology, suite: str, lines: list[dict[str, Any]], rounds: list[dict[str, Any]]
 ) -> None:
     """Asserts the leader holds every acknowledged event once at its sequence, and nothing else."""
+    wait_settled(topo)  # read from a leader that stays one
     leader = topo.cluster.leader()
     assert leader is not None
     assert acknowledged(lines).items() <= topo.acked.items()  # LoadRun.finish joined them
@@ -277,22 +278,37 @@ def wait_rejoined(topo: Topology, old: str, log_from: int) -> str:
     log_from says so): the rewind failed, and the cluster ran on one standby for minutes.
     """
     node = topo.cluster.nodes[old]
-    streak = [0]
 
-    def settled() -> bool:
+    def not_rebuilt() -> None:
         assert node.rejoined_by(log_from) != "rebuild", (
             f"{old} was rebuilt from a base backup, not rewound: {node.log}"
         )
+
+    wait_settled(topo, f"{old} to rejoin as a standby", check=not_rebuilt)
+    roles = {m["Member"]: m["Role"] for m in topo.cluster.members()}
+    assert roles[old] in ("Replica", "Sync Standby"), roles
+    return node.rejoined_by(log_from)
+
+
+def wait_settled(
+    topo: Topology, what: str = "the cluster to settle", *, check: Callable[[], None] = lambda: None
+) -> None:
+    """Waits until a leader runs with a synchronous and a second streaming standby.
+
+    Three times in a row, 1 s apart, every member on one timeline (check() runs before
+    each look): what the next fault, or the check of the ledger on the leader, starts from.
+    """
+    streak = [0]
+
+    def settled() -> bool:
+        check()
         members = topo.cluster.members()
         timelines = {m.get("TL") for m in members}
         ok = topo.cluster.healthy(members) and len(timelines) == 1
         streak[0] = streak[0] + 1 if ok else 0
         return streak[0] >= 3
 
-    wait_for(f"{old} to rejoin as a standby", settled, timeout_s=180, every_s=1.0)
-    roles = {m["Member"]: m["Role"] for m in topo.cluster.members()}
-    assert roles[old] in ("Replica", "Sync Standby"), roles
-    return node.rejoined_by(log_from)
+    wait_for(what, settled, timeout_s=180, every_s=1.0)
 
 
 def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
@@ -424,9 +440,17 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
 
 
 def steady_figures(
-    lines: list[dict[str, Any]], targets: list[str], *, fault_at: float, healed_at: float
+    lines: list[dict[str, Any]],
+    targets: list[str],
+    *,
+    fault_at: float,
+    healed_at: float,
+    settled_at: float | None = None,
 ) -> dict[str, Any]:
-    """Returns what the clients saw of a fault that keeps the leader: acks during, the longest gap."""
+    """Returns what the clients saw of a fault that keeps the leader: acks during, the longest gap.
+
+    stopped_members counts until settled_at (the cluster settled after the heal), if given.
+    """
     acks = sorted(line["t"] for line in lines if line["kind"] == "ack" and line["t"] > fault_at)
     gaps = [b - a for a, b in zip([fault_at, *acks], acks, strict=False)]
     refused = [line for line in lines if line["kind"] == "refused" and line["t"] > fault_at]
@@ -437,7 +461,7 @@ def steady_figures(
                 line["node"]
                 for line in lines
                 if line["kind"] == "role"
-                and fault_at < line["t"] < healed_at
+                and fault_at < line["t"] < (settled_at or healed_at)
                 and line["state"] == "stopping"
             }
         ),
@@ -493,7 +517,14 @@ def test_partitioned_etcd_member_keeps_the_leader_and_appends_go_on(topology: To
                 for other in others:
                     net.heal(member, other)
             healed_at = time.time()
-            got = steady_figures(load.lines(), load.targets, fault_at=fault_at, healed_at=healed_at)
+            wait_settled(topo)
+            got = steady_figures(
+                load.lines(),
+                load.targets,
+                fault_at=fault_at,
+                healed_at=healed_at,
+                settled_at=time.time(),
+            )
             rounds.append({"fault": "partition_etcd_member", "member": member.name, **got})
             assert cluster.leader() == leader, "a minority etcd member moved the leader"
             # Appends go on. Patroni 3.0's etcd client may still miss one lock update while
