@@ -12,7 +12,7 @@ timers so that a test fails over in seconds:
   may be promoted; with no standby left, writes stop rather than go unreplicated;
 * ``use_pg_rewind`` with ``wal_log_hints``: a demoted primary rejoins as a standby of the
   new timeline, its unreplicated tail discarded;
-* ``ttl`` 15 s, ``loop_wait`` 1 s, ``retry_timeout`` 5 s (Patroni's defaults are 30, 10, 10);
+* ``ttl`` 25 s, ``loop_wait`` 1 s, ``retry_timeout`` 10 s (Patroni's defaults are 30, 10, 10);
 * ``primary_stop_timeout`` 2 s, under ``retry_timeout``: a primary cut off from etcd stops
   within it (SIGKILL past it), so that it rejoins by ``pg_rewind`` (see PRIMARY_STOP_TIMEOUT_S).
 
@@ -43,12 +43,16 @@ REST_PORT: Final = 8008
 ETCD_CLIENT_PORT: Final = 2379
 ETCD_PEER_PORT: Final = 2380
 # Failover timers of the test cluster (docs/deployment.md gives the production ones).
-# retry_timeout 3 s (Patroni's minimum) was too short on a loaded two-core machine: with
-# one etcd member silently cut off, the leader's Patroni missed its lock update and demoted
-# itself (then took the lock again, on a new timeline) in every round of a campaign.
-TTL_S: Final = 15
+# retry_timeout is Patroni's default: shorter ones were too short on the loaded two-core
+# machine. At 3 s (Patroni's minimum), with one etcd member silently cut off, the leader's
+# Patroni missed its lock update and demoted itself in every round of a campaign; at 5 s,
+# at a load average of 35, the two etcd members left answered reads in up to 2.6 s and the
+# leader lost its lock to another node. ttl is the least that Patroni's rule allows
+# (loop_wait + 2 * retry_timeout), rounded up: a partitioned primary's machine is replaced
+# after it.
+TTL_S: Final = 25
 LOOP_WAIT_S: Final = 1
-RETRY_TIMEOUT_S: Final = 5
+RETRY_TIMEOUT_S: Final = 10
 # A primary cut off from etcd demotes itself ("offline") from Patroni's async executor with
 # a fast shutdown, which waits for the walsenders of the standbys on the other side of the
 # cut (until their TCP connections break: 20 s and more). Patroni 3.0.2 meets the next
