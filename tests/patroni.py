@@ -145,6 +145,14 @@ class PatroniNode:
                             "wal_level": "replica",
                             "hot_standby": "on",
                             "wal_log_hints": "on",
+                            # pg_rewind reads the demoted primary's WAL back to the last
+                            # checkpoint before the fork; its shutdown checkpoint recycles all
+                            # but wal_keep_size of it (Patroni's default 128MB: a partition
+                            # round of a campaign found 134 MB since that checkpoint, and the
+                            # node was rebuilt). max_wal_size bounds the WAL between two
+                            # checkpoints, so keeping as much keeps what pg_rewind reads.
+                            "max_wal_size": "256MB",
+                            "wal_keep_size": "256MB",
                             "max_wal_senders": 10,
                             "max_replication_slots": 10,
                             "max_connections": 200,
