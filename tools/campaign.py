@@ -96,10 +96,12 @@ def run_campaign(
     netns_rounds: int = 10,
     patroni_rounds: int = 20,
     reports_dir: Path | None = None,
+    select: str = "",
 ) -> dict[str, Any]:
     """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict.
 
     reports_dir: where each test leaves its tally (kept); a temporary directory if None.
+    select: a pytest -k expression, to run some of the suites' tests only.
     """
     with contextlib.ExitStack() as stack:
         if reports_dir is None:
@@ -138,6 +140,7 @@ def run_campaign(
                 # (-m 'not patroni' leaves the Patroni suite to a step of its own).
                 "-m",
                 "",
+                *(("-k", select) if select else ()),
                 *paths,
             ],
             cwd=ROOT,
@@ -165,6 +168,7 @@ def run_campaign(
             "failovers": failovers,
             "netns_rounds": netns_rounds,
             "patroni_rounds": patroni_rounds,
+            "select": select,
             "fuzz_seconds": fuzz_seconds,
             "fuzz_scale": fuzz_scale,
         },
@@ -355,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="keep each test's tally here as it ends (default: a temporary directory)",
     )
+    parser.add_argument(
+        "--select",
+        default="",
+        metavar="EXPR",
+        help="run only the tests pytest -k EXPR selects (e.g. cut_off: the Patroni partition)",
+    )
     args = parser.parse_args(argv)
     counts = (args.kills, args.failovers, args.netns_rounds, args.patroni_rounds)
     if min(counts) < 1 or args.fuzz_seconds < 0:
@@ -371,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         netns_rounds=args.netns_rounds,
         patroni_rounds=args.patroni_rounds,
         reports_dir=args.reports,
+        select=args.select,
     )
     print_summary(result)
     out = Path(args.out)
