@@ -76,9 +76,10 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     if reason is not None:
         pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("patroni")
-    with network(workdir) as net:
-        cluster = PatroniCluster(net)
-        try:
+    cluster: PatroniCluster | None = None
+    try:
+        with network(workdir) as net:
+            cluster = PatroniCluster(net)
             cluster.start()
             dbname = cluster.create_database()
             ledgers = [
@@ -88,7 +89,10 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             for ledger in ledgers:
                 ledger.start(key=workdir / "signing-key.pem")
             yield Topology(net, cluster, ledgers, net.host("load"), dbname, workdir)
-        finally:
+    finally:
+        # Once the network has killed every process: a running PostgreSQL or etcd would
+        # write into the files being removed, and leave them.
+        if cluster is not None:
             cluster.close()
 
 
