@@ -12,7 +12,9 @@ timers so that a test fails over in seconds:
   may be promoted; with no standby left, writes stop rather than go unreplicated;
 * ``use_pg_rewind`` with ``wal_log_hints``: a demoted primary rejoins as a standby of the
   new timeline, its unreplicated tail discarded;
-* ``ttl`` 15 s, ``loop_wait`` 1 s, ``retry_timeout`` 5 s (Patroni's defaults are 30, 10, 10).
+* ``ttl`` 25 s, ``loop_wait`` 1 s, ``retry_timeout`` 10 s (Patroni's defaults are 30, 10, 10);
+* ``primary_stop_timeout`` 2 s, under ``retry_timeout``: a primary cut off from etcd stops
+  within it (SIGKILL past it), so that it rejoins by ``pg_rewind`` (see PRIMARY_STOP_TIMEOUT_S).
 
 The test process reaches each PostgreSQL through its Unix socket (a file, in no
 network namespace), and Patroni's REST API through processes it runs on the hosts.
@@ -41,12 +43,29 @@ REST_PORT: Final = 8008
 ETCD_CLIENT_PORT: Final = 2379
 ETCD_PEER_PORT: Final = 2380
 # Failover timers of the test cluster (docs/deployment.md gives the production ones).
-# retry_timeout 3 s (Patroni's minimum) was too short on a loaded two-core machine: with
-# one etcd member silently cut off, the leader's Patroni missed its lock update and demoted
-# itself (then took the lock again, on a new timeline) in every round of a campaign.
-TTL_S: Final = 15
+# retry_timeout is Patroni's default: shorter ones were too short on the loaded two-core
+# machine. At 3 s (Patroni's minimum), with one etcd member silently cut off, the leader's
+# Patroni missed its lock update and demoted itself in every round of a campaign; at 5 s,
+# at a load average of 35, the two etcd members left answered reads in up to 2.6 s and the
+# leader lost its lock to another node. ttl is the least that Patroni's rule allows
+# (loop_wait + 2 * retry_timeout), rounded up: a partitioned primary's machine is replaced
+# after it.
+TTL_S: Final = 25
 LOOP_WAIT_S: Final = 1
-RETRY_TIMEOUT_S: Final = 5
+RETRY_TIMEOUT_S: Final = 10
+# A primary cut off from etcd demotes itself ("offline") from Patroni's async executor with
+# a fast shutdown, which waits for the walsenders of the standbys on the other side of the
+# cut (until their TCP connections break: 20 s and more). Patroni 3.0.2 meets the next
+# cycle's DCS error with a second demote from its main thread (ha.py: "AsyncExecutor is
+# busy, demoting from the main thread"); when the postmaster exits both start PostgreSQL,
+# Patroni tracks the one that lost the race for postmaster.pid, runs pg_rewind beside the
+# live one ("lock file postmaster.pid already exists"), fails, and rebuilds the node from
+# a base backup (140-180 s here; upstream: patroni/patroni#3649). In synchronous mode
+# primary_stop_timeout bounds the stop (then an immediate stop, then SIGKILL), so the first
+# demote has ended, and the node says it is no longer a leader, before the second DCS
+# error, one retry_timeout later. Nothing is lost by it: a COMMIT the standbys never
+# confirmed was never acknowledged, and pg_rewind discards it.
+PRIMARY_STOP_TIMEOUT_S: Final = 2
 NODES: Final = ("pg1", "pg2", "pg3")
 
 
@@ -116,6 +135,7 @@ class PatroniNode:
                     # A primary whose PostgreSQL dies fails over at once instead of
                     # being restarted in place for up to 300 s: safe in synchronous mode.
                     "primary_start_timeout": 0,
+                    "primary_stop_timeout": PRIMARY_STOP_TIMEOUT_S,
                     "synchronous_mode": True,
                     "synchronous_mode_strict": True,
                     "postgresql": {
@@ -125,6 +145,14 @@ class PatroniNode:
                             "wal_level": "replica",
                             "hot_standby": "on",
                             "wal_log_hints": "on",
+                            # pg_rewind reads the demoted primary's WAL back to the last
+                            # checkpoint before the fork; its shutdown checkpoint recycles all
+                            # but wal_keep_size of it (Patroni's default 128MB: a partition
+                            # round of a campaign found 134 MB since that checkpoint, and the
+                            # node was rebuilt). max_wal_size bounds the WAL between two
+                            # checkpoints, so keeping as much keeps what pg_rewind reads.
+                            "max_wal_size": "256MB",
+                            "wal_keep_size": "256MB",
                             "max_wal_senders": 10,
                             "max_replication_slots": 10,
                             "max_connections": 200,
@@ -178,6 +206,23 @@ class PatroniNode:
             log=self.log,
             cwd=self.cluster.root,
         )
+
+    def log_size(self) -> int:
+        """Returns how far Patroni's log has grown: where rejoined_by starts reading."""
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def rejoined_by(self, since: int) -> str:
+        """Returns how this node came back after the log offset since: its data directory
+        removed and rebuilt from a base backup ("rebuild"), rewound onto the leader's
+        timeline ("rewind"), or only restarted ("restart")."""
+        with open(self.log, "rb") as log:
+            log.seek(since)
+            text = log.read().decode(errors="replace")
+        if "Removing data directory" in text:
+            return "rebuild"
+        if "pg_rewind exit code=0" in text:
+            return "rewind"
+        return "restart"
 
     def admin_url(self, dbname: str = "postgres") -> str:
         """Returns a URL that reaches this node's PostgreSQL through its Unix socket."""
@@ -242,6 +287,11 @@ class PatroniCluster:
                     *("--initial-cluster", initial, "--initial-cluster-state", "new"),
                     *("--initial-cluster-token", f"sl-{self.net.tag}"),
                     "--enable-v2=false",
+                    # A member back from a partition has raised its term while alone;
+                    # without a pre-vote its return deposes the etcd leader, and the
+                    # election meanwhile can cost Patroni's leader its lock update (etcd
+                    # 3.5 pre-votes by default, 3.4 only with the flag).
+                    "--pre-vote",
                 ],
                 log=self.root / f"etcd-{host.name}.log",
             )
@@ -315,5 +365,10 @@ class PatroniCluster:
         return f"postgresql://postgres@{hosts}/{dbname}?target_session_attrs=read-write"
 
     def close(self) -> None:
-        """Removes the files (Network.close kills the processes)."""
+        """Keeps the logs beside the network's (pytest's tmp_path), removes the rest.
+
+        Network.close kills the processes.
+        """
+        for log in self.root.glob("*.log"):
+            shutil.copy(log, self.net.workdir / log.name)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -38,8 +38,9 @@ from tests.patroni import REST_PORT, TTL_S, PatroniCluster, skip_reason
 from tests.server.test_replicas import assert_ledger_holds_exactly
 
 ROUNDS: Final = campaign.patroni_rounds(1)
-# A round that rebuilds a former primary (pg_rewind failed) takes up to about 4 min here;
-# the first test also starts the cluster. The suite's 300 s would end a campaign's test.
+# A round takes about a minute on the loaded two-core machine, up to 4 when the former
+# primary is slow to rejoin; the first test also starts the cluster. The suite's 300 s
+# would end a campaign's test.
 pytestmark = [
     pytest.mark.patroni,
     pytest.mark.slow,
@@ -75,9 +76,10 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     if reason is not None:
         pytest.skip(reason)
     workdir = tmp_path_factory.mktemp("patroni")
-    with network(workdir) as net:
-        cluster = PatroniCluster(net)
-        try:
+    cluster: PatroniCluster | None = None
+    try:
+        with network(workdir) as net:
+            cluster = PatroniCluster(net)
             cluster.start()
             dbname = cluster.create_database()
             ledgers = [
@@ -87,7 +89,10 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             for ledger in ledgers:
                 ledger.start(key=workdir / "signing-key.pem")
             yield Topology(net, cluster, ledgers, net.host("load"), dbname, workdir)
-        finally:
+    finally:
+        # Once the network has killed every process: a running PostgreSQL or etcd would
+        # write into the files being removed, and leave them.
+        if cluster is not None:
             cluster.close()
 
 
@@ -243,6 +248,7 @@ def hold_to_acknowledged(
     topo: Topology, suite: str, lines: list[dict[str, Any]], rounds: list[dict[str, Any]]
 ) -> None:
     """Asserts the leader holds every acknowledged event once at its sequence, and nothing else."""
+    wait_settled(topo)  # read from a leader that stays one
     leader = topo.cluster.leader()
     assert leader is not None
     assert acknowledged(lines).items() <= topo.acked.items()  # LoadRun.finish joined them
@@ -265,28 +271,48 @@ def assert_round(figures_: dict[str, Any]) -> None:
     assert all(s <= ACK_BOUND_S for s in figures_["first_ack_s"].values()), figures_
 
 
-def wait_rejoined(topo: Topology, old: str) -> None:
+def wait_rejoined(topo: Topology, old: str, log_from: int) -> str:
     """Waits until the old leader runs again as a standby and the cluster has its sync standby.
 
     Healthy three times in a row, 1 s apart, every member on the leader's timeline: a
-    demoted primary answers "running" for a moment before Patroni stops it to rewind (or,
-    when pg_rewind fails, rebuilds it), and a next fault meanwhile would leave the new
-    leader no standby at all (strict mode: nothing commits; see docs/deployment.md).
+    demoted primary answers "running" for a moment before Patroni stops it to rewind,
+    and a next fault meanwhile would leave the new leader no standby at all (strict mode:
+    nothing commits; see docs/deployment.md). Returns how the node came back (rewind or
+    restart); a node rebuilt from a base backup fails the test at once (its log from
+    log_from says so): the rewind failed, and the cluster ran on one standby for minutes.
+    """
+    node = topo.cluster.nodes[old]
+
+    def not_rebuilt() -> None:
+        assert node.rejoined_by(log_from) != "rebuild", (
+            f"{old} was rebuilt from a base backup, not rewound: {node.log}"
+        )
+
+    wait_settled(topo, f"{old} to rejoin as a standby", check=not_rebuilt)
+    roles = {m["Member"]: m["Role"] for m in topo.cluster.members()}
+    assert roles[old] in ("Replica", "Sync Standby"), roles
+    return node.rejoined_by(log_from)
+
+
+def wait_settled(
+    topo: Topology, what: str = "the cluster to settle", *, check: Callable[[], None] = lambda: None
+) -> None:
+    """Waits until a leader runs with a synchronous and a second streaming standby.
+
+    Three times in a row, 1 s apart, every member on one timeline (check() runs before
+    each look): what the next fault, or the check of the ledger on the leader, starts from.
     """
     streak = [0]
 
     def settled() -> bool:
+        check()
         members = topo.cluster.members()
         timelines = {m.get("TL") for m in members}
         ok = topo.cluster.healthy(members) and len(timelines) == 1
         streak[0] = streak[0] + 1 if ok else 0
         return streak[0] >= 3
 
-    # Where pg_rewind fails, Patroni rebuilds the node from a base backup: 140 s and more
-    # for this suite's ledger on a loaded two-core machine.
-    wait_for(f"{old} to rejoin as a standby", settled, timeout_s=420, every_s=1.0)
-    roles = {m["Member"]: m["Role"] for m in topo.cluster.members()}
-    assert roles[old] in ("Replica", "Sync Standby"), roles
+    wait_for(what, settled, timeout_s=180, every_s=1.0)
 
 
 def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
@@ -305,6 +331,7 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
             led.append(old)
             pid = topo.cluster.nodes[old].postmaster_pid()
             assert pid is not None
+            log_from = topo.cluster.nodes[old].log_size()
             fault_at = time.time()
             os.kill(pid, signal.SIGKILL)
             wait_for(
@@ -314,9 +341,9 @@ def test_sigkill_of_the_primary_postmaster_fails_over_rewinds_and_leads_again(
                 every_s=0.1,
             )
             load.wait_acks(20, after=fault_at)
-            wait_rejoined(topo, old)
+            rejoined_by = wait_rejoined(topo, old, log_from)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
-            rounds.append({"fault": "sigkill_postmaster", **got})
+            rounds.append({"fault": "sigkill_postmaster", "rejoined_by": rejoined_by, **got})
             assert_round(got)
         led.append(str(topo.cluster.leader()))
     finally:
@@ -336,6 +363,7 @@ def test_switchover_under_load_loses_nothing(topology: Topology) -> None:
             members = topo.cluster.members()
             old = next(m["Member"] for m in members if m["Role"] == "Leader")
             sync = next(m["Member"] for m in members if m["Role"] == "Sync Standby")
+            log_from = topo.cluster.nodes[old].log_size()
             fault_at = time.time()
             topo.cluster.patronictl(
                 "switchover", "--leader", old, "--candidate", sync, "--force", timeout_s=120
@@ -347,9 +375,9 @@ def test_switchover_under_load_loses_nothing(topology: Topology) -> None:
                 every_s=0.1,
             )
             load.wait_acks(20, after=fault_at)
-            wait_rejoined(topo, old)
+            rejoined_by = wait_rejoined(topo, old, log_from)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
-            rounds.append({"fault": "switchover", **got})
+            rounds.append({"fault": "switchover", "rejoined_by": rejoined_by, **got})
             assert got["new_leader"] == sync
             assert_round(got)
     finally:
@@ -377,6 +405,7 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
                 *(n.host for n in cluster.nodes.values() if n.name != old),
                 topo.ledgers[1].host,
             ]
+            log_from = cluster.nodes[old].log_size()
             fault_at = time.time()
             for other in cut:
                 net.partition(primary, other)
@@ -393,8 +422,9 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
             finally:
                 for other in cut:
                     net.heal(primary, other)
-            wait_rejoined(topo, old)
+            rejoined_by = wait_rejoined(topo, old, log_from)
             got = figures(load.lines(), load.targets, fault_at=fault_at, old=old)
+            got["rejoined_by"] = rejoined_by
             # What the replica that still reached the old primary acknowledged after the cut:
             # each of those is checked below with every other acknowledgement.
             got["acked_through_reaching_replica_after_cut"] = sum(
@@ -414,9 +444,17 @@ def test_primary_cut_off_from_etcd_and_standbys_stops_acknowledging_and_rejoins(
 
 
 def steady_figures(
-    lines: list[dict[str, Any]], targets: list[str], *, fault_at: float, healed_at: float
+    lines: list[dict[str, Any]],
+    targets: list[str],
+    *,
+    fault_at: float,
+    healed_at: float,
+    settled_at: float | None = None,
 ) -> dict[str, Any]:
-    """Returns what the clients saw of a fault that keeps the leader: acks during, the longest gap."""
+    """Returns what the clients saw of a fault that keeps the leader: acks during, the longest gap.
+
+    stopped_members counts until settled_at (the cluster settled after the heal), if given.
+    """
     acks = sorted(line["t"] for line in lines if line["kind"] == "ack" and line["t"] > fault_at)
     gaps = [b - a for a, b in zip([fault_at, *acks], acks, strict=False)]
     refused = [line for line in lines if line["kind"] == "refused" and line["t"] > fault_at]
@@ -427,7 +465,7 @@ def steady_figures(
                 line["node"]
                 for line in lines
                 if line["kind"] == "role"
-                and fault_at < line["t"] < healed_at
+                and fault_at < line["t"] < (settled_at or healed_at)
                 and line["state"] == "stopping"
             }
         ),
@@ -483,7 +521,14 @@ def test_partitioned_etcd_member_keeps_the_leader_and_appends_go_on(topology: To
                 for other in others:
                     net.heal(member, other)
             healed_at = time.time()
-            got = steady_figures(load.lines(), load.targets, fault_at=fault_at, healed_at=healed_at)
+            wait_settled(topo)
+            got = steady_figures(
+                load.lines(),
+                load.targets,
+                fault_at=fault_at,
+                healed_at=healed_at,
+                settled_at=time.time(),
+            )
             rounds.append({"fault": "partition_etcd_member", "member": member.name, **got})
             assert cluster.leader() == leader, "a minority etcd member moved the leader"
             # Appends go on. Patroni 3.0's etcd client may still miss one lock update while
@@ -514,15 +559,23 @@ def test_synchronous_standby_killed_under_load_blocks_briefly_and_loses_nothing(
             sync = next(m["Member"] for m in members if m["Role"] == "Sync Standby")
             pid = cluster.nodes[sync].postmaster_pid()
             assert pid is not None
+            log_from = cluster.nodes[sync].log_size()
             fault_at = time.time()
             os.kill(pid, signal.SIGKILL)
             # The other standby becomes synchronous (or this one restarts): appends go on.
             load.wait_acks(20, after=fault_at)
-            wait_rejoined(topo, sync)
+            rejoined_by = wait_rejoined(topo, sync, log_from)
             got = steady_figures(
                 load.lines(), load.targets, fault_at=fault_at, healed_at=time.time()
             )
-            rounds.append({"fault": "sigkill_sync_standby", "standby": sync, **got})
+            rounds.append(
+                {
+                    "fault": "sigkill_sync_standby",
+                    "standby": sync,
+                    "rejoined_by": rejoined_by,
+                    **got,
+                }
+            )
             assert cluster.leader() == leader, "a standby's crash moved the leader"
             assert got["deadline_exceeded"] == 0, got
             assert got["refused_without_retry_info"] == 0, got

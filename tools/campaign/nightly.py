@@ -22,18 +22,23 @@ It runs the suite's own fault tests under pytest with the knobs of tests/campaig
     patroni   tests/contract/test_patroni_failover.py  Patroni fails PostgreSQL over by itself
                                                   (etcd, three nodes, two replicas, namespaces):
                                                   SIGKILL of the primary's postmaster, a
-                                                  switchover under load, the primary cut off;
-                                                  each P times (--rounds; needs root)
+                                                  switchover under load, the primary cut off,
+                                                  an etcd member cut off, the synchronous
+                                                  standby SIGKILLed; each P times (--rounds;
+                                                  needs root)
 
 and prints kills made, acknowledged events checked, lost, moved and duplicated counts,
 and fuzz requests by status code; the JSON lands in bench-results/campaign.json
-(--out). The PostgreSQL suites need Debian's postgresql package (or skip). Exit 0
-when every test passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
+(--out). Each test leaves its tally in --reports DIR as it ends (default: a temporary
+directory), so a campaign stopped midway still has its finished tests' figures. The
+PostgreSQL suites need Debian's postgresql package (or skip). Exit 0 when every test
+passed and nothing was lost or duplicated, 1 otherwise, 2 on bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -90,9 +95,22 @@ def run_campaign(
     failovers: int = 50,
     netns_rounds: int = 10,
     patroni_rounds: int = 20,
+    reports_dir: Path | None = None,
+    select: str = "",
 ) -> dict[str, Any]:
-    """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict."""
-    with tempfile.TemporaryDirectory(prefix="shardledger-campaign-") as reports:
+    """Runs the suites' tests with the campaign's knobs; returns their tallies and the verdict.
+
+    reports_dir: where each test leaves its tally (kept); a temporary directory if None.
+    select: a pytest -k expression, to run some of the suites' tests only.
+    """
+    with contextlib.ExitStack() as stack:
+        if reports_dir is None:
+            reports = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="shardledger-campaign-")
+            )
+        else:
+            reports_dir.mkdir(parents=True, exist_ok=True)
+            reports = str(reports_dir)
         env = {
             **os.environ,
             "SHARDLEDGER_CAMPAIGN_KILLS": str(kills),
@@ -118,6 +136,11 @@ def run_campaign(
                 "-p",
                 "no:cacheprovider",
                 "-rs",
+                # Every test of the files named, whatever pyproject's addopts deselect
+                # (-m 'not patroni' leaves the Patroni suite to a step of its own).
+                "-m",
+                "",
+                *(("-k", select) if select else ()),
                 *paths,
             ],
             cwd=ROOT,
@@ -145,6 +168,7 @@ def run_campaign(
             "failovers": failovers,
             "netns_rounds": netns_rounds,
             "patroni_rounds": patroni_rounds,
+            "select": select,
             "fuzz_seconds": fuzz_seconds,
             "fuzz_scale": fuzz_scale,
         },
@@ -211,6 +235,11 @@ def patroni_faults(tallies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             fault["acked_during"] = fault.get("acked_during", 0) + during
             for key in ("refused", "deadline_exceeded", "refused_without_retry_info"):
                 fault[key] = fault.get(key, 0) + r[key]
+            # How the stopped member came back: "rewind", "restart" (a base-backup
+            # "rebuild" fails its test).
+            if "rejoined_by" in r:
+                by = fault.setdefault("rejoined_by", {})
+                by[r["rejoined_by"]] = by.get(r["rejoined_by"], 0) + 1
     for fault in faults.values():
         for key in ("new_leader_s", "writable_s", "first_ack_s", "longest_ack_gap_s"):
             fault[key] = _spread(fault[key])
@@ -262,6 +291,12 @@ def print_summary(result: dict[str, Any]) -> None:
             )
             + f"; {fault['acked_during']} acknowledged during; {fault['refused']} refused,"
             f" {fault['deadline_exceeded']} DEADLINE_EXCEEDED"
+            + (
+                "; rejoined by "
+                + ", ".join(f"{k} {n}" for k, n in sorted(fault["rejoined_by"].items()))
+                if fault.get("rejoined_by")
+                else ""
+            )
         )
     if result["fuzz_codes"]:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(result["fuzz_codes"].items()))
@@ -318,6 +353,18 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list (all: " + ",".join(SUITES) + ")",
     )
     parser.add_argument("--out", default="bench-results/campaign.json", help="JSON file to write")
+    parser.add_argument(
+        "--reports",
+        type=Path,
+        default=None,
+        help="keep each test's tally here as it ends (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--select",
+        default="",
+        metavar="EXPR",
+        help="run only the tests pytest -k EXPR selects (e.g. cut_off: the Patroni partition)",
+    )
     args = parser.parse_args(argv)
     counts = (args.kills, args.failovers, args.netns_rounds, args.patroni_rounds)
     if min(counts) < 1 or args.fuzz_seconds < 0:
@@ -333,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         failovers=args.failovers,
         netns_rounds=args.netns_rounds,
         patroni_rounds=args.patroni_rounds,
+        reports_dir=args.reports,
+        select=args.select,
     )
     print_summary(result)
     out = Path(args.out)
