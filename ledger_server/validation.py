@@ -1,3 +1,4 @@
+# Over 450 lines on purpose: every limit a client can rely on beside the check that enforces it, and the heartbeat fast path that must agree with them.
 """Event validation: the limits a client can rely on and the checks that enforce them.
 
 Pure: no grpc, protobuf or SQL. validate() hands back the canonical JSON it had
