@@ -243,3 +243,14 @@ def test_bench_scrape_counts_the_open_shards_and_gives_the_baselines_figures(
     # The revision before the writer kept the sums answers the same figures.
     assert size["same_figures"] is True
     assert size["baseline"]["series"] == size["new"]["series"] > 0
+
+
+def test_bench_stream_measures_the_stream_beside_unary_and_the_echoes(tmp_path: Path) -> None:
+    out = tmp_path / "ingest.json"
+    done = _bench("tools.bench", "stream", "--seconds", "1", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())["stream"]
+    for way in ("echo_unary", "echo_stream", "ledger_unary", "ledger_stream"):
+        assert result[way]["per_s"] > 0 and result[way]["errors"] == 0, (way, result[way])
+        assert result[way]["server_cpu_us_per_call"] > 0
+    assert result["stream_cpu_vs_unary"] > 0 and result["unary_rate_vs_echo"] > 0

@@ -90,6 +90,15 @@ def _request(run: str, shard: str, seq: int, stream: bool = False, **payload: An
     return pb.AppendEventsRequest(events=[event]).SerializeToString()
 
 
+def _kind(k: int, elapsed: float, seconds: float) -> str:
+    """Returns what a job's k-th event is: started, then beats (every 4th a checkpoint), the commit last."""
+    if k == 0:
+        return "started"
+    if elapsed >= seconds:
+        return "commit"
+    return "checkpoint" if k % 4 == 0 else "heartbeat"
+
+
 def _body(run: str, kind: str, shard: str, seq: int, k: int, stream: bool = False) -> bytes:
     """Returns the request of a job's k-th event of this kind."""
     if kind == "started":
@@ -197,15 +206,7 @@ def _client(
             continue
         if not kind:  # the job's next event, on its schedule
             job.seq += 1
-            kind = (
-                "started"
-                if job.k == 0
-                else "commit"
-                if due - begin >= seconds
-                else "checkpoint"
-                if job.k % 4 == 0
-                else "heartbeat"
-            )
+            kind = _kind(job.k, due - begin, seconds)
             body, first = _body(run, kind, job.shard, job.seq, job.k), time.monotonic()
             counts["sent"] += 1
             if kind != "commit":
@@ -329,15 +330,7 @@ async def _aio_fleet(
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             seq += 1
-            kind = (
-                "started"
-                if k == 0
-                else "commit"
-                if due - begin >= seconds
-                else "checkpoint"
-                if k % 4 == 0
-                else "heartbeat"
-            )
+            kind = _kind(k, due - begin, seconds)
             body, first, failures = _body(run, kind, shard, seq, k), time.monotonic(), 0
             counts["sent"] += 1
             # The SDK delivers a job's events in order: the next waits for this one's answer.
@@ -373,15 +366,7 @@ async def _aio_fleet(
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             seq += 1
-            kind = (
-                "started"
-                if k == 0
-                else "commit"
-                if due - begin >= seconds
-                else "checkpoint"
-                if k % 4 == 0
-                else "heartbeat"
-            )
+            kind = _kind(k, due - begin, seconds)
             body, first, failures = _body(run, kind, shard, seq, k, True), time.monotonic(), 0
             counts["sent"] += 1
             while True:

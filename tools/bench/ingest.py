@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -93,13 +93,23 @@ def _env() -> dict[str, Any]:
 
 
 def _echo_server() -> tuple[grpc.Server, int]:
+    """A bare grpcio server answering Echo (unary) and EchoStream (each message back)."""
+
     def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
         return request
 
+    def echo_stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from requests
+
     handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+        "bench.Echo",
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
+        },
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    # A stream holds a thread for its life: room for bench stream's 64 callers.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=96))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -15,13 +15,10 @@ single-event unary appends >= 0.7x the echo's rate.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -35,27 +32,6 @@ ECHO = "/bench.Echo/Echo"
 ECHO_STREAM = "/bench.Echo/EchoStream"
 APPEND = "/shardledger.v1.LedgerService/AppendEvents"
 STREAM_APPEND = "/shardledger.v1.LedgerService/StreamAppendEvents"
-
-
-def _echo_server() -> tuple[grpc.Server, int]:
-    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
-        return request
-
-    def echo_stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from requests
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo",
-        {
-            "Echo": grpc.unary_unary_rpc_method_handler(echo),
-            "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
-        },
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=96))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
 
 
 def _caller(
@@ -108,11 +84,6 @@ def _caller(
     out.put((sum(counts), sum(errors)))
 
 
-def _cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 def _drive(
     method: str,
     streaming: bool,
@@ -121,17 +92,19 @@ def _drive(
     seconds: float,
     threads: int,
 ) -> dict[str, Any]:
+    from tools.bench.ingest import _process_cpu_s  # ingest imports this module
+
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     procs = [
         ctx.Process(target=_caller, args=(method, streaming, port, threads, seconds, p, results))
         for p in payloads
     ]
-    cpu0 = _cpu_s()
+    cpu0 = _process_cpu_s()
     for p in procs:
         p.start()
     done = [results.get() for _ in procs]
-    cpu = _cpu_s() - cpu0
+    cpu = _process_cpu_s() - cpu0
     for p in procs:
         p.join()
     calls = sum(d[0] for d in done)
@@ -188,6 +161,8 @@ def _payloads(
 
 def bench_stream(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict[str, Any]:
     """Server CPU per streamed append vs per unary append, with bare-echo baselines."""
+    from tools.bench.ingest import _echo_server  # ingest imports this module
+
     with tempfile.TemporaryDirectory() as tmp:
         running = create_server(
             ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", max_concurrent_rpcs=1024)
