@@ -45,8 +45,15 @@ from ledger_server.interceptor import (
     refuse_malformed,
 )
 from ledger_server.rpc_status import rich_status
-from ledger_server.servicer import LedgerServicer, finish
-from ledger_server.stream_append import STREAM_METHOD, STREAM_WINDOW, Pending, answer, begin
+from ledger_server.servicer import finish
+from ledger_server.stream_append import (
+    STREAM_METHOD,
+    STREAM_WINDOW,
+    Pending,
+    StreamingServicer,
+    answer,
+    begin,
+)
 from shard_client.api.shardledger.v1 import ledger_pb2
 
 APPEND_METHOD: Final = (
@@ -155,7 +162,7 @@ class AioInterceptor(_ServerInterceptor):
     def __init__(
         self,
         interceptor: RequestInterceptor,
-        servicer: LedgerServicer,
+        servicer: StreamingServicer,
         pool: futures.ThreadPoolExecutor,
         *,
         append_on_loop: bool,

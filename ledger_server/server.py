@@ -32,7 +32,6 @@ from ledger_server.metrics import LedgerMetrics, start_metrics_server, stop_metr
 from ledger_server.rebuild import RunRebuild
 from ledger_server.retention import Retention, RetentionPolicy
 from ledger_server.service import LedgerService
-from ledger_server.servicer import LedgerServicer
 from ledger_server.signing import SigningKey
 from ledger_server.startup import (
     StartupError,
@@ -48,7 +47,7 @@ from ledger_server.store import Store
 from ledger_server.store.base import StoreError
 from ledger_server.store.urls import redact_url
 from ledger_server.store_health import StoreHealth, StoreProbe
-from ledger_server.stream_append import StreamSlots
+from ledger_server.stream_append import StreamingServicer
 from ledger_server.upgrade import stale_runs, upgrade_projections
 from shard_client.api.shardledger.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -258,11 +257,13 @@ def _start(
         ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_S),
         *config.extra_options,
     ]
-    servicer = LedgerServicer(ledger, signing_key=key, interceptor=interceptor, metrics=metrics)
     streams = config.max_append_streams
     if config.engine == "threads":  # a thread per stream: reads keep the rest
         streams = min(streams, max(1, config.max_workers // 4))
-    slots = servicer.stream_slots = StreamSlots(streams)
+    servicer = StreamingServicer(
+        ledger, signing_key=key, interceptor=interceptor, metrics=metrics, stream_slots=streams
+    )
+    slots = servicer.stream_slots
     metrics.append_streams.set_function(lambda: slots.open)
     metrics.append_streams_limit.set(slots.limit)
     health_servicer = LedgerHealth()

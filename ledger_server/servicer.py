@@ -149,9 +149,6 @@ def _page_size(value: int) -> int:
     return min(value or 1000, MAX_PAGE_SIZE)
 
 
-# A servicer built without a server's config (tests, tools) holds this many streams.
-DEFAULT_STREAM_SLOTS: Final = 256
-
 AppendSteps = Generator["Future[list[AppendResult]]", list[AppendResult], pb.AppendEventsResponse]
 
 
@@ -197,10 +194,6 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
         self.signing_key = signing_key
         self.interceptor = interceptor
         self.metrics = metrics or LedgerMetrics()
-        # How many StreamAppendEvents streams may be open at once (the server sets it).
-        from ledger_server.stream_append import StreamSlots
-
-        self.stream_slots = StreamSlots(DEFAULT_STREAM_SLOTS)
 
     def _scope(
         self, context: grpc.ServicerContext, action: str, namespace: str, run_id: str
@@ -221,13 +214,6 @@ class LedgerServicer(AuditRpcMixin, pb_grpc.LedgerServiceServicer):  # type: ign
     ) -> pb.AppendEventsResponse:
         steps = self.append_steps(request, context)
         return drive(steps, next(steps))
-
-    def StreamAppendEvents(
-        self, requests: Iterator[pb.StreamAppendEventsRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.StreamAppendEventsResponse]:
-        from ledger_server.stream_append import serve_sync  # it builds on this module
-
-        return serve_sync(self, requests, context)
 
     def append_steps(
         self, request: pb.AppendEventsRequest, context: grpc.ServicerContext

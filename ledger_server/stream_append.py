@@ -40,6 +40,7 @@ __all__ = [
     "BatchContext",
     "Pending",
     "StreamSlots",
+    "StreamingServicer",
     "answer",
     "begin",
     "refused",
@@ -53,6 +54,8 @@ STREAM_METHOD: Final = (
 # The SDK sends one at a time; a client that pipelines gets this much ahead, then
 # waits in HTTP/2 flow control rather than in the ledger's memory.
 STREAM_WINDOW: Final = 32
+# A servicer built without a server's config (tests, tools) holds this many streams.
+DEFAULT_STREAM_SLOTS: Final = 256
 _DETAILS_KEY: Final = "grpc-status-details-bin"
 
 
@@ -192,8 +195,25 @@ def _handled(servicer: LedgerServicer, context: BatchContext, start: float, fail
         interceptor.handled(STREAM_METHOD, grpc_context, start, failed, CURRENT_PRINCIPAL.get())
 
 
+class StreamingServicer(LedgerServicer):
+    """The servicer the server runs: LedgerServicer and StreamAppendEvents, its streams counted.
+
+    (The threaded engine calls StreamAppendEvents; the asyncio one serves the method on
+    its loop, ledger_server.aio, with the same slots.)
+    """
+
+    def __init__(self, *args: Any, stream_slots: int = DEFAULT_STREAM_SLOTS, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stream_slots = StreamSlots(stream_slots)
+
+    def StreamAppendEvents(
+        self, requests: Iterator[pb.StreamAppendEventsRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.StreamAppendEventsResponse]:
+        return serve_sync(self, requests, context)
+
+
 def serve_sync(
-    servicer: LedgerServicer,
+    servicer: StreamingServicer,
     requests: Iterator[pb.StreamAppendEventsRequest],
     context: grpc.ServicerContext,
 ) -> Iterator[pb.StreamAppendEventsResponse]:
@@ -208,7 +228,7 @@ def serve_sync(
 
 
 def _serve_sync(
-    servicer: LedgerServicer,
+    servicer: StreamingServicer,
     requests: Iterator[pb.StreamAppendEventsRequest],
     context: grpc.ServicerContext,
 ) -> Iterator[pb.StreamAppendEventsResponse]:

@@ -122,7 +122,8 @@ def test_graph_sees_our_packages() -> None:
     assert "ledger_server.servicer" in graph
     assert "shard_client.client" in graph
     assert not any(name.startswith("shard_client.api") for name in graph)
-    assert "ledger_server.servicer" in graph["ledger_server.server"]
+    assert "ledger_server.stream_append" in graph["ledger_server.server"]
+    assert "ledger_server.servicer" in graph["ledger_server.stream_append"]
 
 
 def test_cycle_finder_names_the_cycle() -> None:

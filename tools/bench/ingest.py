@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from tools.bench.cli import bench_cli
 from tools.bench.coalesce import bench_coalesce
+from tools.bench.echo import echo_server, process_cpu_s
 from tools.bench.fleet import bench_fleet
 from tools.bench.job import bench_job
 from tools.bench.job import report as show_job
@@ -90,30 +91,6 @@ def _env() -> dict[str, Any]:
 
 
 # --- load generation ---------------------------------------------------------
-
-
-def _echo_server() -> tuple[grpc.Server, int]:
-    """A bare grpcio server answering Echo (unary) and EchoStream (each message back)."""
-
-    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
-        return request
-
-    def echo_stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from requests
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo",
-        {
-            "Echo": grpc.unary_unary_rpc_method_handler(echo),
-            "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
-        },
-    )
-    # A stream holds a thread for its life: room for bench stream's 64 callers.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=96))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
 
 
 def _aio_echo_server() -> tuple[Callable[[], None], int]:
@@ -249,11 +226,11 @@ def _drive(
     start = time.monotonic()
     # The server under test runs in this process: its CPU time (every thread, user and
     # system) over the drive, per call, is what one call costs the server.
-    cpu_before = _process_cpu_s()
+    cpu_before = process_cpu_s()
     for w in workers:
         w.start()
     results = [queue.get() for _ in workers]
-    cpu_s = _process_cpu_s() - cpu_before
+    cpu_s = process_cpu_s() - cpu_before
     for w in workers:
         w.join()
     elapsed = time.monotonic() - start
@@ -266,11 +243,6 @@ def _drive(
         "wall_s": elapsed,
         "server_cpu_us_per_call": round(1e6 * cpu_s / max(calls, 1), 1),
     }
-
-
-def _process_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
 
 
 def _heartbeat_payloads(
@@ -337,11 +309,11 @@ def bench_unary(
         payloads = [
             _heartbeat_payloads(client, f"unary-{p}", 256, 1, per_proc) for p in range(procs)
         ]
-        echo_server, echo_port = _echo_server()
+        bare, echo_port = echo_server()
         echo = _drive(
             "echo", echo_port, procs=procs, threads=threads, seconds=seconds, payloads=payloads
         )
-        echo_server.stop(0)
+        bare.stop(0)
         stop_aio_echo, aio_echo_port = _aio_echo_server()
         aio_echo = _drive(
             "echo", aio_echo_port, procs=procs, threads=threads, seconds=seconds, payloads=payloads

@@ -65,7 +65,8 @@ def _night(path: str, shards: int, stale_pct: int = 50) -> tuple[Any, list[int]]
     providers = ("A", "B", "C")
 
     def timeout_us(i: int) -> int:
-        return 60_000_000 if i % 100 < stale_pct else 3_600_000_000
+        # The first stale_pct percent of the shards get a one-minute timeout (stale by now).
+        return 60_000_000 if i * 100 < stale_pct * shards else 3_600_000_000
 
     phases: list[tuple[int, Callable[[int], Any]]] = [
         (

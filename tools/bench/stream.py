@@ -27,6 +27,7 @@ from ledger_server.config import ServerConfig
 from ledger_server.server import create_server
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
+from tools.bench.echo import echo_server, process_cpu_s
 
 ECHO = "/bench.Echo/Echo"
 ECHO_STREAM = "/bench.Echo/EchoStream"
@@ -92,19 +93,17 @@ def _drive(
     seconds: float,
     threads: int,
 ) -> dict[str, Any]:
-    from tools.bench.ingest import _process_cpu_s  # ingest imports this module
-
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     procs = [
         ctx.Process(target=_caller, args=(method, streaming, port, threads, seconds, p, results))
         for p in payloads
     ]
-    cpu0 = _process_cpu_s()
+    cpu0 = process_cpu_s()
     for p in procs:
         p.start()
     done = [results.get() for _ in procs]
-    cpu = _process_cpu_s() - cpu0
+    cpu = process_cpu_s() - cpu0
     for p in procs:
         p.join()
     calls = sum(d[0] for d in done)
@@ -161,8 +160,6 @@ def _payloads(
 
 def bench_stream(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dict[str, Any]:
     """Server CPU per streamed append vs per unary append, with bare-echo baselines."""
-    from tools.bench.ingest import _echo_server  # ingest imports this module
-
     with tempfile.TemporaryDirectory() as tmp:
         running = create_server(
             ServerConfig(database=f"{tmp}/l.db", listen="127.0.0.1:0", max_concurrent_rpcs=1024)
@@ -172,10 +169,10 @@ def bench_stream(seconds: float = 5.0, procs: int = 2, threads: int = 32) -> dic
         unary_payloads = [_payloads(client, f"u{p}", 256, count, False) for p in range(procs)]
         stream_payloads = [_payloads(client, f"s{p}", 256, count, True) for p in range(procs)]
         client.close()
-        echo_server, echo_port = _echo_server()
+        bare, echo_port = echo_server()
         echo = _drive(ECHO, False, echo_port, unary_payloads, seconds, threads)
         echo_stream = _drive(ECHO_STREAM, True, echo_port, stream_payloads, seconds, threads)
-        echo_server.stop(0)
+        bare.stop(0)
         unary = _drive(APPEND, False, running.port, unary_payloads, seconds, threads)
         stream = _drive(STREAM_APPEND, True, running.port, stream_payloads, seconds, threads)
         running.stop(1)
