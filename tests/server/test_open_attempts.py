@@ -94,6 +94,10 @@ class Night:
         payload = AttemptStarted("node", 1, timeout_s * 1_000_000, {}, "", labels=labels)
         return self.ev(shard, attempt, payload)
 
+    def stale(self) -> int:
+        """Returns how many attempts the new read counts stale now."""
+        return self.store.read().count_stale(self.ledger.run("", "night").run_pk, self.now)
+
     def check(self) -> None:
         """The new read equals the old full scan, now, for every figure the scrape exports."""
         view = self.store.read()
@@ -143,10 +147,13 @@ def test_every_kind_of_event_and_time_alone_keep_the_sums_equal_to_a_full_scan(u
     night.check()  # failed
     night.at(40)
     night.check()  # nothing happens, and nothing is stale yet
+    assert night.stale() == 0  # the truth this night was built with, not the old scan's
     night.at(60)
     night.check()  # time alone: shards 1, 3 and 5 (30 s timeouts, last seen at 15 s) are stale
+    assert night.stale() == 3
     night.at(61, night.ev(1, "a1", Heartbeat(2, 0.2, {})))
     night.check()  # a stale shard beats again: running, its span grown
+    assert night.stale() == 2
     night.at(62, night.ev(3, "a1", AttemptFailed("preempted", "reclaimed")))
     night.at(63, night.start(3, "a2", 30, pool="p2"))
     night.check()  # reclaimed, and rerun elsewhere: a rerun of the first pass's attempt
@@ -155,6 +162,7 @@ def test_every_kind_of_event_and_time_alone_keep_the_sums_equal_to_a_full_scan(u
     night.check()  # several heartbeats of one shard in one batch
     night.at(500)
     night.check()  # everything short-lived is stale; the long ones run on
+    assert night.stale() == 4  # shards 1, 3 (a2), 5 and 7: the 30 s attempts still open
 
 
 def test_a_scrape_reads_no_running_shards_row(url: str) -> None:
