@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, cast
 import grpc
 from grpc_health.v1 import health_pb2
 
+from ledger_server.admission import LOOP_PROBE_S
 from ledger_server.errors import StreamsExhausted
 from ledger_server.framework import HEALTH_SERVICE_NAME, LedgerHealth
 from ledger_server.interceptor import (
@@ -141,6 +142,15 @@ def _committed(future: futures.Future[Any]) -> asyncio.Future[Any]:
 
     future.add_done_callback(resolved)
     return waiter
+
+
+async def probe_loop(observe: Callable[[float, float], None]) -> None:
+    """Measures, until cancelled, how late the loop wakes a short sleep (Admission.observe_loop)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(LOOP_PROBE_S)
+        observe(loop.time() - start - LOOP_PROBE_S, LOOP_PROBE_S)
 
 
 def _step(stream: Iterator[Any]) -> Any:

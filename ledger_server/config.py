@@ -27,6 +27,10 @@ class ServerConfig:
     # and beyond the threads appends may hold, they are refused at once with
     # RESOURCE_EXHAUSTED (OVERLOADED) and a RetryInfo delay (admission.py). 0 admits all.
     admission_delay_s: float = 2.0
+    # The asyncio engines: while the event loop runs this late over several probes in a
+    # row (a standing queue of messages that admission's queue cannot see), appends are
+    # refused the same way (admission.py). 0 does not watch the loop.
+    admission_loop_lag_s: float = 0.25
     # The queue always admits this many events (two of the SDK's full batches), also
     # before a commit has measured the rate.
     admission_min_events: int = 1000

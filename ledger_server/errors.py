@@ -156,13 +156,29 @@ class Overloaded(LedgerError):
 
     reason = "OVERLOADED"
 
-    def __init__(self, retry_after_s: float, *, queued_events: int, bound_events: int) -> None:
-        super().__init__(
-            f"the ledger is at capacity ({queued_events} events waiting for a commit, admitting"
-            f" up to {bound_events}); retry in {retry_after_s:.3f}s",
-            queued_events=queued_events,
-            bound_events=bound_events,
-        )
+    def __init__(
+        self,
+        retry_after_s: float,
+        *,
+        queued_events: int,
+        bound_events: int,
+        loop_lag_s: float | None = None,
+    ) -> None:
+        if loop_lag_s is None:
+            super().__init__(
+                f"the ledger is at capacity ({queued_events} events waiting for a commit,"
+                f" admitting up to {bound_events}); retry in {retry_after_s:.3f}s",
+                queued_events=queued_events,
+                bound_events=bound_events,
+            )
+        else:  # the event loop, not the committer, is the queue (admission.py)
+            super().__init__(
+                f"the ledger is at capacity (its event loop runs {loop_lag_s * 1000:.0f} ms"
+                f" behind); retry in {retry_after_s:.3f}s",
+                queued_events=queued_events,
+                bound_events=bound_events,
+                loop_lag_ms=round(loop_lag_s * 1000),
+            )
         self.retry_after_s = retry_after_s
 
 

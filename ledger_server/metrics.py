@@ -181,6 +181,12 @@ class LedgerMetrics:
             "StreamAppendEvents streams open now (one per job process that appends).",
             registry=r,
         )
+        self.loop_lag = Gauge(
+            "shardledger_event_loop_lag_seconds",
+            "How late the asyncio engine's event loop runs (the least of its last probes);"
+            " past --admission-loop-lag appends are refused OVERLOADED.",
+            registry=r,
+        )
         self.append_streams_limit = Gauge(
             "shardledger_append_streams_limit",
             "The most append streams this server holds (--max-append-streams).",

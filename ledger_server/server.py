@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import resource
@@ -23,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger_server.admission import Admission, read_reserve
-from ledger_server.aio import AioInterceptor, AioServer, health_handler
+from ledger_server.aio import AioInterceptor, AioServer, health_handler, probe_loop
 from ledger_server.archiver import Outcome
 from ledger_server.config import ServerConfig, default_key_path
 from ledger_server.framework import HEALTH_SERVICE_NAME, LedgerHealth, enable_reflection
@@ -138,6 +139,8 @@ def create_server(config: ServerConfig) -> RunningServer:
             delay_s=config.admission_delay_s,
             min_events=config.admission_min_events,
             max_calls=max(1, config.max_workers - read_reserve(config.max_workers)),
+            # The threaded engine has no event loop to watch.
+            loop_lag_s=config.admission_loop_lag_s if config.engine != "threads" else 0.0,
         )
         ledger = LedgerService(store, on_group=metrics.observe_group, admission=admission)
     except BaseException:
@@ -294,6 +297,8 @@ def _start(
             max_calls=config.max_concurrent_rpcs,
         )
         server.before_stop.append(adapter.end_streams)
+        admission = ledger.admission
+        watch_loop = admission is not None and admission.loop_lag_s > 0
 
         def build() -> Any:
             aio = grpc.aio.server(
@@ -309,6 +314,15 @@ def _start(
             if config.reflection:
                 enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), aio)
             server.server = aio
+            if watch_loop:
+                assert admission is not None
+                probe = asyncio.get_running_loop().create_task(probe_loop(admission.observe_loop))
+
+                def stop_probe() -> None:
+                    probe.cancel()
+
+                server.before_stop.append(stop_probe)
+                metrics.loop_lag.set_function(lambda: admission.lag_s)
             bound = _bind(aio, config.listen, credentials)
             return _started(aio, bound)
 

@@ -92,11 +92,14 @@ def check_config(config: ServerConfig) -> None:
     ):
         if value < 1:
             raise StartupError(f"{option} must be at least 1, not {value}", usage=True)
-    if not (math.isfinite(config.admission_delay_s) and config.admission_delay_s >= 0):
-        raise StartupError(
-            f"--admission-delay must be a number of seconds >= 0, not {config.admission_delay_s}",
-            usage=True,
-        )
+    for option, seconds in (
+        ("--admission-delay", config.admission_delay_s),
+        ("--admission-loop-lag", config.admission_loop_lag_s),
+    ):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise StartupError(
+                f"{option} must be a number of seconds >= 0, not {seconds}", usage=True
+            )
     if not (math.isfinite(config.grace_s) and config.grace_s >= 0):
         raise StartupError(
             f"--grace must be a number of seconds >= 0, not {config.grace_s}", usage=True

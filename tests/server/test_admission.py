@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,8 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from ledger_server.admission import MAX_RETRY_S, Admission
+from ledger_server.admission import LOOP_PROBES, MAX_RETRY_S, Admission
+from ledger_server.aio import AioServer
 from ledger_server.config import ServerConfig
 from ledger_server.errors import Overloaded
 from ledger_server.server import RunningServer, create_server
@@ -30,9 +32,11 @@ from shard_client import Ack, LedgerClient, Sender, backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.api.shardledger.v1 import ledger_pb2_grpc as pb_grpc
 from tests.builders import event, planned, run_cli, started
+from tests.server.test_metrics import scrape, scrape_until
 
 RUN = "run-1"
 SHARDS = [f"shard-{i}" for i in range(8)]
+LAG = ("shardledger_event_loop_lag_seconds", ())
 
 
 class WriterGate:
@@ -367,3 +371,83 @@ def test_a_flood_on_one_stream_is_refused_batch_by_batch_with_a_delay_and_the_st
     assert last.batch_id == 99 and last.appended.results[0].outcome == pb.APPEND_OUTCOME_APPENDED
     assert tight.ledger.admission is not None
     assert tight.ledger.admission.refused_calls == 35
+
+
+def test_a_loop_late_over_every_probe_refuses_appends_with_its_lag_and_turns_behind_it() -> None:
+    admission = _admission(min_events=1000, max_calls=100, loop_lag_s=0.25)
+    admission.admit(40)  # admitted while the loop keeps up: the loop's admitted rate
+    for _ in range(LOOP_PROBES - 1):
+        admission.observe_loop(0.3, 0.05)
+    admission.admit(1)  # late on three probes only: one slow stretch is no standing queue
+    admission.observe_loop(0.3, 0.05)
+    assert admission.lagging and admission.lag_s == pytest.approx(0.3)
+    delays = []
+    for _ in range(3):
+        with pytest.raises(Overloaded) as refused:
+            admission.admit(1)
+        delays.append(refused.value.retry_after_s)
+    # The first comes back when the loop has caught up, each next one a turn later.
+    assert delays[0] == pytest.approx(0.3)
+    assert delays[0] < delays[1] < delays[2]
+    assert delays[2] - delays[1] == pytest.approx(delays[1] - delays[0])
+    assert refused.value.metadata["loop_lag_ms"] == "300"
+    assert "event loop runs 300 ms behind" in str(refused.value)
+    assert admission.refused_for_lag == 3
+    admission.observe_loop(0.01, 0.05)  # one probe on time ends the standing queue
+    admission.admit(1)
+
+
+def test_a_loop_lag_bound_of_zero_never_refuses_for_the_loop() -> None:
+    admission = _admission(min_events=1000, max_calls=100, loop_lag_s=0.0)
+    for _ in range(LOOP_PROBES):
+        admission.observe_loop(5.0, 0.05)
+    assert not admission.lagging
+    admission.admit(1)
+
+
+def test_a_server_whose_event_loop_falls_behind_refuses_appends_until_it_catches_up(
+    tmp_path: Path,
+) -> None:
+    config = ServerConfig(
+        database=str(tmp_path / "ledger.db"), listen="127.0.0.1:0", metrics_listen="127.0.0.1:0"
+    )
+    running = create_server(config)
+    try:
+        assert isinstance(running.server, AioServer) and running.metrics_port is not None
+        loop, hogging = running.server.loop, threading.Event()
+        _plan(_target(running))
+
+        def hog() -> None:  # a callback that holds the loop 0.4 s at a time: a standing queue
+            if hogging.is_set():
+                time.sleep(0.4)
+                loop.call_later(0.01, hog)
+
+        hogging.set()
+        loop.call_soon_threadsafe(hog)
+        # Four probes in a row late (the metric, as a dashboard sees it) before appending.
+        scrape_until(running.metrics_port, lambda samples: samples[LAG] > 0.25, timeout_s=60)
+        with grpc.insecure_channel(_target(running)) as channel:
+            stub = pb_grpc.LedgerServiceStub(channel)
+            refusals = []
+            for shard in SHARDS[:3]:
+                request = pb.AppendEventsRequest(events=[started(RUN, shard)])
+                refusals.append(_refusal(lambda: stub.AppendEvents(request, timeout=60)))  # noqa: B023
+            lag = scrape(running.metrics_port)[LAG]
+        hogging.clear()
+        assert {(code, reason) for code, reason, _ in refusals} == {
+            (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
+        }
+        assert all(delay is not None and 0.25 < delay <= MAX_RETRY_S for _, _, delay in refusals)
+        assert lag > 0.25
+        # The loop caught up: the SDK's append, which waits the advised delay, is stored once.
+        client = LedgerClient(_target(running), timeout_s=60)
+        client.append([started(RUN, SHARDS[0])])
+        client.close()
+        kinds = Counter(
+            (e.shard_id, e.WhichOneof("payload"))
+            for e in LedgerClient(_target(running)).list_events(RUN)
+        )
+        assert kinds[(SHARDS[0], "started")] == 1
+        assert kinds[(SHARDS[1], "started")] == kinds[(SHARDS[2], "started")] == 0
+    finally:
+        running.stop(0.5)

@@ -102,6 +102,16 @@ def register(
         " 0 admits every append",
     )
     p.add_argument(
+        "--admission-loop-lag",
+        type=non_negative_seconds,
+        default=0.25,
+        metavar="SECONDS",
+        help="asyncio engines: while the event loop runs this late over several probes in a"
+        " row (calls waiting on the loop, where the commit queue cannot see them), refuse"
+        " appends the same way (OVERLOADED, with a RetryInfo delay); 0 does not watch the"
+        " loop",
+    )
+    p.add_argument(
         "--admission-min-events",
         type=positive_int,
         default=1000,
@@ -262,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_append_streams=args.max_append_streams,
         admission_delay_s=args.admission_delay,
+        admission_loop_lag_s=args.admission_loop_lag,
         admission_min_events=args.admission_min_events,
         reflection=not args.no_reflection,
         insecure=args.insecure,
