@@ -118,30 +118,49 @@ async def _abort(context: AioContext, aborted: Aborted) -> NoReturn:
     raise AssertionError("unreachable")  # grpc.aio's abort always raises
 
 
-def _committed(future: futures.Future[Any]) -> asyncio.Future[Any]:
-    """Returns an asyncio future with the commit's outcome, resolved on the loop.
+class _Deliveries:
+    """Hands commits' outcomes to one loop in batches: one wake-up per group commit, not per call.
 
-    Unlike asyncio.wrap_future, cancelling it (the client left) leaves the commit's
-    own future alone: the writer sets every outcome.
+    The writer thread finishes a group's futures one after another; each one's
+    callback files (waiter, done) here, and only the first since the loop last
+    drained asks the loop to drain (``call_soon_threadsafe`` writes to the loop's
+    self-pipe: a system call and a wake-up each, on the writer's GIL time).
     """
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[Any] = loop.create_future()
 
-    def resolve(done: futures.Future[Any]) -> None:  # on the loop
-        if waiter.cancelled():
-            return
-        error = done.exception()
-        if error is not None:
-            waiter.set_exception(error)
-        else:
-            waiter.set_result(done.result())
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._filed: list[tuple[asyncio.Future[Any], futures.Future[Any]]] = []
 
-    def resolved(done: futures.Future[Any]) -> None:  # on the writer thread
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(resolve, done)
+    def file(self, waiter: asyncio.Future[Any], done: futures.Future[Any]) -> None:
+        """Files one outcome (on the writer thread)."""
+        with self._lock:
+            first = not self._filed
+            self._filed.append((waiter, done))
+        if first and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._drain)
 
-    future.add_done_callback(resolved)
-    return waiter
+    def _drain(self) -> None:  # on the loop
+        with self._lock:
+            filed, self._filed = self._filed, []
+        for waiter, done in filed:
+            if waiter.cancelled():
+                continue
+            error = done.exception()
+            if error is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(done.result())
+
+    def committed(self, future: futures.Future[Any]) -> asyncio.Future[Any]:
+        """Returns an asyncio future with the commit's outcome, resolved on the loop.
+
+        Unlike asyncio.wrap_future, cancelling it (the client left) leaves the commit's
+        own future alone: the writer sets every outcome.
+        """
+        waiter: asyncio.Future[Any] = self.loop.create_future()
+        future.add_done_callback(lambda done: self.file(waiter, done))
+        return waiter
 
 
 async def probe_loop(observe: Callable[[float, float], None]) -> None:
@@ -191,6 +210,13 @@ class AioInterceptor(_ServerInterceptor):
         # The open StreamAppendEvents streams, each (its reader, its window): a stop ends them.
         self._streams: set[tuple[asyncio.Task[None], asyncio.Queue[Any]]] = set()
         self._stopping = False
+        self._delivered: _Deliveries | None = None  # made on the loop, at the first append
+
+    def _deliveries(self) -> _Deliveries:
+        """Returns the commit outcomes' way onto the loop (called on the loop)."""
+        if self._delivered is None:
+            self._delivered = _Deliveries(asyncio.get_running_loop())
+        return self._delivered
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = await continuation(details)
@@ -281,7 +307,7 @@ class AioInterceptor(_ServerInterceptor):
             steps = self.servicer.append_steps(request, sync.as_grpc())
             future = next(steps)
             try:
-                results = await _committed(future)
+                results = await self._deliveries().committed(future)
             except asyncio.CancelledError:
                 # The client left; the events are still queued. Admission gives their room
                 # back when the commit ends, as the threaded server's waiting thread would.
@@ -332,6 +358,7 @@ class AioInterceptor(_ServerInterceptor):
         window: asyncio.Queue[Any] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_WINDOW)
         servicer, grpc_context = self.servicer, sync.as_grpc()
+        deliveries = self._deliveries()
 
         async def read() -> None:
             try:
@@ -357,7 +384,7 @@ class AioInterceptor(_ServerInterceptor):
                     await _abort(context, item)
                 if isinstance(item, Pending):
                     try:
-                        results = await _committed(item.future)
+                        results = await deliveries.committed(item.future)
                     except asyncio.CancelledError:
                         _release_when_committed(item)
                         raise

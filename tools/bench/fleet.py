@@ -340,7 +340,7 @@ async def _aio_fleet(
                 except aio.AioRpcError as exc:
                     code = exc.code()
                     if code not in _RETRIED:
-                        errors.append(str(code))
+                        errors.append(f"{code}: {(exc.details() or '')[:160]}")
                         break
                     wait = _resend_wait(
                         counts, samples, code, exc.details(), _advised_s(exc), failures
@@ -396,7 +396,7 @@ async def _aio_fleet(
                     lat[kind].append(1000 * (time.monotonic() - first))
                     break
                 if code not in _RETRIED:
-                    errors.append(str(code))
+                    errors.append(f"{code}: {details[:160]}")
                     break
                 wait = _resend_wait(counts, samples, code, details, advised, failures)
                 failures += 1
