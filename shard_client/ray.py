@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar, Unpack
@@ -44,13 +45,16 @@ from shard_client.canonical import canonical_json
 from shard_client.keyed import KeyedMismatch, check_keyed_ids
 from shard_client.ledger import Ledger
 from shard_client.options import ShardOptionKwargs
+from shard_client.scheduler import ray_identity
 
 __all__ = [
     "BATCH_INPUT_PREFIX",
+    "ShardAlreadyVerified",
     "ShardBatches",
     "batch_manifest",
     "plan_line_of",
     "shard_task",
+    "verified_artifacts",
     "worker_ledger",
 ]
 
@@ -94,6 +98,7 @@ def shard_task(
     server: str | None = None,
     namespace: str = "",
     check_input: bool = True,
+    committed_result: Callable[[dict[str, Any], dict[str, str]], R] | None = None,
     **options: Unpack[ShardOptionKwargs],
 ) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Returns a decorator that runs ``fn(shard, line, *args)`` as one attempt at the line's shard.
@@ -104,6 +109,13 @@ def shard_task(
     ``check_input`` the line is the shard's ``input=`` (docs/concepts.md, "Input
     identity"). ``options`` are `Ledger.shard`'s (``expected_outputs``,
     ``heartbeat_timeout``, ...). What ``fn`` returns is the task's result.
+
+    A Ray re-execution (task attempt 1 and up: a retry, or lineage reconstruction of
+    a lost result) of a shard the ledger already verified does not run ``fn``: it
+    opens no attempt and rewrites nothing, so the verified artifact stays the one
+    verified. It returns ``committed_result(line, artifacts)`` (``artifacts``: output
+    name -> the verified path) where you read the result back, or, without it,
+    raises `ShardAlreadyVerified` (docs/ray.md, "Failure semantics").
     """
 
     def decorate(fn: Callable[..., R]) -> Callable[..., R]:
@@ -111,6 +123,10 @@ def shard_task(
         def run(line: str | Mapping[str, Any], *args: Any, **kwargs: Any) -> R:
             plan_line = plan_line_of(line)
             ledger = worker_ledger(server, namespace=namespace)
+            if _ray_attempt() > 0:
+                artifacts = verified_artifacts(ledger, run_id, plan_line["shard_id"], namespace)
+                if artifacts is not None:
+                    return _reuse(run_id, plan_line, artifacts, committed_result)
             given: ShardOptionKwargs = {**options}
             if check_input and "input" not in given:
                 given["input"] = plan_line
@@ -123,6 +139,51 @@ def shard_task(
         return run
 
     return decorate
+
+
+class ShardAlreadyVerified(RuntimeError):
+    """Ray ran a task again whose shard the ledger verified, and no ``committed_result`` says
+    what the task returns then: its result is lost to Ray, its artifact is untouched."""
+
+
+def verified_artifacts(
+    ledger: Ledger, run_id: str, shard_id: str, namespace: str = ""
+) -> dict[str, str] | None:
+    """Returns the shard's verified outputs (name -> path), or None if it is not verified."""
+    for view in ledger.client.shards(run_id, namespace=namespace, state="verified"):
+        if view.shard_id == shard_id:
+            artifacts = json.loads(view.view_json).get("artifacts") or {}
+            return {str(name): str(held["path"]) for name, held in artifacts.items()}
+    return None
+
+
+def _reuse(
+    run_id: str,
+    line: dict[str, Any],
+    artifacts: dict[str, str],
+    committed_result: Callable[[dict[str, Any], dict[str, str]], R] | None,
+) -> R:
+    """Returns the verified shard's result without running it again, or raises."""
+    where = f"{run_id}/{line['shard_id']}"
+    if committed_result is None:
+        raise ShardAlreadyVerified(
+            f"{where} is verified: Ray ran its task again (a retry or lineage reconstruction);"
+            " nothing was run or rewritten. Pass shard_task(..., committed_result=) to return"
+            " the result from the committed outputs"
+        )
+    print(
+        f"shardledger: {where} is verified: Ray attempt {_ray_attempt()} returns the"
+        " committed result; nothing was run or rewritten",
+        file=sys.stderr,
+        flush=True,
+    )
+    return committed_result(line, artifacts)
+
+
+def _ray_attempt() -> int:
+    """Returns the running Ray task's attempt number (0 outside a Ray task)."""
+    identity = ray_identity()
+    return int(identity.task_attempt or 0) if identity is not None else 0
 
 
 def batch_manifest(

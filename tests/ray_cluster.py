@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -46,6 +47,14 @@ MARKER: Final = "SHARDLEDGER_TEST_RAY"
 NUM_CPUS: Final = 2
 START_TIMEOUT_S: Final = 300.0
 OBJECT_STORE_BYTES: Final = 100 * 1024 * 1024
+# The GCS calls a node dead after 5 missed health checks a second apart (Ray's default:
+# 5 every 3 s, each allowed 10 s), so a test's frozen or killed raylet is dead within
+# seconds; a check may take 2 s, which a loaded machine's raylets answer within.
+NODE_DEATH: Final = {
+    "health_check_period_ms": "1000",
+    "health_check_timeout_ms": "2000",
+    "health_check_failure_threshold": "5",
+}
 
 
 class RayClusterError(RuntimeError):
@@ -105,6 +114,39 @@ class RayCluster:
             raise RayClusterError(f"ray start exited {done.returncode}:\n{self.log.read_text()}")
         self.address = f"127.0.0.1:{gcs}"
 
+    def add_worker_node(self, resource: str, *, num_cpus: int = 1) -> RayNode:
+        """Starts a second raylet that joins the head, with one unit of the custom ``resource``.
+
+        A task that asks for ``resource`` (or is pinned to the node) runs there; the test
+        can then freeze or kill that raylet (`RayNode.raylet_pid`) as a node fault.
+        """
+        manager, objects, agent_http, agent_grpc, env_agent, metrics = free_ports(6)
+        log = self.base / f"ray-start-{resource}.log"
+        argv = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            f"--address={self.address}",
+            "--node-ip-address=127.0.0.1",
+            f"--node-manager-port={manager}",
+            f"--object-manager-port={objects}",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={env_agent}",
+            f"--metrics-export-port={metrics}",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps({resource: 1})}",
+            "--disable-usage-stats",
+        ]
+        with log.open("w") as out:
+            done = subprocess.run(
+                argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S
+            )
+        if done.returncode != 0:
+            raise RayClusterError(f"ray start (node) exited {done.returncode}:\n{log.read_text()}")
+        return RayNode(self, resource, manager)
+
     def allowance_s(self) -> float:
         """Returns how long a test may wait for Ray to do one thing: a minute, or 6 head starts."""
         return max(60.0, 6 * self.start_s)
@@ -138,6 +180,45 @@ class RayCluster:
                 return
 
 
+@dataclass
+class RayNode:
+    """A second raylet of a `RayCluster` (`RayCluster.add_worker_node`)."""
+
+    cluster: RayCluster
+    resource: str
+    # The raylet's --node_manager_port: what tells its processes from the head's.
+    manager_port: int
+
+    def processes(self) -> dict[int, list[bytes]]:
+        """Returns the node's live processes (raylet, agents, workers): pid -> argv.
+
+        Each names the raylet's port in its argv (``--node_manager_port=`` in the raylet's,
+        ``--node-manager-port=`` in the others').
+        """
+        flags = {f"--node{sep}manager{sep}port={self.manager_port}".encode() for sep in "_-"}
+        found = {}
+        for pid in self.cluster.pids():
+            with contextlib.suppress(OSError):
+                argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+                if flags & set(argv):
+                    found[pid] = argv
+        return found
+
+    def raylet_pid(self) -> int:
+        """Returns the node's raylet pid."""
+        (pid,) = (p for p, argv in self.processes().items() if argv[0].endswith(b"/raylet"))
+        return pid
+
+    def kill(self) -> None:
+        """SIGKILLs every process of the node (a frozen one too) and waits until none is left."""
+        deadline = time.monotonic() + 30.0
+        while (left := self.processes()) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     """A local Ray head for the module, stopped (its processes only) at the module's end."""
@@ -152,7 +233,7 @@ def ray_cluster() -> Iterator[RayCluster]:
     env[MARKER] = str(base)
     cluster = RayCluster(base, env)
     try:
-        cluster.start()
+        cluster.start(**NODE_DEATH)
         yield cluster
     finally:
         cluster.stop()

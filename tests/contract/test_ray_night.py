@@ -13,6 +13,7 @@ the resume list, handed back to a second driver, ends the run at 100 % verified.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -23,11 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+import blake3
 import pytest
 
 from ledger_server.server import RunningServer
 from shard_client.atomic import TEMP_PREFIX
 from shard_client.client import LedgerClient
+from shard_client.scheduler import process_start_ticks
 from tests import ray_cluster as cluster_module
 from tests.builders import run_cli
 from tests.contract.test_tutorial import blocks, reader_env, run_doc
@@ -118,6 +121,13 @@ def _wait(what: str, check: Any, timeout_s: float) -> Any:
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def _outcome(stdout: str) -> dict[str, str]:
+    """Returns the driver's outcome line: shard id -> "ok" or what Ray raised."""
+    (line,) = (t for t in stdout.splitlines() if t.startswith("outcome: "))
+    outcome: dict[str, str] = json.loads(line.removeprefix("outcome: "))
+    return outcome
 
 
 def _views(client: LedgerClient) -> dict[str, dict[str, Any]]:
@@ -239,7 +249,7 @@ def test_a_ray_night_with_retries_kills_and_a_killed_driver_resumes_to_100_perce
     second = _driver(ray_cluster, target, rerun, out, truth, {})
     stdout, stderr = second.communicate(timeout=2 * ray_cluster.allowance_s())
     assert second.returncode == 0, stderr
-    assert json.loads(stdout.splitlines()[-1]) == {"t-always": "ok", "t-gate": "ok"}
+    assert _outcome(stdout) == {"t-always": "ok", "t-gate": "ok"}
     assert run_cli(capsys, "verify", RUN, "--root", str(out), "--server", target)[0] == 0
     summary = json.loads(run_cli(capsys, "status", RUN, "--server", target, "--json")[1])
     assert (summary["verified"], summary["submitted"]) == (6, 6)
@@ -401,7 +411,7 @@ def test_watch_kill_stale_stops_a_hung_ray_task_through_ray_and_ray_retries_it(
     # Ray saw its worker die and ran the task again: attempt 1 commits.
     stdout, stderr = driver.communicate(timeout=2 * ray_cluster.allowance_s())
     assert driver.returncode == 0, stderr
-    assert json.loads(stdout.splitlines()[-1]) == {"t-hang": "ok"}
+    assert _outcome(stdout) == {"t-hang": "ok"}
     assert run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)[0] == 0
     code, text, _ = run_cli(capsys, "shards", run_id, "--attempts", "--json", "--server", target)
     rows = [json.loads(t) for t in text.splitlines()]
@@ -410,3 +420,284 @@ def test_watch_kill_stale_stops_a_hung_ray_task_through_ray_and_ray_retries_it(
         ("verified", "", "1"),
     ]
     assert rows[0]["attempt_id"] == hung["attempt_id"]
+
+
+def _facts_of(truth: Path, shard_id: str) -> dict[tuple[int, str], dict[str, Any]]:
+    """Returns one shard's recorded steps: (Ray attempt, step) -> its facts."""
+    return {(a, step): f for (s, a, step), f in _truth(truth).items() if s == shard_id}
+
+
+def _rows_of(capsys: pytest.CaptureFixture[str], target: str, run_id: str) -> list[dict[str, Any]]:
+    code, text, err = run_cli(capsys, "shards", run_id, "--attempts", "--json", "--server", target)
+    assert code == 0, err
+    return [json.loads(t) for t in text.splitlines()]
+
+
+def test_a_retry_while_the_first_attempt_still_runs_leaves_a_zombie_commit_the_ledger_names(
+    ray_cluster: RayCluster,
+    server: RunningServer,
+    client: LedgerClient,
+    night: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Node b's raylet frozen: the GCS marks the node dead, Ray runs the task again on the
+    head while the first attempt, on a worker nobody froze, still runs and commits late.
+
+    Ray 2.60 retries a task of a dead node only once its owner's connection to the
+    worker fails (a frozen raylet alone: no retry in 60 s, the first attempt's result
+    returned as usual). A partition breaks that connection; here the driver's gRPC
+    keepalive does (a ping a second, which the worker's gRPC server answers with
+    GOAWAY "too_many_pings", closing the connection).
+    """
+    target, run_id = client.target, "night-ray-zombie"
+    node = ray_cluster.add_worker_node("node_b")
+    try:
+        lines = _plan(capsys, night, target, ("z-late",), run_id)
+        out, truth = night / "out", night / "truth"
+        env = ray_cluster.driver_env(
+            SHARDLEDGER_SERVER=target,
+            SHARDLEDGER_SPOOL_DIR=str(night / "spool"),
+            RAY_grpc_client_keepalive_time_ms="1000",
+            RAY_grpc_client_keepalive_timeout_ms="1000",
+        )
+        argv = [sys.executable, str(DRIVER), run_id, str(lines), "--out", str(out)]
+        argv += ["--truth", str(truth), "--faults", json.dumps({"z-late": {"0": "gate"}})]
+        argv += ["--pin", "node_b", "--linger", str(night / "release")]
+        driver = subprocess.Popen(
+            argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        allowance = ray_cluster.allowance_s()
+        _wait(
+            "attempt 0 on node b", lambda: (0, "waiting") in _facts_of(truth, "z-late"), allowance
+        )
+        os.kill(node.raylet_pid(), signal.SIGSTOP)
+        _wait(
+            "Ray's retry to commit",
+            lambda: (1, "committed") in _facts_of(truth, "z-late"),
+            allowance,
+        )
+        facts = _facts_of(truth, "z-late")
+        first, retry = facts[(0, "started")], facts[(1, "started")]
+        assert first["node_id"] != retry["node_id"]  # the retry ran on the head
+        # The first attempt's worker still runs (only its raylet is frozen), unheard of.
+        assert process_start_ticks(first["pid"]) != 0
+        rows = _rows_of(capsys, target, run_id)
+        assert [(r["attempt_id"], r["outcome"]) for r in rows] == [
+            (first["attempt_id"], "superseded"),
+            (retry["attempt_id"], "unverified"),
+        ]
+        committed_by_retry = (out / "z-late.counts.json").read_bytes()
+
+        # The zombie goes on: it commits late, over the retry's commit, the same bytes.
+        (truth / "open-gate").touch()
+        _wait(
+            "the zombie's commit", lambda: (0, "committed") in _facts_of(truth, "z-late"), allowance
+        )
+        _wait(
+            "the zombie's commit on the ledger",
+            lambda: json.loads(next(iter(client.shards(run_id))).view_json)["duplicates"],
+            allowance,
+        )
+        (night / "release").touch()
+        stdout, stderr = driver.communicate(timeout=allowance)
+        assert driver.returncode == 0, stderr
+        assert _outcome(stdout) == {"z-late": "ok"}
+    finally:
+        node.kill()
+    assert (out / "z-late.counts.json").read_bytes() == committed_by_retry
+    assert not list(out.glob(f"{TEMP_PREFIX}*"))  # nothing half-written left behind
+    assert run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)[0] == 0
+    rows = _rows_of(capsys, target, run_id)
+    # Each attempt committed the whole output; the first after the retry started: a zombie.
+    assert [(r["attempt_id"], r["outcome"]) for r in rows] == [
+        (first["attempt_id"], "verified"),
+        (retry["attempt_id"], "verified"),
+    ]
+    assert [r["scheduler"]["task_attempt"] for r in rows] == ["0", "1"]
+    assert [r["scheduler"]["node"] for r in rows] == [first["node_id"], retry["node_id"]]
+    summary = json.loads(run_cli(capsys, "status", run_id, "--server", target, "--json")[1])
+    assert summary["duplicates"] == {"wasted": 1, "nondeterministic": 0, "zombie": 1}
+    assert (summary["verified"], summary["submitted"]) == (1, 1)
+    (view,) = (json.loads(v.view_json) for v in client.shards(run_id))
+    assert view["state"] == "verified"
+    assert view["artifacts"]["counts"]["blake3"] == blake3.blake3(committed_by_retry).hexdigest()
+    assert run_cli(capsys, "resume", run_id, "--format", "ids", "--server", target)[:2] == (0, "")
+
+
+def test_a_killed_node_and_lineage_reexecution_of_a_verified_shard(
+    ray_cluster: RayCluster,
+    server: RunningServer,
+    client: LedgerClient,
+    night: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Node c runs two tasks: one that waits (its raylet is SIGKILLed under it, Ray runs it
+    again on the head) and one whose result, over 100 KiB, lives only in node c's object
+    store. That shard is verified before the kill; the driver's `ray.get` afterwards makes
+    Ray re-execute its task to rebuild the lost result. The re-execution finds the shard
+    verified: it returns the committed result and neither runs nor rewrites anything.
+    """
+    target, run_id = client.target, "night-ray-node"
+    node = ray_cluster.add_worker_node("node_c", num_cpus=2)
+    shards = ("n-killed", "n-lineage")
+    faults = {"n-killed": {"0": "gate"}, "n-lineage": {"0": "big"}}
+    try:
+        lines = _plan(capsys, night, target, shards, run_id)
+        out, truth = night / "out", night / "truth"
+        go = night / "go"
+        driver = _driver(
+            ray_cluster,
+            target,
+            lines,
+            out,
+            truth,
+            faults,
+            "--pin",
+            "node_c",
+            "--hold",
+            str(go),
+            run_id=run_id,
+        )
+        allowance = ray_cluster.allowance_s()
+
+        def placed() -> bool:
+            steps = _truth(truth)
+            return ("n-killed", 0, "waiting") in steps and ("n-lineage", 0, "committed") in steps
+
+        _wait("both tasks on node c", placed, allowance)
+        steps = _truth(truth)
+        node_c = steps[("n-killed", 0, "started")]["node_id"]
+        assert steps[("n-lineage", 0, "started")]["node_id"] == node_c
+        code, _, err = run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)
+        assert code == 0, err
+        verified = (out / "n-lineage.counts.json").read_bytes()
+        digest = blake3.blake3(verified).hexdigest()
+        os.kill(node.raylet_pid(), signal.SIGKILL)  # the node's workers die with it
+        go.touch()  # now fetch the results: n-lineage's is lost with node c
+        stdout, stderr = driver.communicate(timeout=2 * allowance)
+        assert driver.returncode == 0, stderr
+    finally:
+        node.kill()
+    steps = _truth(truth)
+    # Ray ran both again, elsewhere: the killed task as attempt 1, the lost result's
+    # task as attempt 1, which found the shard verified and ran nothing.
+    assert {(s, a, step) for (s, a, step) in steps if a > 0} == {
+        ("n-killed", 1, "started"),
+        ("n-killed", 1, "committed"),
+        ("n-lineage", 1, "reused"),
+    }
+    assert steps[("n-killed", 1, "started")]["node_id"] != node_c
+    assert steps[("n-lineage", 1, "reused")]["node_id"] != node_c
+    assert _outcome(stdout) == {
+        "n-killed": "ok",
+        "n-lineage": f"n-lineage reused {digest}",
+    }
+    # The verified artifact is the one verified, untouched, and the only attempt at it.
+    assert (out / "n-lineage.counts.json").read_bytes() == verified
+    assert run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)[0] == 0
+    rows = _rows_of(capsys, target, run_id)
+    want = {
+        ("n-killed", steps[("n-killed", 0, "started")]["attempt_id"]): ("superseded", "0"),
+        ("n-killed", steps[("n-killed", 1, "started")]["attempt_id"]): ("verified", "1"),
+        ("n-lineage", steps[("n-lineage", 0, "started")]["attempt_id"]): ("verified", "0"),
+    }
+    assert {
+        (r["shard_id"], r["attempt_id"]): (r["outcome"], r["scheduler"]["task_attempt"])
+        for r in rows
+    } == want
+    views = {v.shard_id: json.loads(v.view_json) for v in client.shards(run_id)}
+    assert views["n-lineage"]["artifacts"]["counts"]["blake3"] == digest
+    assert {s: v["state"] for s, v in views.items()} == dict.fromkeys(shards, "verified")
+    summary = json.loads(run_cli(capsys, "status", run_id, "--server", target, "--json")[1])
+    assert summary["duplicates"] == {"wasted": 0, "nondeterministic": 0, "zombie": 0}
+    assert run_cli(capsys, "resume", run_id, "--format", "ids", "--server", target)[:2] == (0, "")
+
+
+def test_a_hung_shard_inside_an_actor_goes_stale_and_watch_stops_the_actor_through_ray(
+    ray_cluster: RayCluster,
+    server: RunningServer,
+    client: LedgerClient,
+    night: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One actor (one process) runs four shards in order; the third hangs with the process
+    alive. The ledger shows that one stale and the first two verified; `watch --kill-stale`
+    ends the actor's worker through Ray and records failed(timeout); the fourth, queued
+    behind it, never started. The resume list is those two; a second actor finishes them."""
+    target, run_id = client.target, "night-ray-actor"
+    shards = ("a-1", "a-2", "a-hang", "a-4")
+    lines = _plan(capsys, night, target, shards, run_id)
+    out, truth = night / "out", night / "truth"
+    faults = {"a-hang": {"0": "hang"}}
+    driver = _driver(
+        ray_cluster,
+        target,
+        lines,
+        out,
+        truth,
+        faults,
+        "--actor",
+        "--progress-timeout",
+        "1",
+        run_id=run_id,
+    )
+
+    def states() -> dict[str, str]:
+        return {v.shard_id: json.loads(v.view_json)["state"] for v in client.shards(run_id)}
+
+    _wait("a-hang to go stale", lambda: states()["a-hang"] == "stale", ray_cluster.allowance_s())
+    steps = _truth(truth)
+    # Committed, not yet verified; hung; never started.
+    assert states() == {
+        "a-1": "unverified",
+        "a-2": "unverified",
+        "a-hang": "stale",
+        "a-4": "missing",
+    }
+    assert {s for (s, _, step) in steps if step == "committed"} == {"a-1", "a-2"}
+    hung = steps[("a-hang", 0, "hung")]
+    # One process ran them all, in one actor, each shard an attempt of its own.
+    assert {f["pid"] for f in steps.values()} == {hung["pid"]}
+    rows = _rows_of(capsys, target, run_id)
+    actors = {r["scheduler"]["actor_id"] for r in rows}
+    assert len(actors) == 1 and "" not in actors
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    argv = ["watch", run_id, "--kill-stale", "--once", "--grace", "1", "--json"]
+    code, text, err = run_cli(capsys, *argv, "--diag-dir", str(night / "diag"), "--server", target)
+    assert code == 0, err
+    (action,) = map(json.loads, text.splitlines())
+    assert (action["shard_id"], action["method"]) == ("a-hang", "ray")
+    assert action["recorded_failed_timeout"] is True
+    assert f"ray: stop worker pid {hung['pid']}" in action["steps"]
+    stdout, stderr = driver.communicate(timeout=2 * ray_cluster.allowance_s())
+    assert driver.returncode == 0, stderr
+    # The actor died (no restarts): its hung call and the one queued behind it fail in Ray.
+    assert _outcome(stdout) == {
+        "a-1": "ok",
+        "a-2": "ok",
+        "a-hang": "ActorDiedError",
+        "a-4": "ActorDiedError",
+    }
+    assert run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)[0] == 0
+    started = {s for (s, _, step) in _truth(truth) if step == "started"}
+    assert started == {"a-1", "a-2", "a-hang"}  # a-4 never ran
+    rows = _rows_of(capsys, target, run_id)
+    assert [(r["shard_id"], r["outcome"], r["detail"]) for r in rows] == [
+        ("a-1", "verified", ""),
+        ("a-2", "verified", ""),
+        ("a-hang", "failed", "timeout"),
+    ]
+    code, resume, _ = run_cli(capsys, "resume", run_id, "--format", "ids", "--server", target)
+    assert (code, resume.split()) == (1, ["a-hang", "a-4"])
+
+    # The morning: the resume list to a new actor.
+    rerun = night / "rerun.jsonl"
+    rerun.write_text(run_cli(capsys, "resume", run_id, "--server", target)[1])
+    second = _driver(ray_cluster, target, rerun, out, truth, {}, "--actor", run_id=run_id)
+    stdout, stderr = second.communicate(timeout=2 * ray_cluster.allowance_s())
+    assert second.returncode == 0, stderr
+    assert _outcome(stdout) == {"a-hang": "ok", "a-4": "ok"}
+    assert run_cli(capsys, "verify", run_id, "--root", str(out), "--server", target)[0] == 0
+    summary = json.loads(run_cli(capsys, "status", run_id, "--server", target, "--json")[1])
+    assert (summary["verified"], summary["submitted"]) == (4, 4)
