@@ -50,6 +50,7 @@ from shard_client import backoff
 from shard_client.api.shardledger.v1 import ledger_pb2 as pb
 from shard_client.client import LedgerClient
 from shard_client.errors import from_rpc_error, status_code
+from tools.bench.cpulimit import cpu_share as cpu_limit
 
 DEFAULT_INTERVAL_S = 15.0  # ShardOptions: heartbeat_timeout 60 s / 4
 CLIENT_PROCS = 4
@@ -62,6 +63,8 @@ PATHS = ("stream", "unary")
 RUN = "fleet"
 # The SDK's deadline per call (LedgerClient.timeout_s).
 CALL_TIMEOUT_S = 10.0
+# grpc.aio's details for a write on a call that had already ended (cygrpc.InternalError).
+_AIO_WRITE_ON_ENDED = "Internal error from Core"
 # What the SDK's sender keeps (spools) and sends again rather than giving up on.
 _RETRIED = frozenset(
     {
@@ -382,6 +385,11 @@ async def _aio_fleet(
                     call = None
                 except aio.AioRpcError as exc:
                     code, details, advised = exc.code(), exc.details() or "", _advised_s(exc)
+                    if (code, details) == (grpc.StatusCode.INTERNAL, _AIO_WRITE_ON_ENDED):
+                        # grpc.aio's answer to a write on a stream the server (or its
+                        # core) already ended: the stream ended; the SDK's sync stream
+                        # sees that call's own status and sends again on a new one.
+                        code, details = grpc.StatusCode.UNAVAILABLE, "stream ended under a write"
                     call = None
                 else:
                     if raw is aio.EOF:  # type: ignore[attr-defined]
@@ -459,6 +467,8 @@ class Served:
     process: subprocess.Popen[bytes]
     target: str
     metrics_url: str
+    # The server's CPU cgroup, where it runs in one ("": not limited).
+    cpu_limit: str = ""
 
 
 @contextmanager
@@ -467,12 +477,14 @@ def served(
     *,
     src: str | None = None,
     cpus: Sequence[int] | None = None,
+    cpu_share: float | None = None,
 ) -> Iterator[Served]:
     """Runs `shardledger serve` on a fresh ledger in its own process until the block ends.
 
     ``src``: run the server of another checkout (its directory goes first on the
     server's PYTHONPATH), so one run can measure a before and an after; ``cpus``:
-    pin the server to these CPUs (taskset).
+    pin the server to these CPUs (taskset); ``cpu_share``: hold it to that share of
+    one core (tools/bench/cpulimit.py).
     """
     with tempfile.TemporaryDirectory() as tmp:
         port_file, metrics_port = Path(tmp) / "port", _free_port()
@@ -498,16 +510,17 @@ def served(
             env=env,
             cwd=src,
         )
-        try:
+        with contextlib.ExitStack() as stack:
+            limit = stack.enter_context(cpu_limit(server.pid, cpu_share)) if cpu_share else ""
+            # Registered after the limit, so it runs first: the group empties before it goes.
+            stack.callback(server.wait, 60)
+            stack.callback(server.terminate)
             while not port_file.exists() or not port_file.read_text():
                 if server.poll() is not None:
                     raise RuntimeError("the server did not start")
                 time.sleep(0.05)
             target = f"127.0.0.1:{port_file.read_text().strip()}"
-            yield Served(server, target, f"http://127.0.0.1:{metrics_port}/metrics")
-        finally:
-            server.terminate()
-            server.wait(60)
+            yield Served(server, target, f"http://127.0.0.1:{metrics_port}/metrics", limit)
 
 
 def plan(target: str, run: str, shards: list[str]) -> None:

@@ -1,7 +1,8 @@
 """Overload: the fleet at 1x and 2x the SDK's cadence against one server, in one run.
 
     python -m tools.bench.overload [--connections 10000] [--seconds 30] [--speedups 1,2]
-                                   [--server SRC[:ARGS]] ... [--rounds N] [--pin] [-o FILE]
+                                   [--server SRC[:ARGS]] ... [--rounds N] [--pin]
+                                   [--server-cpu SHARE] [-o FILE]
 
 Each server (`shardledger serve` in its own process, a fresh ledger) takes the
 fleet of tools.bench.fleet (one channel per job, started, a heartbeat per interval,
@@ -17,8 +18,11 @@ nothing refused at 1x).
 with extra `serve` flags ARGS (space-separated), so one run measures a before (a
 `git worktree` of an older commit) and an after on the same machine state; with
 --rounds the servers alternate. ``--pin`` puts the server on CPU 0 and the client
-processes on the other CPUs (taskset / sched_setaffinity). JSON goes to
-bench-results/overload.json.
+processes on the other CPUs (taskset / sched_setaffinity). ``--server-cpu SHARE``
+holds the server to a share of one core (a CPU cgroup, root), so that one client
+process can offer three times what the server acknowledges and the run shows
+`past_capacity` (>= 0.9x of capacity acknowledged at 3x, all acknowledged again
+back at the first speedup). JSON goes to bench-results/overload.json.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import grpc
 
 from ledger_server.server import raise_fd_limit
+from tools.bench.cpulimit import CpuLimitError, cpu_share
 from tools.bench.fleet import CLIENT_PROCS, DEFAULT_INTERVAL_S, drive, served
 
 RESULTS = Path("bench-results")
@@ -65,13 +70,15 @@ def measure(
     speedups: list[float],
     pin: bool,
     path: str = "stream",
+    cpu_share: float | None = None,
 ) -> dict[str, Any]:
     """Runs every speedup against one server of the checkout at src; returns the phases and ratio."""
     cpus = os.sched_getaffinity(0)
     server_cpus = [min(cpus)] if pin and len(cpus) > 1 else None
     client_cpus = sorted(cpus - set(server_cpus)) if server_cpus else None
     phases = []
-    with served(server_args, src=src, cpus=server_cpus) as server:
+    with served(server_args, src=src, cpus=server_cpus, cpu_share=cpu_share) as server:
+        limit = server.cpu_limit
         for index, speedup in enumerate(speedups):
             load = [round(x, 2) for x in os.getloadavg()]
             phase = drive(
@@ -96,6 +103,7 @@ def measure(
         "server_dirty": bool(_git(src, "status", "--porcelain", "--untracked-files=no")),
         "server_args": server_args,
         "pinned": {"server": server_cpus, "clients": client_cpus},
+        "server_cpu_limit": limit,
         "phases": phases,
         "path": path,
         "acknowledged_ratio_last_to_first": ratio,
@@ -186,8 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pin", action="store_true", help="server on CPU 0, the client processes on the rest"
     )
+    parser.add_argument(
+        "--server-cpu",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="hold the server to this share of one core (a CPU cgroup; root), so that one"
+        " client process can offer 3x what it acknowledges: 'past capacity' on a small machine",
+    )
     parser.add_argument("-o", "--output", default=str(RESULTS / "overload.json"))
     args = parser.parse_args(argv)
+    if args.server_cpu is not None and not 0.01 <= args.server_cpu <= 1.0:
+        parser.error(f"--server-cpu {args.server_cpu:g}: a share of one core, 0.01 to 1")
     try:
         speedups = [float(x) for x in args.speedups.split(",")]
     except ValueError:
@@ -208,6 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         " nothing refused at 1x",
         "runs": [],
     }
+    if args.server_cpu is not None:
+        # Fail before any phase runs where the machine cannot hold the server to a share.
+        probe = subprocess.Popen(["sleep", "60"])
+        try:
+            with cpu_share(probe.pid, args.server_cpu):
+                probe.kill()  # the group goes once it is empty
+                probe.wait()
+        except CpuLimitError as exc:
+            parser.error(f"--server-cpu: {exc}")
+        finally:
+            probe.kill()
+            probe.wait()
     for round_ in range(args.rounds):
         for src, extra in servers:
             run = measure(
@@ -218,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 speedups=speedups,
                 pin=args.pin,
                 path=args.path,
+                cpu_share=args.server_cpu,
             )
             run["round"] = round_
             print(json.dumps({k: v for k, v in run.items() if k != "phases"}), flush=True)
