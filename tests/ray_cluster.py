@@ -78,41 +78,54 @@ class RayCluster:
 
     def start(self, **system: str) -> None:
         """Starts the head; ``system`` are RAY_<name> settings of its processes."""
-        ports = free_ports(9)
-        gcs, manager, objects, agent_http, agent_grpc, env_agent, metrics, dash, client = ports
+        ports = free_ports(9)  # at once: no port handed out twice
+        gcs, dash, client = ports[6:]
         for name, value in system.items():
             self.env[f"RAY_{name}"] = value
+        began = time.monotonic()
+        self._ray_start(
+            ports[:6],
+            "--head",
+            f"--port={gcs}",
+            f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}",
+            f"--num-cpus={NUM_CPUS}",
+            "--include-dashboard=false",
+            f"--temp-dir={self.base / 'ray'}",
+            log=self.log,
+        )
+        self.start_s = time.monotonic() - began
+        self.address = f"127.0.0.1:{gcs}"
+
+    def _ray_start(self, ports: list[int], *flags: str, log: Path) -> int:
+        """Runs `ray start` with ``flags`` and a raylet on six free ``ports``; returns its
+        node manager port (`ray start` output in ``log``)."""
+        manager, objects, agent_http, agent_grpc, env_agent, metrics = ports
         argv = [
             str(Path(sys.executable).parent / "ray"),
             "start",
-            "--head",
             "--node-ip-address=127.0.0.1",
-            f"--port={gcs}",
             f"--node-manager-port={manager}",
             f"--object-manager-port={objects}",
             f"--dashboard-agent-listen-port={agent_http}",
             f"--dashboard-agent-grpc-port={agent_grpc}",
             f"--runtime-env-agent-port={env_agent}",
             f"--metrics-export-port={metrics}",
-            f"--dashboard-port={dash}",
-            f"--ray-client-server-port={client}",
             # Ray's floor; the tests' objects are a few rows (the default takes 30 % of RAM).
             f"--object-store-memory={OBJECT_STORE_BYTES}",
-            f"--num-cpus={NUM_CPUS}",
             "--num-gpus=0",
-            "--include-dashboard=false",
             "--disable-usage-stats",
-            f"--temp-dir={self.base / 'ray'}",
+            *flags,
         ]
-        began = time.monotonic()
-        with self.log.open("w") as out:
+        with log.open("w") as out:
             done = subprocess.run(
                 argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S
             )
-        self.start_s = time.monotonic() - began
         if done.returncode != 0:
-            raise RayClusterError(f"ray start exited {done.returncode}:\n{self.log.read_text()}")
-        self.address = f"127.0.0.1:{gcs}"
+            raise RayClusterError(
+                f"ray start {flags[0]} exited {done.returncode}:\n{log.read_text()}"
+            )
+        return manager
 
     def add_worker_node(self, resource: str, *, num_cpus: int = 1) -> RayNode:
         """Starts a second raylet that joins the head, with one unit of the custom ``resource``.
@@ -120,31 +133,13 @@ class RayCluster:
         A task that asks for ``resource`` (or is pinned to the node) runs there; the test
         can then freeze or kill that raylet (`RayNode.raylet_pid`) as a node fault.
         """
-        manager, objects, agent_http, agent_grpc, env_agent, metrics = free_ports(6)
-        log = self.base / f"ray-start-{resource}.log"
-        argv = [
-            str(Path(sys.executable).parent / "ray"),
-            "start",
+        manager = self._ray_start(
+            free_ports(6),
             f"--address={self.address}",
-            "--node-ip-address=127.0.0.1",
-            f"--node-manager-port={manager}",
-            f"--object-manager-port={objects}",
-            f"--dashboard-agent-listen-port={agent_http}",
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--runtime-env-agent-port={env_agent}",
-            f"--metrics-export-port={metrics}",
-            f"--object-store-memory={OBJECT_STORE_BYTES}",
             f"--num-cpus={num_cpus}",
-            "--num-gpus=0",
             f"--resources={json.dumps({resource: 1})}",
-            "--disable-usage-stats",
-        ]
-        with log.open("w") as out:
-            done = subprocess.run(
-                argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S
-            )
-        if done.returncode != 0:
-            raise RayClusterError(f"ray start (node) exited {done.returncode}:\n{log.read_text()}")
+            log=self.base / f"ray-start-{resource}.log",
+        )
         return RayNode(self, resource, manager)
 
     def allowance_s(self) -> float:

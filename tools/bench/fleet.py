@@ -162,6 +162,7 @@ def _client(
     # RESOURCE_EXHAUSTED (none), and UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED.
     counts = {"sent": 0, "overloaded": 0, "exhausted": 0, "unavailable": 0, "advised_s": 0.0}
     samples: list[str] = []  # the first few resends' codes and details, as gRPC said them
+    acked: list[float] = []  # when each acknowledgement came (CLOCK_MONOTONIC)
     lock = threading.Lock()
     inflight = [0]
     again: queue.SimpleQueue[tuple[float, int, str, bytes, float, int]] = queue.SimpleQueue()
@@ -182,7 +183,8 @@ def _client(
             inflight[0] -= 1
             jobs[j].busy = code in _RETRIED  # still owed to the ledger
             if code == grpc.StatusCode.OK:
-                lat[kind].append(1000 * (time.monotonic() - first))
+                acked.append(time.monotonic())
+                lat[kind].append(1000 * (acked[-1] - first))
             elif code in _RETRIED:
                 wait = _resend_wait(counts, samples, code, future.details(), advised, failures)
                 inflight[0] += 1  # still owed an answer
@@ -222,7 +224,7 @@ def _client(
         future.add_done_callback(functools.partial(done, j, kind, body, first, failures))
     for job in jobs:
         job.channel.close()
-    out.put((lat, errors, counts, begin, time.monotonic(), samples))
+    out.put((lat, errors, counts, begin, time.monotonic(), samples, acked))
 
 
 def _resend_wait(
@@ -321,6 +323,7 @@ async def _aio_fleet(
     errors: list[str] = []
     counts = {"sent": 0, "overloaded": 0, "exhausted": 0, "unavailable": 0, "advised_s": 0.0}
     samples: list[str] = []
+    acked: list[float] = []
     channels: list[Any] = []
     begin = time.monotonic()
 
@@ -351,7 +354,8 @@ async def _aio_fleet(
                     failures += 1
                     await asyncio.sleep(wait)
                     continue
-                lat[kind].append(1000 * (time.monotonic() - first))
+                acked.append(time.monotonic())
+                lat[kind].append(1000 * (acked[-1] - first))
                 break
             if kind == "commit":
                 return
@@ -401,7 +405,8 @@ async def _aio_fleet(
                             details = answer.error.message
                             advised = _retry_delay_s(answer.error.details)
                 if code is None:
-                    lat[kind].append(1000 * (time.monotonic() - first))
+                    acked.append(time.monotonic())
+                    lat[kind].append(1000 * (acked[-1] - first))
                     break
                 if code not in _RETRIED:
                     errors.append(f"{code}: {details[:160]}")
@@ -420,7 +425,7 @@ async def _aio_fleet(
     await asyncio.gather(*(each(i, s) for i, s in enumerate(shards)))
     end = time.monotonic()
     await asyncio.gather(*(c.close() for c in channels))
-    return lat, errors, counts, begin, end, samples
+    return lat, errors, counts, begin, end, samples, acked
 
 
 def _proc_stat(pid: int) -> tuple[float, int, int, int]:
@@ -586,6 +591,7 @@ def drive(
     cpu0, *_ = _proc_stat(pid)
     load_cpu0 = 0.0
     wall0 = time.monotonic()
+    server_cpu = [(wall0, cpu0)]  # (CLOCK_MONOTONIC, the server's CPU seconds) each second
     for p in procs:
         p.start()
     reader.start()
@@ -596,7 +602,9 @@ def drive(
         try:
             results.append(results_queue.get(timeout=1.0))
         except queue.Empty:
-            peak_fds = max(peak_fds, _proc_stat(pid)[3])
+            now_cpu, _, _, now_fds = _proc_stat(pid)
+            server_cpu.append((time.monotonic(), now_cpu))
+            peak_fds = max(peak_fds, now_fds)
             for p in procs:
                 if p.pid is not None and p.is_alive():
                     # It may end between the check and the read.
@@ -615,7 +623,9 @@ def drive(
     # client's first send to the last client's last answer (no spawn, no connect).
     drive_s = max(r[4] for r in results) - min(r[3] for r in results)
     resent: list[str] = []
-    for part, errs, tally, _, _, said in results:
+    acked: list[float] = []
+    for part, errs, tally, _, _, said, times in results:
+        acked.extend(times)
         for kind, samples in part.items():
             lat.setdefault(kind, []).extend(samples)
         errors.extend(errs)
@@ -659,6 +669,41 @@ def drive(
         "metrics_ms_p50": _pct(reads.get("metrics", []), 0.5),
         "reader_errors": sum(len(v) for k, v in reads.items() if k.endswith("_errors")),
         "drive_s": round(drive_s, 1),
+        "steady": _steady(server_cpu, acked, min(r[3] for r in results), interval, seconds),
+    }
+
+
+def _steady(
+    server_cpu: list[tuple[float, float]],
+    acked: list[float],
+    begin: float,
+    interval: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """The server's CPU per acknowledged event while every job is running: no channel opens.
+
+    A job opens its channel and stream and sends ``started`` within the first
+    ``interval`` of the drive, and commits ``seconds`` after its start: between the
+    two (a second's margin each side) the server sees heartbeats and checkpoints on
+    open channels only, a long-lived fleet's steady state. Measured between the
+    server CPU samples (one a second) that fall in that window.
+    """
+    start, end = begin + interval + 1.0, begin + seconds - 1.0
+    inside = [s for s in server_cpu if start <= s[0] <= end]
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < 5.0:
+        return {
+            "measured": False,
+            "why": f"no 5 s between the last job's start ({interval:.1f} s) and the first"
+            f" commit ({seconds:g} s): raise --seconds",
+        }
+    (t0, c0), (t1, c1) = inside[0], inside[-1]
+    events = sum(1 for t in acked if t0 <= t <= t1)
+    return {
+        "measured": True,
+        "window_s": round(t1 - t0, 1),
+        "acked_events_per_s": round(events / (t1 - t0)),
+        "server_cpu_cores": round((c1 - c0) / (t1 - t0), 2),
+        "server_cpu_us_per_event": round(1e6 * (c1 - c0) / max(events, 1)),
     }
 
 
