@@ -9,6 +9,8 @@ so the published figures come from working benchmarks.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +177,69 @@ def test_bench_overload_drives_each_speedup_against_one_server_and_reports_the_r
         assert phase["reader_errors"] == 0
         assert phase["events"] == phase["sent_events"] > 0  # every event acknowledged
     assert run["acknowledged_ratio_last_to_first"] > 0
+
+
+def _cpu_cgroups() -> Path | None:
+    """Returns where CPU cgroups are made here (v2 root or v1 cpu), None where they are not."""
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():
+        return root if "cpu" in (root / "cgroup.controllers").read_text().split() else None
+    return root / "cpu" if (root / "cpu" / "cpu.cfs_quota_us").exists() else None
+
+
+def test_bench_overload_holds_the_server_to_a_share_of_a_core_and_removes_its_group(
+    tmp_path: Path,
+) -> None:
+    groups = _cpu_cgroups()
+    if os.geteuid() != 0 or groups is None:
+        pytest.skip("a CPU cgroup needs root and a cpu controller (CI has both)")
+    out = tmp_path / "overload.json"
+    done = _bench(
+        "tools.bench.overload",
+        *("--connections", "10", "--seconds", "1", "--speedups", "10", "-o", str(out)),
+        *("--server-cpu", "0.5"),
+    )
+    assert done.returncode == 0, done.stderr
+    [run] = json.loads(out.read_text())["runs"]
+    assert re.fullmatch(
+        r"cgroup v[12] shardledger-bench-\d+-\d+: 5000 of every 10000 us", run["server_cpu_limit"]
+    )
+    [phase] = run["phases"]
+    assert phase["events"] == phase["sent_events"] > 0 and phase["errors"] == 0
+    assert phase["backlog_drained_s"] >= 0
+    # One second of life leaves no window with every job started and none committed.
+    assert phase["steady"]["measured"] is False and "raise --seconds" in phase["steady"]["why"]
+    # The group went with the server.
+    name = run["server_cpu_limit"].split()[2].rstrip(":")
+    assert not (groups / name).exists()
+
+
+def test_bench_overload_refuses_a_share_of_a_core_out_of_range() -> None:
+    done = _bench("tools.bench.overload", "--server-cpu", "2", timeout=60)
+    assert done.returncode == 2
+    assert "--server-cpu 2: a share of one core, 0.01 to 1" in done.stderr
+
+
+def test_the_fleets_steady_window_counts_only_events_between_the_last_start_and_the_first_commit() -> (
+    None
+):
+    from tools.bench.fleet import _steady
+
+    # Server CPU sampled each second from t=100: 0.5 s of CPU a second.
+    cpu = [(100.0 + s, 0.5 * s) for s in range(0, 61)]
+    # Acknowledgements: ten a second over the whole drive.
+    acked = [100.0 + i / 10 for i in range(600)]
+    got = _steady(cpu, acked, begin=100.0, interval=15.0, seconds=60.0)
+    # The window runs from the sample at 116 s to the one at 159 s: 43 s.
+    assert got == {
+        "measured": True,
+        "window_s": 43.0,
+        "acked_events_per_s": 10,
+        "server_cpu_cores": 0.5,
+        "server_cpu_us_per_event": 49884,  # 21.5 s of CPU over 431 events
+    }
+    short = _steady(cpu, acked, begin=100.0, interval=15.0, seconds=20.0)
+    assert short["measured"] is False
 
 
 def test_bench_job_runs_every_job_and_the_sdk_keeps_torch_out_and_exits_at_once(
