@@ -98,7 +98,7 @@ def shard_task(
     server: str | None = None,
     namespace: str = "",
     check_input: bool = True,
-    committed_result: Callable[[dict[str, Any], dict[str, str]], R] | None = None,
+    committed_result: Callable[[dict[str, Any], dict[str, str]], Any] | None = None,
     **options: Unpack[ShardOptionKwargs],
 ) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Returns a decorator that runs ``fn(shard, line, *args)`` as one attempt at the line's shard.
@@ -126,7 +126,8 @@ def shard_task(
             if _ray_attempt() > 0:
                 artifacts = verified_artifacts(ledger, run_id, plan_line["shard_id"], namespace)
                 if artifacts is not None:
-                    return _reuse(run_id, plan_line, artifacts, committed_result)
+                    reused: R = _reuse(run_id, plan_line, artifacts, committed_result)
+                    return reused
             given: ShardOptionKwargs = {**options}
             if check_input and "input" not in given:
                 given["input"] = plan_line
@@ -161,8 +162,8 @@ def _reuse(
     run_id: str,
     line: dict[str, Any],
     artifacts: dict[str, str],
-    committed_result: Callable[[dict[str, Any], dict[str, str]], R] | None,
-) -> R:
+    committed_result: Callable[[dict[str, Any], dict[str, str]], Any] | None,
+) -> Any:
     """Returns the verified shard's result without running it again, or raises."""
     where = f"{run_id}/{line['shard_id']}"
     if committed_result is None:

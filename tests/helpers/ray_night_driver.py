@@ -182,9 +182,8 @@ def _run_placed(args: argparse.Namespace, lines: list[str], work: Any) -> dict[s
     else:
         strategy: Any = "DEFAULT"
         if args.pin:
-            node = next(
-                n["NodeID"] for n in ray.nodes() if n["Alive"] and args.pin in n["Resources"]
-            )
+            nodes = ray.nodes()  # type: ignore[no-untyped-call, unused-ignore]
+            node = next(n["NodeID"] for n in nodes if n["Alive"] and args.pin in n["Resources"])
             strategy = NodeAffinitySchedulingStrategy(node, soft=True)
         task = ray.remote(max_retries=args.max_retries, retry_exceptions=True)(wrapped)
         refs = {
