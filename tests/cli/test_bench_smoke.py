@@ -242,6 +242,18 @@ def test_the_fleets_steady_window_counts_only_events_between_the_last_start_and_
     assert short["measured"] is False
 
 
+def test_the_fleets_reader_takes_the_loop_lag_from_a_real_scrape() -> None:
+    from prometheus_client import generate_latest
+
+    from ledger_server.metrics import LedgerMetrics
+    from tools.bench.fleet import _loop_lag_s
+
+    metrics = LedgerMetrics()
+    metrics.loop_lag.set(0.125)
+    assert _loop_lag_s(generate_latest(metrics.registry)) == 0.125
+    assert _loop_lag_s(b"# HELP other\nother_metric 1\n") is None
+
+
 def test_bench_job_runs_every_job_and_the_sdk_keeps_torch_out_and_exits_at_once(
     tmp_path: Path,
 ) -> None:

@@ -445,6 +445,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _loop_lag_s(scrape: Any) -> float | None:
+    """Returns the event loop's lag from a /metrics scrape (None: no such gauge, threads)."""
+    for line in bytes(scrape).decode(errors="replace").splitlines():
+        if line.startswith("shardledger_event_loop_lag_seconds "):
+            return float(line.split()[1])
+    return None
+
+
 def _reader(
     target: str, run: str, metrics_url: str, stop: threading.Event, out: dict[str, list[float]]
 ) -> None:
@@ -457,11 +465,15 @@ def _reader(
         ):
             start = time.monotonic()
             try:
-                call()
+                got = call()
             except Exception:  # a reader's failure is a figure, not the benchmark's end
                 out.setdefault(f"{name}_errors", []).append(1.0)
                 continue
             out.setdefault(name, []).append(1000 * (time.monotonic() - start))
+            if name == "metrics":
+                lag = _loop_lag_s(got)
+                if lag is not None:
+                    out.setdefault("loop_lag", []).append(1000 * lag)
     client.close()
 
 
@@ -667,6 +679,12 @@ def drive(
         "status_ms_p99": _pct(reads.get("status", []), 0.99),
         "resume_ms_p50": _pct(reads.get("resume", []), 0.5),
         "metrics_ms_p50": _pct(reads.get("metrics", []), 0.5),
+        # The server's own gauge, read once a second (asyncio engines; the loop-lag bound
+        # refuses while the least of its last four probes is above --admission-loop-lag).
+        "event_loop_lag_ms": {
+            "p50": _pct(reads.get("loop_lag", []), 0.5),
+            "max": max(reads.get("loop_lag", [0.0])),
+        },
         "reader_errors": sum(len(v) for k, v in reads.items() if k.endswith("_errors")),
         "drive_s": round(drive_s, 1),
         "steady": _steady(server_cpu, acked, min(r[3] for r in results), interval, seconds),
