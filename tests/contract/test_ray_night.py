@@ -123,6 +123,24 @@ def _wait(what: str, check: Any, timeout_s: float) -> Any:
         time.sleep(0.2)
 
 
+# The zombie night's driver pings each worker connection that has been idle this long
+# (test_a_retry_while_the_first_attempt_still_runs_...): its docstring says why 5 s.
+KEEPALIVE_MS: Final = 5000
+
+
+def _driver_output(driver: subprocess.Popen[str] | None) -> str:
+    """Stops a driver that is still running and returns what it said, for a failure's message."""
+    if driver is None:
+        return "the driver never started"
+    if driver.poll() is None:
+        driver.kill()
+    stdout, stderr = driver.communicate(timeout=60)
+    return (
+        f"the driver exited {driver.returncode}; its stdout ends:\n{stdout[-1500:]}\n"
+        f"its stderr ends:\n{stderr[-4000:]}"
+    )
+
+
 def _outcome(stdout: str) -> dict[str, str]:
     """Returns the driver's outcome line: shard id -> "ok" or what Ray raised."""
     (line,) = (t for t in stdout.splitlines() if t.startswith("outcome: "))
@@ -447,20 +465,27 @@ def test_a_retry_while_the_first_attempt_still_runs_leaves_a_zombie_commit_the_l
 
     Ray 2.60 retries a task of a dead node only once its owner's connection to the
     worker fails (a frozen raylet alone: no retry in 60 s, the first attempt's result
-    returned as usual). A partition breaks that connection; here the driver's gRPC
-    keepalive does (a ping a second, which the worker's gRPC server answers with
-    GOAWAY "too_many_pings", closing the connection).
+    returned as usual; a connection reset by ``ss -K`` did not make it retry either). A
+    partition breaks that connection; here the driver's gRPC keepalive does: a ping
+    every KEEPALIVE_MS on an idle connection, which the worker's gRPC server answers,
+    at its third, with GOAWAY "too_many_pings", closing it. It does so on every
+    connection of the driver's, the retry's too, so the ping comes slowly enough
+    (about 15 s from a connection's last data) for a loaded machine to start the first
+    attempt before it and to run the retry, a few seconds' work, under it. At a ping a
+    second, the CI machine's load had the retry's worker cut off as well and Ray ran
+    out of retries.
     """
     target, run_id = client.target, "night-ray-zombie"
     node = ray_cluster.add_worker_node("node_b")
+    driver = None
     try:
         lines = _plan(capsys, night, target, ("z-late",), run_id)
         out, truth = night / "out", night / "truth"
         env = ray_cluster.driver_env(
             SHARDLEDGER_SERVER=target,
             SHARDLEDGER_SPOOL_DIR=str(night / "spool"),
-            RAY_grpc_client_keepalive_time_ms="1000",
-            RAY_grpc_client_keepalive_timeout_ms="1000",
+            RAY_grpc_client_keepalive_time_ms=str(KEEPALIVE_MS),
+            RAY_grpc_client_keepalive_timeout_ms=str(KEEPALIVE_MS),
         )
         argv = [sys.executable, str(DRIVER), run_id, str(lines), "--out", str(out)]
         argv += ["--truth", str(truth), "--faults", json.dumps({"z-late": {"0": "gate"}})]
@@ -473,10 +498,12 @@ def test_a_retry_while_the_first_attempt_still_runs_leaves_a_zombie_commit_the_l
             "attempt 0 on node b", lambda: (0, "waiting") in _facts_of(truth, "z-late"), allowance
         )
         os.kill(node.raylet_pid(), signal.SIGSTOP)
+        # The node's death (seconds), then the keepalive's GOAWAY (about 3 pings), then
+        # a new worker on the head, on a loaded machine.
         _wait(
             "Ray's retry to commit",
             lambda: (1, "committed") in _facts_of(truth, "z-late"),
-            allowance,
+            2 * allowance,
         )
         facts = _facts_of(truth, "z-late")
         first, retry = facts[(0, "started")], facts[(1, "started")]
@@ -504,6 +531,8 @@ def test_a_retry_while_the_first_attempt_still_runs_leaves_a_zombie_commit_the_l
         stdout, stderr = driver.communicate(timeout=allowance)
         assert driver.returncode == 0, stderr
         assert _outcome(stdout) == {"z-late": "ok"}
+    except AssertionError as failed:
+        raise AssertionError(f"{failed}\n{_driver_output(driver)}") from None
     finally:
         node.kill()
     assert (out / "z-late.counts.json").read_bytes() == committed_by_retry
