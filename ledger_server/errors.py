@@ -164,21 +164,18 @@ class Overloaded(LedgerError):
         bound_events: int,
         loop_lag_s: float | None = None,
     ) -> None:
+        extra: dict[str, Any] = {}
         if loop_lag_s is None:
-            super().__init__(
-                f"the ledger is at capacity ({queued_events} events waiting for a commit,"
-                f" admitting up to {bound_events}); retry in {retry_after_s:.3f}s",
-                queued_events=queued_events,
-                bound_events=bound_events,
-            )
+            why = f"{queued_events} events waiting for a commit, admitting up to {bound_events}"
         else:  # the event loop, not the committer, is the queue (admission.py)
-            super().__init__(
-                f"the ledger is at capacity (its event loop runs {loop_lag_s * 1000:.0f} ms"
-                f" behind); retry in {retry_after_s:.3f}s",
-                queued_events=queued_events,
-                bound_events=bound_events,
-                loop_lag_ms=round(loop_lag_s * 1000),
-            )
+            why = f"its event loop runs {loop_lag_s * 1000:.0f} ms behind"
+            extra["loop_lag_ms"] = round(loop_lag_s * 1000)
+        super().__init__(
+            f"the ledger is at capacity ({why}); retry in {retry_after_s:.3f}s",
+            queued_events=queued_events,
+            bound_events=bound_events,
+            **extra,
+        )
         self.retry_after_s = retry_after_s
 
 
